@@ -1,0 +1,1 @@
+"""Benchmarks: measuring functions return records; bench/report.py prints them."""

@@ -1,0 +1,244 @@
+"""``hpcjobs bench allreduce``: every implementation, same buffers, one run.
+
+For each message size, each implementation runs ``warmup + iters`` times on
+the same buffer (its input restored before each call, untimed); the time is
+the slowest rank's median. Inputs are crafted so that the exact result is
+known: rank ``r`` holds ``(i + r) % 3`` at element ``i`` (``1 + (i + r) % 2``
+for ``prod``), so every partial result is a small integer, exact in every
+dtype and in any reduction order, and the expected output depends only on
+``i % 6``. ``#wrong`` counts elements that differ from it, summed over ranks.
+
+Bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time and
+busbw = algbw · 2(P-1)/P, the per-link rate a ring would need, comparable
+across P.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+from mpi4py import MPI
+
+from ..collectives import ring_allreduce
+from ..collectives._buffers import as_flat, finish_avg
+from ..collectives.ring import DEFAULT_SEGMENT_BYTES
+from .baselines import BASELINES, mpi_supports
+from .harness import auto_iters, max_of_medians, sum_over_ranks, time_iterations
+
+_PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
+
+
+@dataclass
+class Record:
+    size_bytes: int
+    count: int
+    dtype: str
+    op: str
+    impl: str
+    ranks: int
+    iters: int
+    time_us: float
+    algbw_gbps: float
+    busbw_gbps: float
+    wrong: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pattern(rank: int, op: str) -> list[int]:
+    if op == "prod":
+        return [1 + (i + rank) % 2 for i in range(_PERIOD)]
+    return [(i + rank) % 3 for i in range(_PERIOD)]
+
+
+def _to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Small integers as ``dtype`` elements (bfloat16 as its uint16 bits)."""
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return values.astype(dtype)
+
+
+def make_input(count: int, dtype: str, op: str, rank: int) -> np.ndarray:
+    """Rank ``rank``'s input, as the typed data of a Flat (bf16 as bits)."""
+    return _to_dtype(np.resize(np.array(_pattern(rank, op), dtype=np.int64), count), dtype)
+
+
+def expected_output(count: int, dtype: str, op: str, size: int) -> np.ndarray:
+    """The exact allreduce of every rank's :func:`make_input`.
+
+    Integers are reduced in int64, whose wrap-around agrees with any narrower
+    integer type's modulo its width; floats in float64, exact for these values.
+    """
+    integer = dtype != "bfloat16" and np.issubdtype(np.dtype(dtype), np.integer)
+    ufunc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+    acc = np.array(_pattern(0, op), dtype=np.int64 if integer else np.float64)
+    with np.errstate(over="ignore"):
+        for r in range(1, size):
+            ufunc(acc, np.array(_pattern(r, op), dtype=acc.dtype), out=acc)
+        out = _to_dtype(np.resize(acc, count), dtype)
+    if op == "avg":
+        finish_avg(out, dtype, size)
+    return out
+
+
+def implementations(names: Iterable[str], segment_sizes: Iterable[int]) -> dict[str, Callable]:
+    """Map table labels to ``fn(buf, op, comm)`` for the requested names.
+
+    ``ring_pipelined`` appears once per segment size; with several sizes the
+    label carries the size, e.g. ``ring_pipelined/64K``.
+    """
+    segment_sizes = list(segment_sizes) or [DEFAULT_SEGMENT_BYTES]
+    impls: dict[str, Callable] = {}
+    for name in names:
+        if name == "ring":
+            impls[name] = ring_allreduce
+        elif name == "ring_pipelined":
+            for seg in segment_sizes:
+                label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
+                impls[label] = functools.partial(_ring_pipelined, segment_bytes=seg)
+        elif name in BASELINES:
+            impls[name] = BASELINES[name]
+        else:
+            raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+    return impls
+
+
+def _ring_pipelined(buf, op, comm, *, segment_bytes):
+    return ring_allreduce(buf, op, comm, pipeline=True, segment_bytes=segment_bytes)
+
+
+IMPLS = ("ring", "ring_pipelined", *BASELINES)
+
+
+def format_bytes(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def _make_buffer(count: int, dtype: str, framework: str):
+    if framework == "torch" or dtype == "bfloat16":
+        import torch
+
+        return torch.empty(count, dtype=getattr(torch, dtype))
+    return np.empty(count, dtype=dtype)
+
+
+def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], dtype: str = "float32",
+        op: str = "sum", iters: int | None = None, warmup: int = 3, framework: str = "numpy",
+        on_record: Callable[[Record], None] | None = None) -> list[Record]:
+    """Measure every implementation at every size; return one Record each.
+
+    Args:
+        comm: communicator to measure on (every rank calls this).
+        sizes: message sizes in bytes; each is rounded down to whole elements
+            and skipped if that leaves none.
+        impls: label -> ``fn(buf, op, comm)``, e.g. from :func:`implementations`.
+        iters: timed iterations per (size, impl); None picks by size.
+        warmup: untimed iterations first.
+        framework: "numpy" or "torch" buffers (bfloat16 is always torch).
+        on_record: called with each record as soon as it is measured.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    records = []
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    for nbytes in sizes:
+        count = nbytes // itemsize
+        if count == 0:
+            continue
+        buf = _make_buffer(count, dtype, framework)
+        flat = as_flat(buf)
+        pristine = make_input(count, dtype, op, rank)
+        want = expected_output(count, dtype, op, size)
+        n_iters = iters or auto_iters(count * itemsize)
+        for label, fn in impls.items():
+            if label == "mpi" and not mpi_supports(dtype):
+                continue
+            times = time_iterations(lambda: fn(buf, op, comm), lambda: np.copyto(flat.data, pristine),
+                                    comm, n_iters, warmup)
+            wrong = sum_over_ranks(int(np.count_nonzero(flat.data != want)), comm)
+            t = max_of_medians(times, comm)
+            algbw = count * itemsize / t / 1e9
+            rec = Record(count * itemsize, count, dtype, op, label, size, n_iters, t * 1e6, algbw,
+                         algbw * (2 * (size - 1) / size if size > 1 else 1.0), wrong)
+            records.append(rec)
+            if on_record is not None:
+                on_record(rec)
+    return records
+
+
+def _configure(p) -> None:
+    from ..cli import nonnegative_int, parse_bytes, positive_int
+
+    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE",
+                   help="smallest message, e.g. 8, 4K (default 8)")
+    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
+                   help="largest message (default 64M)")
+    p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier between rows (default 2)")
+    p.add_argument("--impl", default="ring,ring_pipelined,mpi",
+                   help=f"comma-separated implementations, or 'all' (from: {', '.join(IMPLS)}; default %(default)s)")
+    p.add_argument("--dtype", "-d", default="float32", choices=("float16", "float32", "float64", "int32", "int64", "bfloat16"))
+    p.add_argument("--op", "-o", default="sum", choices=("sum", "avg", "min", "max", "prod"))
+    p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
+    p.add_argument("--iters", "-n", type=positive_int, default=None,
+                   help="timed iterations per row (default: 200 for small messages down to 10 for large)")
+    p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
+                   help=f"ring_pipelined segment size(s); several give one row each "
+                        f"(default {format_bytes(DEFAULT_SEGMENT_BYTES)})")
+    p.add_argument("--json", metavar="PATH", help="also write the records and the environment as JSON")
+
+
+def main(args) -> int:
+    from ..cli import parse_bytes
+    from ..comm import print0, private
+    from .report import environment, header, preamble, row, write_json
+
+    if args.min_bytes > args.max_bytes:
+        raise SystemExit(f"hpcjobs bench allreduce: --min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}")
+    if args.factor < 2:
+        raise SystemExit("hpcjobs bench allreduce: --factor must be at least 2")
+    names = list(IMPLS) if args.impl == "all" else [n.strip() for n in args.impl.split(",") if n.strip()]
+    segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
+    try:
+        impls = implementations(names, segs)
+    except ValueError as e:
+        raise SystemExit(f"hpcjobs bench allreduce: {e}") from None
+    sizes, n = [], args.min_bytes
+    while n <= args.max_bytes:
+        sizes.append(n)
+        n *= args.factor
+
+    comm = private()
+    env = environment(comm)
+    for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
+                              f"{args.framework} buffers; time = max over ranks of each rank's median"):
+        print0(line)
+    if "mpi" in impls and not mpi_supports(args.dtype):
+        print0(f"# mpi: this MPI has no {args.dtype} reduction; its rows are left out")
+    print0(header())
+    records = run(comm, sizes, impls, args.dtype, args.op, args.iters, args.warmup, args.framework,
+                  on_record=lambda r: print0(row(r)))
+    wrong = sum(r.wrong for r in records)
+    print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if args.json and comm.Get_rank() == 0:
+        write_json(args.json, records, env)
+        print0(f"# records written to {args.json}")
+    return 1 if wrong else 0
+
+
+def _register() -> None:
+    from ..cli import arguments, command
+
+    command("bench allreduce", "time every allreduce implementation over a size sweep (nccl-tests table)")(
+        arguments(_configure)(main))
+
+
+_register()

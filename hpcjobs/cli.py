@@ -1,0 +1,150 @@
+"""``hpcjobs <command>``: the suite's command line, run under mpirun or srun.
+
+Launch, e.g.::
+
+    mpirun -n 4 hpcjobs bench allreduce --max-bytes 64M
+    srun -N 2 --ntasks-per-node 4 --mpi=pmix hpcjobs bench allreduce
+
+Each subcommand registers itself in :data:`COMMANDS` with a function that
+adds its arguments and one that runs it. Every rank parses the same command
+line, so a usage error exits 2 on every rank and nothing starts. An exception
+on one rank aborts the whole job (MPI_Abort) rather than leaving the other
+ranks waiting in a collective forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Command:
+    path: tuple[str, ...]
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: list[Command] = []
+
+
+def command(path: str, help: str):
+    """Register ``fn(args) -> exit code`` as ``hpcjobs <path>``; the decorated
+    function's ``configure`` attribute (set with :func:`arguments`) adds args."""
+
+    def wrap(fn):
+        COMMANDS.append(Command(tuple(path.split()), help, getattr(fn, "configure", lambda p: None), fn))
+        return fn
+
+    return wrap
+
+
+def arguments(configure: Callable[[argparse.ArgumentParser], None]):
+    def wrap(fn):
+        fn.configure = configure
+        return fn
+
+    return wrap
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '4K', '64M', '1G' (powers of 1024) -> bytes; > 0."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8, 4K, 64M)")
+    value = int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+# Importing one of these modules registers its commands.
+_COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.bench.allreduce")
+
+
+def _load_commands() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    _load_commands()
+    parser = argparse.ArgumentParser(
+        prog="hpcjobs",
+        description="MPI job suite for distributed training: hand-written collectives, "
+                    "benchmarked against MPI_Allreduce. Run under mpirun/srun.",
+    )
+    groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for cmd in COMMANDS:
+        for depth in range(1, len(cmd.path)):
+            prefix = cmd.path[:depth]
+            if prefix not in groups:
+                sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
+                parsers[prefix] = sub
+                groups[prefix] = sub.add_subparsers(dest=f"command_{depth}", metavar="COMMAND")
+        p = groups[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help)
+        cmd.configure(p)
+        p.set_defaults(_run=cmd.run)
+        parsers[cmd.path] = p
+    parser._hpcjobs_groups = parsers  # for help on incomplete commands
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        given = tuple(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-"))
+        parsers = parser._hpcjobs_groups
+        (parsers.get(given[:1]) or parser).print_help(sys.stderr)
+        return 2
+    from mpi4py import MPI
+
+    from .comm import expect_world_size
+
+    try:
+        expect_world_size()
+        return int(run(args) or 0)
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        if MPI.COMM_WORLD.Get_size() > 1:
+            print(f"hpcjobs: rank {MPI.COMM_WORLD.Get_rank()} failed; aborting the job", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""Zero-copy views of user buffers, the reduction-op table, and chunk bounds.
+
+Every collective turns its buffer into a :class:`Flat`: two 1-D numpy views
+of the *same memory* as the user's numpy array or torch CPU tensor, one typed
+for reductions (``data``) and one as same-width unsigned integers for the wire
+(``wire``). Moving unsigned integers keeps MPI out of the business of knowing
+float16 or bfloat16, which classic MPI has no datatype for; reductions happen
+here, with numpy ufuncs (or torch for bfloat16, which numpy lacks).
+
+torch is imported only when a torch tensor or bfloat16 shows up, so numpy-only
+jobs do not pay for it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+OPS = ("sum", "avg", "min", "max", "prod")
+
+# numpy dtype name -> wire dtype of the same width
+_NUMPY_DTYPES = {
+    "float16": np.uint16, "float32": np.uint32, "float64": np.uint64,
+    "int8": np.uint8, "int16": np.uint16, "int32": np.uint32, "int64": np.uint64,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+}
+DTYPES = tuple(_NUMPY_DTYPES) + ("bfloat16",)
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A user buffer seen as flat arrays sharing its memory.
+
+    Attributes:
+        data: typed view for reductions (uint16 bits for bfloat16).
+        wire: same memory as unsigned integers of the element width, for MPI.
+        dtype: the element type's name, e.g. "float32" or "bfloat16".
+    """
+
+    data: np.ndarray
+    wire: np.ndarray
+    dtype: str
+
+    @property
+    def count(self) -> int:
+        return self.data.size
+
+    @property
+    def itemsize(self) -> int:
+        return self.data.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def _is_torch_tensor(buf) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(buf, torch.Tensor)
+
+
+def as_flat(buf) -> Flat:
+    """View ``buf`` as a :class:`Flat` without copying it.
+
+    Args:
+        buf: a numpy array or a torch CPU tensor, contiguous and writable.
+
+    Raises:
+        TypeError: not a numpy array / torch tensor, or an unsupported dtype.
+        ValueError: non-contiguous, read-only, sparse, or not on the CPU.
+    """
+    if isinstance(buf, np.ndarray):
+        arr = buf
+        if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+            raise ValueError(
+                f"buffer must be contiguous (shape {arr.shape}, strides {arr.strides}); "
+                "pass np.ascontiguousarray(buf) and copy the result back"
+            )
+        if not arr.flags.writeable:
+            raise ValueError("buffer is read-only: collectives work in place and need a writable array")
+        name = arr.dtype.name
+        if name not in _NUMPY_DTYPES or not arr.dtype.isnative:
+            raise TypeError(f"unsupported dtype {arr.dtype!s}; supported: {', '.join(DTYPES)} (bfloat16 via torch)")
+        data = arr.ravel(order="K")
+        return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
+    if _is_torch_tensor(buf):
+        return _flat_from_torch(buf)
+    raise TypeError(f"buffer must be a numpy.ndarray or torch.Tensor, got {type(buf).__name__}")
+
+
+def _flat_from_torch(t) -> Flat:
+    import torch
+
+    if t.layout != torch.strided:
+        raise ValueError(f"sparse tensors are not supported (layout {t.layout})")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"tensor is on {t.device}; hpcjobs collectives take CPU tensors "
+            "(copy with .cpu(), reduce, then copy back)"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); use .contiguous()")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        data = t.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+        return Flat(data, data, "bfloat16")
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _NUMPY_DTYPES:
+        raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
+    data = t.numpy().reshape(-1)
+    return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
+
+
+def check_op(op: str) -> str:
+    """Return ``op`` if it is a supported reduction, else raise ValueError."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    return op
+
+
+def _bf16(bits: np.ndarray):
+    import torch
+
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+def reducer(op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    """Return ``reduce(dst, src)`` computing ``dst = dst op src`` in place.
+
+    ``avg`` reduces as ``sum``; the division by the group size happens once,
+    in :func:`finish_avg`, on the rank that owns the reduced chunk.
+    """
+    if dtype == "bfloat16":
+        import torch
+
+        fn = {"sum": torch.add, "avg": torch.add, "min": torch.minimum,
+              "max": torch.maximum, "prod": torch.mul}[op]
+
+        def reduce_bf16(dst: np.ndarray, src: np.ndarray) -> None:
+            d = _bf16(dst)
+            fn(d, _bf16(src), out=d)
+
+        return reduce_bf16
+    ufunc = _UFUNCS[op]
+
+    def reduce(dst: np.ndarray, src: np.ndarray) -> None:
+        ufunc(dst, src, out=dst)
+
+    return reduce
+
+
+def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
+    """Divide a summed slice by the group size, in place.
+
+    Floats are divided (correctly rounded in their own precision); integers
+    use floor division, as Python's ``//`` does, so every rank gets the same
+    integer.
+    """
+    if size == 1:
+        return
+    if dtype == "bfloat16":
+        b = _bf16(data)
+        b.div_(size)
+    elif dtype.startswith("float"):
+        np.true_divide(data, data.dtype.type(size), out=data)
+    else:
+        np.floor_divide(data, data.dtype.type(size), out=data)
+
+
+def chunk_bounds(count: int, parts: int) -> list[int]:
+    """Split ``count`` elements into ``parts`` nearly equal chunks.
+
+    Returns ``parts + 1`` offsets: chunk ``i`` is ``[b[i], b[i+1])``. The first
+    ``count % parts`` chunks hold one element more; with ``count < parts`` the
+    trailing chunks are empty.
+    """
+    q, r = divmod(count, parts)
+    return [i * q + min(i, r) for i in range(parts + 1)]
+
+
+class _Scratch(threading.local):
+    def __init__(self) -> None:
+        self.buf = np.empty(0, dtype=np.uint8)
+
+
+_scratch = _Scratch()
+
+
+def scratch(count: int, dtype) -> np.ndarray:
+    """A reusable per-thread work array of ``count`` elements of ``dtype``.
+
+    Reused across calls so a 64 MB allreduce does not page-fault a fresh
+    temporary every time; the contents are garbage. Callers must not hold it
+    across another collective call on the same thread.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = count * dtype.itemsize
+    if _scratch.buf.nbytes < nbytes:
+        _scratch.buf = np.empty(nbytes, dtype=np.uint8)
+    return _scratch.buf[:nbytes].view(dtype)

@@ -1,0 +1,204 @@
+"""Ring allreduce: a reduce-scatter then an allgather around a ring of P ranks.
+
+The bandwidth-optimal allreduce popularised for deep learning by Baidu
+(Gibiansky, "Bringing HPC techniques to deep learning", 2017) and used by
+NCCL and Horovod. Rank ``r`` sends only to ``r+1`` and receives only from
+``r-1`` (mod P), so every link carries the same load.
+
+Steps, for a buffer of N bytes cut into P chunks (chunk ``i`` is
+``chunk_bounds(count, P)[i:i+2]``):
+
+1. Reduce-scatter, P-1 rounds. In round ``s`` rank ``r`` sends chunk
+   ``r-s-1`` to its right neighbour and receives chunk ``r-s-2`` from its
+   left neighbour, reducing it into its own copy. After the last round rank
+   ``r`` holds chunk ``r`` reduced over all ranks (for ``op="avg"`` it then
+   divides that chunk, once, by P).
+2. Allgather, P-1 rounds. In round ``s`` rank ``r`` sends chunk ``r-s`` and
+   receives chunk ``r-s-1`` straight into place. After the last round every
+   rank holds every reduced chunk.
+
+Cost: 2(P-1) rounds; each rank sends (and receives) 2(P-1)/P·N bytes and
+reduces (P-1)/P·N bytes -- independent of P for large N, which is why the ring
+wins on bandwidth and loses on latency (see ``recursive_doubling`` for the
+latency-optimal variant). Model: 2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ.
+
+Pipelined mode (``pipeline=True``): each round's chunk is cut into segments
+of ``segment_bytes``; the next segment's receive is posted (``Irecv``, double
+buffered) before the current one is reduced, so a segment is reduced while
+it is still in cache and while the next one is on the wire. The allgather
+has nothing to overlap and receives whole chunks in place in both modes.
+
+Only buffer-based MPI calls are used (``Sendrecv``, ``Isend``/``Irecv``) on
+the suite's private duplicate of the communicator.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ..comm import private
+from ._buffers import Flat, as_flat, check_op, chunk_bounds, finish_avg, reducer, scratch
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "ring_allreduce",
+    "ring_reduce_scatter",
+    "ring_allgather",
+]
+
+# Measured with `hpcjobs bench allreduce --impl ring_pipelined --segment-bytes ...`
+# at 2 ranks on the CI machine (README, "Pipelined ring: segment size"): 1 MiB
+# segments beat the plain ring at 64 MB and tie it down to 4 MB; 64 KiB segments
+# lose everywhere (per-message rendezvous cost), 4 MiB ones gain nothing.
+DEFAULT_SEGMENT_BYTES = 1 << 20
+
+_TAG = 7
+
+
+def _reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_count: int | None) -> None:
+    size, rank = comm.Get_size(), comm.Get_rank()
+    bounds = chunk_bounds(flat.count, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    reduce = reducer(op, flat.dtype)
+    data, wire = flat.data, flat.wire
+    largest = bounds[1] - bounds[0]
+    if segment_count is not None and largest <= segment_count:
+        segment_count = None  # one segment per round: nothing to overlap, skip the requests
+    if segment_count is None:
+        tmp = scratch(largest, data.dtype)
+    else:
+        seg = min(segment_count, max(largest, 1))
+        tmp = scratch(2 * seg, data.dtype)
+        halves = (tmp[:seg], tmp[seg:])
+    for s in range(size - 1):
+        send_c, recv_c = (rank - s - 1) % size, (rank - s - 2) % size
+        slo, shi = bounds[send_c], bounds[send_c + 1]
+        rlo, rhi = bounds[recv_c], bounds[recv_c + 1]
+        if segment_count is None:
+            n = rhi - rlo
+            comm.Sendrecv(wire[slo:shi], right, _TAG, tmp[:n].view(wire.dtype), left, _TAG)
+            reduce(data[rlo:rhi], tmp[:n])
+            continue
+        sends = [comm.Isend(wire[a:min(a + seg, shi)], right, _TAG) for a in range(slo, shi, seg)]
+        starts = range(rlo, rhi, seg)
+
+        def post(k: int):
+            a = starts[k]
+            n = min(a + seg, rhi) - a
+            return comm.Irecv(halves[k % 2][:n].view(wire.dtype), left, _TAG), a, n
+
+        pending = post(0) if starts else None
+        for k in range(len(starts)):
+            req, a, n = pending
+            # The other half was reduced in iteration k-1 and is free again.
+            pending = post(k + 1) if k + 1 < len(starts) else None
+            req.Wait()
+            reduce(data[a:a + n], halves[k % 2][:n])
+        MPI.Request.Waitall(sends)
+    if op == "avg":
+        finish_avg(data[bounds[rank]:bounds[rank + 1]], flat.dtype, size)
+
+
+def _allgather(flat: Flat, comm: MPI.Intracomm) -> None:
+    size, rank = comm.Get_size(), comm.Get_rank()
+    bounds = chunk_bounds(flat.count, size)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    wire = flat.wire
+    for s in range(size - 1):
+        send_c, recv_c = (rank - s) % size, (rank - s - 1) % size
+        comm.Sendrecv(wire[bounds[send_c]:bounds[send_c + 1]], right, _TAG,
+                      wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
+
+
+def _segment_count(flat: Flat, pipeline: bool, segment_bytes: int) -> int | None:
+    if not pipeline:
+        return None
+    if int(segment_bytes) != segment_bytes or segment_bytes <= 0:
+        raise ValueError(f"segment_bytes must be a positive integer, got {segment_bytes!r}")
+    # A segment holds at least one element.
+    return max(1, int(segment_bytes) // flat.itemsize)
+
+
+def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
+                        pipeline: bool = False, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+    """Reduce ``buf`` across ranks so that rank ``r`` holds reduced chunk ``r``.
+
+    Chunk ``r`` is ``buf.flat[b[r]:b[r+1]]`` with
+    ``b = hpcjobs.collectives.chunk_bounds(buf.size, comm.size)``; the rest
+    of ``buf`` holds partial sums afterwards (it is scratch space).
+
+    Args:
+        buf: numpy array or torch CPU tensor, contiguous and writable; the
+            same count and dtype on every rank.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: intracommunicator; None for COMM_WORLD. The call runs on a
+            private duplicate of it.
+        pipeline: cut each round into ``segment_bytes`` segments and overlap
+            the reduction of one with the transfer of the next.
+        segment_bytes: segment size for ``pipeline=True``.
+
+    Returns:
+        ``buf``, reduced in place.
+
+    Raises:
+        TypeError, ValueError: unsupported buffer, dtype, op or segment size.
+    """
+    op = check_op(op)
+    flat = as_flat(buf)
+    comm = private(comm)
+    seg = _segment_count(flat, pipeline, segment_bytes)
+    if comm.Get_size() > 1 and flat.count > 0:
+        _reduce_scatter(flat, op, comm, seg)
+    return buf
+
+
+def ring_allgather(buf, comm: MPI.Comm | None = None):
+    """Fill every chunk of ``buf`` from the rank that owns it, around the ring.
+
+    Rank ``r`` contributes chunk ``r`` (bounds as in :func:`ring_reduce_scatter`);
+    afterwards every rank holds all P chunks. This is the second half of the
+    ring allreduce, and the ``allgather`` of equal-sized blocks in place.
+
+    Args:
+        buf: numpy array or torch CPU tensor, contiguous and writable.
+        comm: intracommunicator; None for COMM_WORLD.
+
+    Returns:
+        ``buf``, filled in place.
+    """
+    flat = as_flat(buf)
+    comm = private(comm)
+    if comm.Get_size() > 1 and flat.count > 0:
+        _allgather(flat, comm)
+    return buf
+
+
+def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
+                   pipeline: bool = False, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+    """Allreduce ``buf`` in place with the ring algorithm (module docstring).
+
+    Args:
+        buf: numpy array or torch CPU tensor, contiguous and writable; the
+            same count and dtype on every rank. float16/32/64, (u)int8-64,
+            and torch bfloat16.
+        op: "sum", "avg", "min", "max" or "prod". ``avg`` of integers is
+            floor division of the sum.
+        comm: intracommunicator; None for COMM_WORLD.
+        pipeline: overlap reduction with transfer in segments (see module).
+        segment_bytes: segment size for ``pipeline=True``.
+
+    Returns:
+        ``buf``, holding the reduction over all ranks, bitwise identical on
+        every rank.
+
+    Raises:
+        TypeError, ValueError: unsupported buffer, dtype, op or segment size.
+    """
+    op = check_op(op)
+    flat = as_flat(buf)
+    comm = private(comm)
+    seg = _segment_count(flat, pipeline, segment_bytes)
+    if comm.Get_size() > 1 and flat.count > 0:
+        _reduce_scatter(flat, op, comm, seg)
+        _allgather(flat, comm)
+    return buf

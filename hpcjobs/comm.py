@@ -1,0 +1,128 @@
+"""Communicators the suite talks on, and rank-0 printing.
+
+Every collective in hpcjobs runs on a *private duplicate* of the communicator
+it is given, so its messages can never match a receive the user posted on
+that communicator (MPI matches on communicator, source and tag; a Dup gives a
+new matching context). The duplicate is made once per communicator, cached
+on it with MPI attribute caching (``MPI_Comm_set_attr``), and freed by MPI
+when the user frees their communicator.
+
+``Comm.Dup`` is collective: the first hpcjobs collective called on a
+communicator must be called by all of its ranks, which a collective is anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mpi4py import MPI
+
+__all__ = ["world", "private", "is_root", "print0", "expect_world_size"]
+
+
+def _free_private(comm, keyval, attr):
+    # Runs when the user frees their communicator; at MPI_Finalize the library
+    # frees everything itself and freeing here again would be an error.
+    if not MPI.Is_finalized() and attr != MPI.COMM_NULL:
+        attr.Free()
+
+
+_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_private)
+
+
+def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
+    """Return the suite's private duplicate of ``comm``.
+
+    Args:
+        comm: an intracommunicator, or None for MPI.COMM_WORLD.
+
+    Returns:
+        A duplicate of ``comm``, the same object on every call for the same
+        communicator.
+
+    Raises:
+        TypeError: ``comm`` is not an MPI intracommunicator.
+        ValueError: ``comm`` is MPI.COMM_NULL.
+    """
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL: this rank is not part of the communicator")
+    if comm.Is_inter():
+        raise TypeError("hpcjobs collectives need an intracommunicator, got an intercommunicator")
+    dup = comm.Get_attr(_KEYVAL)
+    if dup is None:
+        dup = comm.Dup()
+        comm.Set_attr(_KEYVAL, dup)
+    return dup
+
+
+def world() -> MPI.Intracomm:
+    """The suite's private duplicate of MPI.COMM_WORLD (made on first use)."""
+    return private(MPI.COMM_WORLD)
+
+
+def is_root(comm: MPI.Comm | None = None) -> bool:
+    return (comm or MPI.COMM_WORLD).Get_rank() == 0
+
+
+def print0(*args, comm: MPI.Comm | None = None, file=None, **kwargs) -> None:
+    """``print`` on rank 0 of ``comm`` only, flushed so mpirun shows it at once."""
+    if is_root(comm):
+        print(*args, file=file or sys.stdout, flush=True, **kwargs)
+
+
+def expect_world_size(comm: MPI.Comm | None = None) -> None:
+    """Fail loudly when the job came up with a different world size than asked.
+
+    A launcher/MPI mismatch (e.g. an Open MPI build started by ``srun`` with
+    the wrong ``--mpi`` plugin) starts every rank as a singleton "0 of 1" and
+    the job would otherwise exit 0 having computed nothing. Job scripts set
+    ``HPCJOBS_EXPECT_WORLD_SIZE``; unset, nothing is checked.
+
+    Raises:
+        RuntimeError: the world size differs from the expected one.
+    """
+    comm = comm or MPI.COMM_WORLD
+    expected = os.environ.get("HPCJOBS_EXPECT_WORLD_SIZE", "").strip()
+    if not expected:
+        return
+    try:
+        want = int(expected)
+    except ValueError:
+        raise RuntimeError(f"HPCJOBS_EXPECT_WORLD_SIZE={expected!r} is not an integer") from None
+    if comm.Get_size() != want:
+        raise RuntimeError(
+            f"MPI world size is {comm.Get_size()} but HPCJOBS_EXPECT_WORLD_SIZE={want}: the "
+            "ranks did not find each other (wrong launcher or srun --mpi plugin for this MPI?)"
+        )
+
+
+def _configure_info(parser) -> None:
+    parser.add_argument("--all-ranks", action="store_true", help="print a line from every rank, not only rank 0")
+
+
+def _info(args) -> int:
+    """``hpcjobs info``: who is who in this job, to check a launch before a long run."""
+    from .bench.report import environment, preamble
+
+    comm = MPI.COMM_WORLD
+    for line in preamble(environment(comm), "hpcjobs info"):
+        print0(line)
+    lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}", root=0)
+    if args.all_ranks and comm.Get_rank() == 0:
+        print("\n".join(lines), flush=True)
+    return 0
+
+
+def _register() -> None:
+    from .cli import arguments, command
+
+    command("info", "print the MPI library, versions and world size (every rank with --all-ranks)")(
+        arguments(_configure_info)(_info))
+
+
+_register()

@@ -1,0 +1,94 @@
+"""The allreduce benchmark: its crafted inputs, its records and its #wrong count."""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.bench import allreduce as bench
+from hpcjobs.bench.allreduce import expected_output, implementations, make_input, run
+
+OPS = ("sum", "avg", "min", "max", "prod")
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+
+
+def _values(arr, dtype):
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).double().numpy()
+    return arr.astype(np.float64)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 40])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expected_output_is_the_reduction_of_every_rank_input(dtype, op, size):
+    pytest.importorskip("torch") if dtype == "bfloat16" else None
+    count = 13
+    inputs = np.stack([_values(make_input(count, dtype, op, r), dtype) for r in range(size)])
+    want = {"sum": inputs.sum(0), "avg": inputs.sum(0), "min": inputs.min(0),
+            "max": inputs.max(0), "prod": inputs.prod(0)}[op]
+    if op == "avg":
+        want = np.floor(want / size) if dtype.startswith("int") else want / size
+    got = _values(expected_output(count, dtype, op, size), dtype)
+    if dtype.startswith("int") and op == "prod":
+        want = np.array([int(v) for v in want], dtype=object)
+        width = np.iinfo(dtype).bits
+        want = np.array([((int(v) + (1 << (width - 1))) % (1 << width)) - (1 << (width - 1)) for v in want])
+    if dtype.startswith("float"):
+        with np.errstate(over="ignore"):  # 2**40 is inf in float16, as the collectives compute it
+            want = want.astype(dtype).astype(np.float64)
+    # exact where representable; a rounded avg (e.g. 1/3) within half an ulp
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -8 if dtype in ("float16", "bfloat16") else 1e-6)
+
+
+def test_unknown_implementation_is_refused():
+    with pytest.raises(ValueError, match="unknown implementation 'nccl-ish'"):
+        implementations(["ring", "nccl-ish"], [])
+
+
+def test_several_segment_sizes_give_one_labelled_row_each():
+    assert list(implementations(["ring", "ring_pipelined", "mpi"], [65536, 1 << 20])) == [
+        "ring", "ring_pipelined/64K", "ring_pipelined/1M", "mpi"]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", ["float32", "int64", "float16", "bfloat16"])
+@pytest.mark.parametrize("op", OPS)
+def test_bench_records_zero_wrong_for_every_implementation(dtype, op):
+    comm = MPI.COMM_WORLD
+    impls = implementations(["ring", "ring_pipelined", "mpi"], [64])
+    records = run(comm, [8, 1000, 65536], impls, dtype, op, iters=2, warmup=1)
+    expected_impls = {"ring", "ring_pipelined"} | ({"mpi"} if dtype not in ("bfloat16",) else set())
+    assert {r.impl for r in records} == expected_impls
+    assert all(r.wrong == 0 for r in records)
+    assert all(r.time_us > 0 and r.busbw_gbps >= 0 for r in records)
+    P = comm.Get_size()
+    for r in records:
+        assert r.busbw_gbps == pytest.approx(r.algbw_gbps * (2 * (P - 1) / P if P > 1 else 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_wrong_implementation_is_counted():
+    comm = MPI.COMM_WORLD
+
+    def broken(buf, op, comm):  # forgets the other ranks
+        return buf
+
+    records = run(comm, [64], {"broken": broken}, "float32", "sum", iters=1, warmup=0)
+    assert records[0].wrong > 0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_json_report_holds_records_and_environment(tmp_path_factory):
+    from hpcjobs.bench.report import environment, write_json
+
+    comm = MPI.COMM_WORLD
+    records = run(comm, [16], implementations(["ring"], []), iters=1, warmup=0)
+    path = tmp_path_factory.mktemp(f"r{comm.Get_rank()}") / "out.json"
+    write_json(str(path), records, environment(comm))
+    data = json.loads(path.read_text())
+    assert data["environment"]["ranks"] == comm.Get_size()
+    assert data["records"][0]["impl"] == "ring" and data["records"][0]["size_bytes"] == 16

@@ -1,0 +1,86 @@
+"""Buffer views, op table and chunk bounds: serial, no MPI ranks needed."""
+
+import numpy as np
+import pytest
+
+from hpcjobs.collectives import chunk_bounds, ring_allreduce
+from hpcjobs.collectives._buffers import as_flat, finish_avg, reducer
+
+
+@pytest.mark.parametrize("count,parts", [(0, 1), (0, 3), (1, 4), (3, 4), (5, 4), (10, 3), (1_000_003, 7)])
+def test_chunk_bounds_cover_the_buffer_in_near_equal_chunks(count, parts):
+    b = chunk_bounds(count, parts)
+    sizes = np.diff(b)
+    assert b[0] == 0 and b[-1] == count and len(b) == parts + 1
+    assert sizes.max() - sizes.min() <= 1
+    assert list(sizes) == sorted(sizes, reverse=True)
+
+
+def test_flat_views_share_memory_with_numpy_and_torch():
+    torch = pytest.importorskip("torch")
+    a = np.zeros((2, 3), dtype=np.float32)
+    f = as_flat(a)
+    f.wire[4] = np.float32(2.5).view(np.uint32)
+    assert a[1, 1] == 2.5
+    t = torch.zeros(5, dtype=torch.bfloat16)
+    g = as_flat(t)
+    g.data[2] = torch.tensor([1.5], dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)[0]
+    assert t[2].item() == 1.5 and g.dtype == "bfloat16"
+
+
+def test_bfloat16_reductions_use_torch_arithmetic():
+    torch = pytest.importorskip("torch")
+    a = torch.tensor([1.0, -2.0, 3.0, 256.0], dtype=torch.bfloat16)
+    b = torch.tensor([2.0, 5.0, -1.0, 1.0], dtype=torch.bfloat16)
+    for op, want in [("sum", [3.0, 3.0, 2.0, 256.0]), ("min", [1.0, -2.0, -1.0, 1.0]),
+                     ("max", [2.0, 5.0, 3.0, 256.0]), ("prod", [2.0, -10.0, -3.0, 256.0])]:
+        x = a.clone()
+        reducer(op, "bfloat16")(as_flat(x).data, as_flat(b).data)
+        assert x.tolist() == want, op
+    x = torch.tensor([3.0, -3.0], dtype=torch.bfloat16)
+    finish_avg(as_flat(x).data, "bfloat16", 2)
+    assert x.tolist() == [1.5, -1.5]
+
+
+def test_integer_avg_is_floor_division():
+    x = np.array([7, -7, 6], dtype=np.int32)
+    finish_avg(x, "int32", 2)
+    assert x.tolist() == [3, -4, 3]
+
+
+@pytest.mark.parametrize("bad,exc,words", [
+    (np.zeros(10)[::2], ValueError, "contiguous"),
+    (np.zeros(4, dtype=np.complex64), TypeError, "unsupported dtype"),
+    (np.zeros(4, dtype=">f4"), TypeError, "unsupported dtype"),
+    ([1.0, 2.0], TypeError, "numpy.ndarray or torch.Tensor"),
+])
+def test_bad_buffers_are_refused_with_a_clear_error(bad, exc, words):
+    with pytest.raises(exc, match=words):
+        ring_allreduce(bad)
+
+
+def test_read_only_buffer_is_refused():
+    a = np.zeros(4)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        ring_allreduce(a)
+
+
+def test_bad_torch_tensors_are_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="contiguous"):
+        ring_allreduce(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match="sparse"):
+        ring_allreduce(torch.zeros(4).to_sparse())
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        ring_allreduce(torch.zeros(4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="on meta"):
+        ring_allreduce(torch.zeros(4, device="meta"))
+
+
+@pytest.mark.parametrize("kwargs,words", [({"op": "mean"}, "unknown op"),
+                                          ({"pipeline": True, "segment_bytes": 0}, "segment_bytes"),
+                                          ({"pipeline": True, "segment_bytes": 1.5}, "segment_bytes")])
+def test_bad_arguments_are_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ring_allreduce(np.zeros(4), **kwargs)

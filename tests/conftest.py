@@ -1,0 +1,148 @@
+"""Shared fixtures: communicators, per-rank inputs and exact references.
+
+Every rank generates *every* rank's input from a seed, so each rank can
+compute the closed-form reduction in float64 (int64 for integers) and check
+its own result without trusting any collective; where the MPI has the dtype,
+``MPI_Allreduce`` on the same inputs is the second reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+INT_DTYPES = ("int32", "int64")
+FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+MPI_DTYPES = ("float32", "float64", "int32", "int64")  # MPI_Allreduce is a reference for these
+_EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+
+
+def count_for(label: str, size: int) -> int:
+    """Counts named relative to the group size P (0, 1, P-1, P+1, a prime)."""
+    return {"0": 0, "1": 1, "P-1": size - 1, "P+1": size + 1, "prime": 1_000_003}[label]
+
+
+COUNT_LABELS = ("0", "1", "P-1", "P+1", "prime")
+
+
+def rank_input(rank: int, count: int, dtype: str, op: str, seed: int = 1234) -> np.ndarray:
+    """Rank ``rank``'s input as float64/int64 values exactly representable in ``dtype``.
+
+    Integers are small so sums and products of up to 8 ranks stay exact; prod
+    uses factors near 1 (floats) or in [-3, 3] \\ {0} (integers) so nothing
+    overflows.
+    """
+    rng = np.random.default_rng([seed, rank, count, len(op), len(dtype)])
+    if dtype in INT_DTYPES:
+        if op == "prod":
+            vals = rng.integers(1, 4, count) * rng.choice([-1, 1], count)
+        else:
+            vals = rng.integers(-1000, 1000, count)
+        return vals.astype(np.int64)
+    vals = rng.uniform(0.5, 2.0, count) if op == "prod" else rng.standard_normal(count) * 10
+    return to_float64(from_float64(vals, dtype), dtype)
+
+
+def from_float64(vals: np.ndarray, dtype: str):
+    """float64 values -> numpy array of ``dtype`` (bfloat16: torch tensor)."""
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(vals)).to(torch.bfloat16)
+    return np.asarray(vals).astype(dtype)
+
+
+def to_float64(arr, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return arr.to(dtype=__import__("torch").float64).numpy()
+    return np.asarray(arr, dtype=np.int64 if dtype in INT_DTYPES else np.float64)
+
+
+def make_buffer(values: np.ndarray, dtype: str, framework: str):
+    """The buffer under test, holding ``values``, as numpy or torch."""
+    if framework == "torch":
+        import torch
+
+        if dtype == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16)
+        return torch.from_numpy(values.astype(dtype))
+    return values.astype(dtype)
+
+
+def closed_form(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    stack = np.stack(inputs) if inputs[0].size else np.empty((len(inputs), 0), inputs[0].dtype)
+    if op in ("sum", "avg"):
+        out = stack.sum(axis=0)
+        if op == "avg":
+            out = out // len(inputs) if out.dtype.kind == "i" else out / len(inputs)
+        return out
+    return {"min": stack.min(axis=0), "max": stack.max(axis=0), "prod": stack.prod(axis=0)}[op]
+
+
+def tolerance(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray | float:
+    """Elementwise bound on |result - exact| for ``dtype`` arithmetic.
+
+    Each of the P-1 additions rounds once (relative error eps/2), so a sum is
+    within (P-1)·eps/2·Σ|x| of the exact sum, plus the final rounding; avg
+    adds one rounded division; a product of P factors is within about
+    P·eps relative. We allow twice these. Integers, min and max are exact.
+    """
+    if dtype in INT_DTYPES or op in ("min", "max"):
+        return 0.0
+    eps, size = _EPS[dtype], len(inputs)
+    abs_sum = np.sum(np.abs(np.stack(inputs)), axis=0)
+    if op == "sum":
+        return 2 * size * eps * abs_sum
+    if op == "avg":
+        return 2 * size * eps * abs_sum / size + 2 * eps * np.abs(closed_form(inputs, op))
+    return 2 * size * eps * np.abs(closed_form(inputs, op))
+
+
+def assert_close(result, inputs: list[np.ndarray], op: str, dtype: str) -> None:
+    got = to_float64(result, dtype)
+    want = closed_form(inputs, op)
+    tol = tolerance(inputs, op, dtype)
+    bad = np.abs(got - want) > tol
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {got.size} elements off; first at {int(np.argmax(bad))}: "
+        f"got {got[bad][:3]}, want {want[bad][:3]}"
+    )
+
+
+def mpi_reference(values: np.ndarray, dtype: str, op: str, comm: MPI.Comm) -> np.ndarray:
+    """``MPI_Allreduce`` of this rank's ``values`` as ``dtype`` (avg = sum, then divide)."""
+    buf = values.astype(dtype)
+    comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+    if op == "avg":
+        buf = buf // comm.Get_size() if buf.dtype.kind == "i" else (buf / buf.dtype.type(comm.Get_size())).astype(dtype)
+    return buf
+
+
+def assert_same_on_every_rank(result, comm: MPI.Comm) -> None:
+    """Every rank must hold bitwise the same result."""
+    if hasattr(result, "numpy"):
+        result = result.view(__import__("torch").int16) if result.dtype.is_floating_point and result.element_size() == 2 else result
+        result = result.numpy()
+    digest = np.frombuffer(hashlib.blake2b(result.tobytes(), digest_size=8).digest(), dtype=np.int64).copy()
+    lo, hi = digest.copy(), digest.copy()
+    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+    assert lo[0] == hi[0], "ranks disagree on the result"
+
+
+@pytest.fixture(scope="session")
+def split_comm():
+    """COMM_WORLD split into even and odd ranks (sizes ceil(P/2), floor(P/2))."""
+    world = MPI.COMM_WORLD
+    sub = world.Split(world.Get_rank() % 2, world.Get_rank())
+    yield sub
+    sub.Free()
+
+
+@pytest.fixture(params=("world", "split"))
+def comm(request, split_comm):
+    return MPI.COMM_WORLD if request.param == "world" else split_comm

@@ -1,0 +1,40 @@
+"""Private communicators and the world-size check."""
+
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.comm import expect_world_size, private, world
+
+
+@pytest.mark.mpi(min_size=1)
+def test_private_duplicate_is_cached_and_distinct_from_the_user_comm():
+    w = world()
+    assert w is world() and w is private(MPI.COMM_WORLD)
+    assert MPI.Comm.Compare(w, MPI.COMM_WORLD) == MPI.CONGRUENT
+
+
+@pytest.mark.mpi(min_size=1)
+def test_private_duplicate_of_a_sub_communicator_is_freed_with_it():
+    sub = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+    dup = private(sub)
+    assert dup.Get_size() == sub.Get_size() and private(sub) is dup
+    sub.Free()
+    assert dup == MPI.COMM_NULL
+
+
+def test_comm_null_and_non_communicators_are_refused():
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        private(MPI.COMM_NULL)
+    with pytest.raises(TypeError, match="mpi4py communicator"):
+        private("world")
+
+
+def test_expected_world_size_mismatch_fails_loudly(monkeypatch):
+    monkeypatch.setenv("HPCJOBS_EXPECT_WORLD_SIZE", str(MPI.COMM_WORLD.Get_size() + 1))
+    with pytest.raises(RuntimeError, match="did not find each other"):
+        expect_world_size()
+    monkeypatch.setenv("HPCJOBS_EXPECT_WORLD_SIZE", str(MPI.COMM_WORLD.Get_size()))
+    expect_world_size()
+    monkeypatch.setenv("HPCJOBS_EXPECT_WORLD_SIZE", "four")
+    with pytest.raises(RuntimeError, match="not an integer"):
+        expect_world_size()
