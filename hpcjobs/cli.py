@@ -33,6 +33,12 @@ class Command:
 COMMANDS: list[Command] = []
 
 
+class UsageError(Exception):
+    """A bad command line found after parsing (e.g. two arguments that
+    disagree). Every rank raises it before any communication; ``main`` prints
+    it argparse-style and exits 2."""
+
+
 def command(path: str, help: str):
     """Register ``fn(args) -> exit code`` as ``hpcjobs <path>``; the decorated
     function's ``configure`` attribute (set with :func:`arguments`) adds args."""
@@ -136,7 +142,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         expect_world_size()
+    except RuntimeError as e:
+        # Every rank is alone in its own world here: each says so and fails.
+        print(f"hpcjobs: error on rank {MPI.COMM_WORLD.Get_rank()}: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
         return int(run(args) or 0)
+    except UsageError as e:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"hpcjobs {' '.join(a for a in (argv or sys.argv[1:])[:2] if not a.startswith('-'))}: error: {e}",
+                  file=sys.stderr, flush=True)
+        return 2
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -15,6 +15,7 @@ across P.
 
 from __future__ import annotations
 
+import argparse
 import functools
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
@@ -197,20 +198,20 @@ def _configure(p) -> None:
 
 
 def main(args) -> int:
-    from ..cli import parse_bytes
+    from ..cli import UsageError, parse_bytes
     from ..comm import print0, private
     from .report import environment, header, preamble, row, write_json
 
     if args.min_bytes > args.max_bytes:
-        raise SystemExit(f"hpcjobs bench allreduce: --min-bytes {args.min_bytes} > --max-bytes {args.max_bytes}")
+        raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if args.factor < 2:
-        raise SystemExit("hpcjobs bench allreduce: --factor must be at least 2")
+        raise UsageError("--factor must be at least 2")
     names = list(IMPLS) if args.impl == "all" else [n.strip() for n in args.impl.split(",") if n.strip()]
-    segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
     try:
+        segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
         impls = implementations(names, segs)
-    except ValueError as e:
-        raise SystemExit(f"hpcjobs bench allreduce: {e}") from None
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise UsageError(f"{e}") from None
     sizes, n = [], args.min_bytes
     while n <= args.max_bytes:
         sizes.append(n)

