@@ -1,8 +1,8 @@
 """``hpcjobs bench allreduce``: every implementation, same buffers, one run.
 
-For each message size, each implementation runs ``warmup + iters`` times on
-the same buffer (its input restored before each call, untimed); the time is
-the slowest rank's median. Inputs are crafted so that the exact result is
+For each message size, every implementation runs ``warmup + iters`` times on
+the same buffer, round-robin (its input restored before each call, untimed);
+the time is the slowest rank's median. Inputs are crafted so that the exact result is
 known: rank ``r`` holds ``(i + r) % 3`` at element ``i`` (``1 + (i + r) % 2``
 for ``prod``), so every partial result is a small integer, exact in every
 dtype and in any reduction order, and the expected output depends only on
@@ -27,7 +27,7 @@ from ..collectives import ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
 from .baselines import BASELINES, mpi_supports
-from .harness import auto_iters, max_of_medians, sum_over_ranks, time_iterations
+from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 
 _PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
 
@@ -159,16 +159,16 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         pristine = make_input(count, dtype, op, rank)
         want = expected_output(count, dtype, op, size)
         n_iters = iters or auto_iters(count * itemsize)
-        for label, fn in impls.items():
-            if label == "mpi" and not mpi_supports(dtype):
-                continue
-            times = time_iterations(lambda: fn(buf, op, comm), lambda: np.copyto(flat.data, pristine),
-                                    comm, n_iters, warmup)
-            wrong = sum_over_ranks(int(np.count_nonzero(flat.data != want)), comm)
-            t = max_of_medians(times, comm)
+        runs = {label: functools.partial(fn, buf, op, comm) for label, fn in impls.items()
+                if not (label == "mpi" and not mpi_supports(dtype))}
+        times, wrong = time_interleaved(runs, lambda: np.copyto(flat.data, pristine),
+                                        lambda: int(np.count_nonzero(flat.data != want)),
+                                        comm, n_iters, warmup)
+        for label in runs:
+            t = max_of_medians(times[label], comm)
             algbw = count * itemsize / t / 1e9
             rec = Record(count * itemsize, count, dtype, op, label, size, n_iters, t * 1e6, algbw,
-                         algbw * (2 * (size - 1) / size if size > 1 else 1.0), wrong)
+                         algbw * (2 * (size - 1) / size if size > 1 else 1.0), sum_over_ranks(wrong[label], comm))
             records.append(rec)
             if on_record is not None:
                 on_record(rec)

@@ -17,21 +17,36 @@ def auto_iters(nbytes: int) -> int:
     return max(10, min(200, (1 << 26) // max(nbytes, 1)))
 
 
-def time_iterations(run: Callable[[], object], reset: Callable[[], object], comm: MPI.Intracomm,
-                    iters: int, warmup: int) -> list[float]:
-    """Run ``reset(); barrier; run()`` ``warmup + iters`` times; return the
-    ``iters`` timed durations in seconds on this rank. ``reset`` (restoring
-    the input of an in-place collective) is not timed."""
-    times = []
+def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], object],
+                     check: Callable[[], int], comm: MPI.Intracomm, iters: int, warmup: int
+                     ) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Time several implementations of one operation, round-robin.
+
+    Each of the ``warmup + iters`` rounds runs every implementation once:
+    ``reset(); barrier; run()``, timing only ``run``. Interleaving matters on
+    a shared machine: load that comes and goes then hits every implementation
+    alike instead of whichever ran its block of iterations at the time.
+    ``check()`` (untimed) counts this rank's wrong elements right after each
+    implementation's final run.
+
+    Returns:
+        (label -> this rank's ``iters`` durations in seconds,
+         label -> this rank's wrong-element count)
+    """
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    wrong: dict[str, int] = {}
     for i in range(warmup + iters):
-        reset()
-        comm.Barrier()
-        t0 = MPI.Wtime()
-        run()
-        t1 = MPI.Wtime()
-        if i >= warmup:
-            times.append(t1 - t0)
-    return times
+        for label, run in runs.items():
+            reset()
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            run()
+            t1 = MPI.Wtime()
+            if i >= warmup:
+                times[label].append(t1 - t0)
+            if i == warmup + iters - 1:
+                wrong[label] = check()
+    return times, wrong
 
 
 def max_of_medians(times: list[float], comm: MPI.Intracomm) -> float:

@@ -1,8 +1,6 @@
 """``allreduce(buf, algorithm=...)``: one entry point over every algorithm.
 
-``algorithm="auto"`` chooses by message size. Until the algorithm family and
-the tuning table land it chooses between the two ring modes only, at a
-threshold measured with ``hpcjobs bench allreduce`` (README, "Results").
+``algorithm="auto"`` chooses per message size and group size (:func:`choose`).
 """
 
 from __future__ import annotations
@@ -27,15 +25,16 @@ ALGORITHMS: dict[str, Callable] = {
     "ring_pipelined": _ring_pipelined,
 }
 
-# From this size up the pipelined ring measured faster than the plain one at 2
-# ranks here (README, "Pipelined ring: segment size"); below it they tie or the
-# plain ring wins.
-PIPELINE_MIN_BYTES = 32 << 20
-
-
 def choose(nbytes: int, size: int) -> str:
-    """The algorithm ``auto`` uses for ``nbytes`` bytes over ``size`` ranks."""
-    return "ring_pipelined" if size > 1 and nbytes >= PIPELINE_MIN_BYTES else "ring"
+    """The algorithm ``auto`` uses for ``nbytes`` bytes over ``size`` ranks.
+
+    The plain ring, for now. Pipelining pays where something else moves the
+    bytes while the CPU reduces (a NIC, a copy engine); on a shared-memory
+    node with one core per rank the same CPU does both, and at 2 ranks here
+    the pipelined ring measured no better at any size (README, "Pipelined
+    ring"). The tuning table replaces this with per-machine measurements.
+    """
+    return "ring"
 
 
 def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | None = None):
