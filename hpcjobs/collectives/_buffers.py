@@ -59,6 +59,10 @@ class Flat:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def slice(self, lo: int, hi: int) -> "Flat":
+        """Elements ``[lo, hi)`` as a Flat over the same memory."""
+        return Flat(self.data[lo:hi], self.wire[lo:hi], self.dtype)
+
 
 def _is_torch_tensor(buf) -> bool:
     torch = sys.modules.get("torch")
@@ -115,6 +119,21 @@ def _flat_from_torch(t) -> Flat:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
     data = t.numpy().reshape(-1)
     return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
+
+
+def run(buf, op: str, comm, impl: Callable, **kwargs):
+    """The common frame of every public collective: validate, then run
+    ``impl(flat, op, private_comm, **kwargs)`` unless there is nothing to do
+    (one rank, or zero elements: every rank then returns at once, which is
+    safe because the count is the same on every rank). Returns ``buf``."""
+    from ..comm import private
+
+    op = check_op(op)
+    flat = as_flat(buf)
+    comm = private(comm)
+    if comm.Get_size() > 1 and flat.count > 0:
+        impl(flat, op, comm, **kwargs)
+    return buf
 
 
 def check_op(op: str) -> str:

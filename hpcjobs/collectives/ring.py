@@ -36,8 +36,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ..comm import private
-from ._buffers import Flat, as_flat, check_op, chunk_bounds, finish_avg, reducer, scratch
+from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run, scratch
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -110,13 +109,31 @@ def _allgather(flat: Flat, comm: MPI.Intracomm) -> None:
                       wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
 
 
-def _segment_count(flat: Flat, pipeline: bool, segment_bytes: int) -> int | None:
+def _check_segment_bytes(pipeline: bool, segment_bytes) -> int | None:
     if not pipeline:
         return None
-    if int(segment_bytes) != segment_bytes or segment_bytes <= 0:
+    if isinstance(segment_bytes, bool) or int(segment_bytes) != segment_bytes or segment_bytes <= 0:
         raise ValueError(f"segment_bytes must be a positive integer, got {segment_bytes!r}")
+    return int(segment_bytes)
+
+
+def _segments(flat: Flat, segment_bytes: int | None) -> int | None:
     # A segment holds at least one element.
-    return max(1, int(segment_bytes) // flat.itemsize)
+    return None if segment_bytes is None else max(1, segment_bytes // flat.itemsize)
+
+
+def _ring_reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
+    _reduce_scatter(flat, op, comm, _segments(flat, segment_bytes))
+
+
+def _ring_allgather(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    _allgather(flat, comm)
+
+
+def _ring_allreduce(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
+    """Internal entry point on a validated Flat and a private communicator."""
+    _reduce_scatter(flat, op, comm, _segments(flat, segment_bytes))
+    _allgather(flat, comm)
 
 
 def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -143,13 +160,7 @@ def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    op = check_op(op)
-    flat = as_flat(buf)
-    comm = private(comm)
-    seg = _segment_count(flat, pipeline, segment_bytes)
-    if comm.Get_size() > 1 and flat.count > 0:
-        _reduce_scatter(flat, op, comm, seg)
-    return buf
+    return run(buf, op, comm, _ring_reduce_scatter, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
 
 
 def ring_allgather(buf, comm: MPI.Comm | None = None):
@@ -166,11 +177,7 @@ def ring_allgather(buf, comm: MPI.Comm | None = None):
     Returns:
         ``buf``, filled in place.
     """
-    flat = as_flat(buf)
-    comm = private(comm)
-    if comm.Get_size() > 1 and flat.count > 0:
-        _allgather(flat, comm)
-    return buf
+    return run(buf, "sum", comm, _ring_allgather)
 
 
 def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -194,11 +201,4 @@ def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    op = check_op(op)
-    flat = as_flat(buf)
-    comm = private(comm)
-    seg = _segment_count(flat, pipeline, segment_bytes)
-    if comm.Get_size() > 1 and flat.count > 0:
-        _reduce_scatter(flat, op, comm, seg)
-        _allgather(flat, comm)
-    return buf
+    return run(buf, op, comm, _ring_allreduce, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))

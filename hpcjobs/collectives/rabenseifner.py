@@ -1,0 +1,82 @@
+"""Rabenseifner's allreduce: recursive halving, then recursive doubling.
+
+Bandwidth-optimal like the ring, but in log2 P rounds per phase instead of
+P-1 (Rabenseifner 2004; Thakur, Rabenseifner & Gropp 2005). Steps, for P
+ranks and N bytes, with the buffer cut into p2 chunks:
+
+1. Fold when P is not a power of two (see ``_fold``): p2 ranks remain.
+2. Reduce-scatter by recursive halving, log2(p2) rounds. In the round with
+   distance d = p2/2, p2/4, ..., 1, rank i pairs with i XOR d; the one with
+   that bit clear keeps the lower half of its current chunk range, the other
+   the upper half; each sends the half it gives up and reduces the half it
+   keeps. Afterwards rank i holds chunk i reduced over all ranks (for avg it
+   then divides that chunk, once).
+3. Allgather by recursive doubling, log2(p2) rounds with d = 1, 2, ...,
+   p2/2: partners swap the ranges they hold, which are adjacent, and the
+   range doubles each round.
+4. Unfold: the odd ranks return the result to their partners.
+
+Cost: 2·log2(p2) rounds (+2 when folding); each rank sends
+2(p2-1)/p2·N bytes and reduces (p2-1)/p2·N. Model:
+2⌈log2 P⌉α + 2(P-1)/P·Nβ + (P-1)/P·Nγ.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from . import _fold
+from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run, scratch
+
+__all__ = ["rabenseifner_allreduce"]
+
+_TAG = 13
+
+
+def _rabenseifner(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    p2, rem = _fold.group(comm.Get_size())
+    newrank = _fold.fold_in(flat, op, comm, rem)
+    if newrank >= 0:
+        data, wire = flat.data, flat.wire
+        b = chunk_bounds(flat.count, p2)
+        reduce = reducer(op, flat.dtype)
+        tmp = scratch(b[p2 // 2] if p2 > 1 else 0, data.dtype)
+        lo, hi = 0, p2  # the chunk range this rank is responsible for
+        dist = p2 >> 1
+        while dist >= 1:
+            partner = _fold.real_rank(newrank ^ dist, rem)
+            mid = (lo + hi) // 2
+            (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if newrank & dist else ((lo, mid), (mid, hi))
+            n = b[keep_hi] - b[keep_lo]
+            comm.Sendrecv(wire[b[give_lo]:b[give_hi]], partner, _TAG, tmp[:n].view(wire.dtype), partner, _TAG)
+            reduce(data[b[keep_lo]:b[keep_hi]], tmp[:n])
+            lo, hi = keep_lo, keep_hi
+            dist >>= 1
+        if op == "avg":
+            finish_avg(data[b[lo]:b[hi]], flat.dtype, comm.Get_size())
+        dist = 1
+        while dist < p2:
+            partner = _fold.real_rank(newrank ^ dist, rem)
+            plo, phi = (lo - dist, lo) if newrank & dist else (hi, hi + dist)
+            comm.Sendrecv(wire[b[lo]:b[hi]], partner, _TAG, wire[b[plo]:b[phi]], partner, _TAG)
+            lo, hi = min(lo, plo), max(hi, phi)
+            dist <<= 1
+    _fold.fold_out(flat, comm, rem)
+
+
+def rabenseifner_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
+    """Allreduce ``buf`` in place with Rabenseifner's algorithm (module docstring).
+
+    Args:
+        buf: numpy array or torch CPU tensor, contiguous and writable; same
+            count and dtype on every rank.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: intracommunicator; None for COMM_WORLD (a private Dup is used).
+
+    Returns:
+        ``buf``, reduced in place, bitwise identical on every rank.
+
+    Raises:
+        TypeError, ValueError: unsupported buffer, dtype or op.
+    """
+    return run(buf, op, comm, _rabenseifner)
