@@ -93,7 +93,7 @@ def nonnegative_int(text: str) -> int:
 
 
 # Importing one of these modules registers its commands.
-_COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.bench.allreduce")
+_COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune")
 
 
 def _load_commands() -> None:

@@ -65,6 +65,11 @@ setup_mpi_env() {
     if [ "$(id -u)" = 0 ]; then
         export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     fi
+    # The embedded wheel has UCX's one-sided component but no UCX device here; it
+    # prints an error for every shared window. Sites with real UCX keep theirs.
+    if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then
+        export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}
+    fi
     # The wheel's mpirun finds its help files and plugins under its prefix.
     if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VENV/bin/prterun" ]; then
         export OPAL_PREFIX="$VENV"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: pytest serially (one process, MPI as a singleton), then
-# under real MPI with 2, 3 and 4 ranks. Creates .venv and installs everything
+# under real MPI with 2, 3, 4 and 5 ranks. Creates .venv and installs everything
 # on first use. Each MPI run is killed after HPCJOBS_TEST_TIMEOUT seconds
 # (default 900) so a hang fails instead of stalling.
 #
@@ -33,7 +33,7 @@ summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
 # already ran above and would only run again P times. Rank 0 prints; the
 # other ranks write .test-logs/np<P>-rank<r>.log, shown if they fail.
 mpirun_cmd
-for n in ${HPCJOBS_TEST_SIZES:-2 3 4}; do
+for n in ${HPCJOBS_TEST_SIZES:-2 3 4 5}; do
     say "mpirun -n $n: pytest --with-mpi -m mpi"
     HPCJOBS_RANK_LOG="$logs/np$n" timeout -k 15 "$timeout_s" \
         "${MPIRUN[@]}" -n "$n" scripts/rank_pytest.sh --with-mpi -m mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/np$n.log"

@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ring_allreduce
+from ..collectives import ALGORITHMS, allreduce, ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
 from .baselines import BASELINES, mpi_supports
@@ -88,21 +88,22 @@ def expected_output(count: int, dtype: str, op: str, size: int) -> np.ndarray:
     return out
 
 
-def implementations(names: Iterable[str], segment_sizes: Iterable[int]) -> dict[str, Callable]:
+def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> dict[str, Callable]:
     """Map table labels to ``fn(buf, op, comm)`` for the requested names.
 
-    ``ring_pipelined`` appears once per segment size; with several sizes the
-    label carries the size, e.g. ``ring_pipelined/64K``.
+    Names are our algorithms (:data:`hpcjobs.collectives.ALGORITHMS`), "auto"
+    and the baselines. ``ring_pipelined`` appears once per segment size; with
+    several sizes the label carries the size, e.g. ``ring_pipelined/64K``.
     """
-    segment_sizes = list(segment_sizes) or [DEFAULT_SEGMENT_BYTES]
+    segment_sizes = list(segment_sizes)
     impls: dict[str, Callable] = {}
     for name in names:
-        if name == "ring":
-            impls[name] = ring_allreduce
-        elif name == "ring_pipelined":
+        if name == "ring_pipelined" and segment_sizes:
             for seg in segment_sizes:
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = functools.partial(_ring_pipelined, segment_bytes=seg)
+        elif name in ALGORITHMS or name == "auto":
+            impls[name] = functools.partial(_ours, algorithm=name)
         elif name in BASELINES:
             impls[name] = BASELINES[name]
         else:
@@ -110,11 +111,15 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int]) -> dict[
     return impls
 
 
+def _ours(buf, op, comm, *, algorithm):
+    return allreduce(buf, op, algorithm, comm)
+
+
 def _ring_pipelined(buf, op, comm, *, segment_bytes):
     return ring_allreduce(buf, op, comm, pipeline=True, segment_bytes=segment_bytes)
 
 
-IMPLS = ("ring", "ring_pipelined", *BASELINES)
+IMPLS = (*ALGORITHMS, "auto", *BASELINES)
 
 
 def format_bytes(n: int) -> str:
@@ -185,6 +190,11 @@ def _configure(p) -> None:
     p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier between rows (default 2)")
     p.add_argument("--impl", default="ring,ring_pipelined,mpi",
                    help=f"comma-separated implementations, or 'all' (from: {', '.join(IMPLS)}; default %(default)s)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="simulate nodes of N consecutive ranks for hierarchical and auto "
+                        "(sets HPCJOBS_RANKS_PER_NODE; default: detect)")
+    p.add_argument("--tuning", metavar="PATH", default=None,
+                   help="tuning table for auto, from `hpcjobs tune` (default: $HPCJOBS_TUNING, else built in)")
     p.add_argument("--dtype", "-d", default="float32", choices=("float16", "float32", "float64", "int32", "int64", "bfloat16"))
     p.add_argument("--op", "-o", default="sum", choices=("sum", "avg", "min", "max", "prod"))
     p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
@@ -207,6 +217,7 @@ def main(args) -> int:
     if args.factor < 2:
         raise UsageError("--factor must be at least 2")
     names = list(IMPLS) if args.impl == "all" else [n.strip() for n in args.impl.split(",") if n.strip()]
+    apply_placement(args)
     try:
         segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
         impls = implementations(names, segs)
@@ -233,6 +244,24 @@ def main(args) -> int:
         write_json(args.json, records, env)
         print0(f"# records written to {args.json}")
     return 1 if wrong else 0
+
+
+def apply_placement(args) -> None:
+    """--ranks-per-node and --tuning, shared by the commands that run our
+    collectives: checked before anything is measured (usage error, exit 2)."""
+    import os
+
+    from ..cli import UsageError
+    from ..collectives.select import load_tuning, set_tuning
+
+    if getattr(args, "ranks_per_node", None):
+        os.environ["HPCJOBS_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    if getattr(args, "tuning", None):
+        try:
+            load_tuning(args.tuning)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        set_tuning(args.tuning)
 
 
 def _register() -> None:

@@ -28,7 +28,8 @@ __all__ = ["tree_allreduce"]
 _TAG = 14
 
 
-def _tree(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def _tree_reduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    """Step 1: binomial reduce; rank 0 ends with the reduction (not divided)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     reduce = reducer(op, flat.dtype)
     tmp = scratch(flat.count, flat.data.dtype)
@@ -36,21 +37,33 @@ def _tree(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     while mask < size:
         if rank & mask:
             comm.Send(flat.wire, rank - mask, _TAG)
-            break
+            return
         if rank + mask < size:
             comm.Recv(tmp.view(flat.wire.dtype), rank + mask, _TAG)
             reduce(flat.data, tmp)
         mask <<= 1
-    if rank == 0:
-        if op == "avg":
-            finish_avg(flat.data, flat.dtype, size)
-    else:
+
+
+def _tree_bcast(flat: Flat, comm: MPI.Intracomm) -> None:
+    """Step 2: binomial broadcast of rank 0's buffer."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    mask = 1
+    while mask < size and not rank & mask:
+        mask <<= 1
+    if rank != 0:
         comm.Recv(flat.wire, rank - mask, _TAG)  # mask is this rank's lowest set bit
     mask >>= 1
     while mask >= 1:
         if rank + mask < size:
             comm.Send(flat.wire, rank + mask, _TAG)
         mask >>= 1
+
+
+def _tree(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    _tree_reduce(flat, op, comm)
+    if op == "avg" and comm.Get_rank() == 0:
+        finish_avg(flat.data, flat.dtype, comm.Get_size())
+    _tree_bcast(flat, comm)
 
 
 def tree_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):

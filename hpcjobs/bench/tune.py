@@ -1,0 +1,137 @@
+"""``hpcjobs tune``: measure every allreduce algorithm here and write the
+tuning table that ``algorithm="auto"`` reads (format in
+``hpcjobs.collectives.select``).
+
+Run it once per machine or allocation shape, under the same launcher and
+ranks as the jobs that will use it::
+
+    mpirun -n 8 hpcjobs tune --out tuning.json
+    export HPCJOBS_TUNING=$PWD/tuning.json
+
+The file keeps one table per (ranks, nodes); tuning another shape adds its
+table and keeps the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mpi4py import MPI
+
+from ..collectives import ALGORITHMS
+from ..collectives.shm import is_single_node
+from .allreduce import Record, format_bytes, implementations, run
+
+
+def best_rows(records: list[Record]) -> list[dict]:
+    """Collapse per-size winners into rows: each algorithm up to the largest
+    size it won before the next one took over; the last row is unbounded."""
+    by_size: dict[int, list[Record]] = {}
+    for r in records:
+        by_size.setdefault(r.size_bytes, []).append(r)
+    winners = []
+    for size in sorted(by_size):
+        ranked = sorted(by_size[size], key=lambda r: r.time_us)
+        winners.append((size, ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]))
+    rows: list[dict] = []
+    for size, best, second in winners:
+        if rows and rows[-1]["algorithm"] == best.impl:
+            rows[-1]["max_bytes"] = size
+            rows[-1]["measured"].append(_measure(size, best, second))
+        else:
+            rows.append({"max_bytes": size, "algorithm": best.impl, "measured": [_measure(size, best, second)]})
+    if rows:
+        rows[-1]["max_bytes"] = None
+    return rows
+
+
+def _measure(size: int, best: Record, second: Record) -> dict:
+    return {"size_bytes": size, "time_us": round(best.time_us, 2),
+            "runner_up": second.impl, "runner_up_ratio": round(second.time_us / best.time_us, 3)}
+
+
+def merge(path: str, table: dict, environment: dict) -> dict:
+    """The tuning file at ``path`` with ``table`` added or replacing the one
+    of the same ranks and nodes."""
+    data = {"version": 1, "tables": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data["tables"] = [t for t in data.get("tables", [])
+                      if (t["ranks"], t["nodes"]) != (table["ranks"], table["nodes"])] + [table]
+    data["tables"].sort(key=lambda t: (t["nodes"], t["ranks"]))
+    data.setdefault("environments", {})[f"{table['ranks']}x{table['nodes']}"] = environment
+    return data
+
+
+def _configure(p) -> None:
+    from ..cli import parse_bytes, positive_int
+
+    p.add_argument("--out", "-O", default="tuning.json", metavar="PATH",
+                   help="tuning file to write or update (default tuning.json)")
+    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE", help="default 8")
+    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE", help="default 64M")
+    p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier (default 2)")
+    p.add_argument("--iters", "-n", type=positive_int, default=None, help="timed iterations (default by size)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="simulate nodes of N consecutive ranks (default: detect)")
+
+
+def main(args) -> int:
+    from ..cli import UsageError
+    from ..comm import print0, private
+    from ..topology import detect_private
+    from .allreduce import apply_placement
+    from .report import environment
+
+    if args.min_bytes > args.max_bytes or args.factor < 2:
+        raise UsageError("need --min-bytes <= --max-bytes and --factor >= 2")
+    apply_placement(args)
+    comm = private()
+    topo = detect_private(comm)
+    names = [a for a in ALGORITHMS if a != "shm" or is_single_node(comm)]
+    sizes, n = [], args.min_bytes
+    while n <= args.max_bytes:
+        sizes.append(n)
+        n *= args.factor
+    print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
+           f"{len(names)} algorithms x {len(sizes)} sizes")
+    done = [0]
+
+    def progress(rec):
+        done[0] += 1
+        if done[0] % len(names) == 0:
+            print0(f"#   {format_bytes(rec.size_bytes):>6} done ({done[0] // len(names)}/{len(sizes)})")
+
+    records = run(comm, sizes, implementations(names), iters=args.iters, on_record=progress)
+    wrong = sum(r.wrong for r in records)
+    if wrong:
+        print0(f"# {wrong} wrong elements: not writing a tuning table from a broken run")
+        return 1
+    table = {"ranks": comm.Get_size(), "nodes": topo.num_nodes, "rows": best_rows(records)}
+    if comm.Get_rank() == 0:
+        data = merge(args.out, table, environment(comm))
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, args.out)
+        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)", flush=True)
+        for row in table["rows"]:
+            last = row["measured"][-1]
+            bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
+            print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  "
+                  f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)", flush=True)
+        print(f"# written to {args.out}; use it with HPCJOBS_TUNING={os.path.abspath(args.out)}", flush=True)
+    return 0
+
+
+def _register() -> None:
+    from ..cli import arguments, command
+
+    command("tune", "measure every allreduce algorithm here and write the tuning table auto reads")(
+        arguments(_configure)(main))
+
+
+_register()

@@ -1,0 +1,139 @@
+"""Two-level allreduce: inside each node, then across nodes, as NCCL and
+Horovod do it on multi-GPU nodes.
+
+Steps, for N bytes on nodes of L ranks each (``hpcjobs.topology.detect``):
+
+1. Intra-node reduce-scatter of the first L·⌊count/L⌋ elements: local rank
+   r ends with shard r of its node's sum (ring, or the shared-memory stage
+   with ``intra="shm"``).
+2. Inter-node allreduce of shard r among the ranks with local rank r, one
+   per node, on ``cross_comm``: L independent allreduces of N/L bytes run in
+   parallel, each over its own set of links (``inter`` picks the algorithm;
+   ring by default).
+3. Intra-node allgather of the shards.
+4. The count % L elements left over: reduce to local rank 0, allreduce among
+   the local-rank-0 ranks, broadcast inside the node.
+
+Nodes with different numbers of ranks have no partner for some local ranks,
+so there the documented fallback runs instead: binomial reduce of the whole
+buffer to local rank 0, allreduce among local-rank-0 ranks, binomial
+broadcast inside the node. Correct for any layout, with one rank per node
+on the network.
+
+Cost (uniform nodes, ring inside and across): inside a node 2(L-1)/L·N
+bytes per rank; across nodes 2(M-1)/M·N/L bytes per rank for M nodes -- the
+slow links carry 1/L of what a flat ring would put on them.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ..topology import Topology, detect_private
+from ._buffers import Flat, chunk_bounds, finish_avg, run
+from .ring import _allgather, _reduce_scatter
+from .shm import _shm
+from .tree import _tree_bcast, _tree_reduce
+
+__all__ = ["hierarchical_allreduce"]
+
+INTRA = ("ring", "shm")
+
+
+def _inter_fn(name: str):
+    from .select import flat_algorithm
+
+    fn = flat_algorithm(name)
+    if name in ("hierarchical", "shm"):
+        raise ValueError(f"inter={name!r}: the inter-node stage needs a flat message-passing algorithm")
+    return fn
+
+
+def _hierarchical(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | None = None,
+                  inter: str = "ring", intra: str = "ring", ranks_per_node: int | None = None) -> None:
+    topo = topology or detect_private(comm, ranks_per_node)
+    inter_fn = _inter_fn(inter)
+    node, cross = topo.node_comm, topo.cross_comm
+    size, L = comm.Get_size(), topo.local_size
+    stage = "sum" if op == "avg" else op  # divide once, at the end, by the whole size
+    if topo.num_nodes == 1:
+        _intra_allreduce(flat, op, node, intra)
+        return
+    if L == 1 and topo.uniform:  # one rank per node: only the network stage
+        inter_fn(flat, op, cross)
+        return
+    if not topo.uniform:
+        _tree_reduce(flat, stage, node)
+        if topo.local_rank == 0:
+            inter_fn(flat, stage, cross)
+            if op == "avg":
+                finish_avg(flat.data, flat.dtype, size)
+        _tree_bcast(flat, node)
+        return
+    main = flat.count // L * L
+    if main:
+        m = flat.slice(0, main)
+        if intra == "shm":
+            _shm(m, stage, node, reduce_only=True)
+        else:
+            _reduce_scatter(m, stage, node, None)
+        b = chunk_bounds(main, L)
+        shard = m.slice(b[topo.local_rank], b[topo.local_rank + 1])
+        inter_fn(shard, stage, cross)
+        if op == "avg":
+            finish_avg(shard.data, flat.dtype, size)
+        if intra == "shm":
+            _shm(m, stage, node, gather_only=True)
+        else:
+            _allgather(m, node)
+    if main < flat.count:
+        tail = flat.slice(main, flat.count)
+        _tree_reduce(tail, stage, node)
+        if topo.local_rank == 0:
+            inter_fn(tail, stage, cross)
+            if op == "avg":
+                finish_avg(tail.data, flat.dtype, size)
+        _tree_bcast(tail, node)
+
+
+def _intra_allreduce(flat: Flat, op: str, node: MPI.Intracomm, intra: str) -> None:
+    from .ring import _ring_allreduce
+    from .shm import _shm_allreduce
+
+    (_shm_allreduce if intra == "shm" else _ring_allreduce)(flat, op, node)
+
+
+def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
+                           topology: Topology | None = None, inter: str = "ring", intra: str = "ring",
+                           ranks_per_node: int | None = None):
+    """Allreduce ``buf`` in place in two levels, inside then across nodes
+    (module docstring).
+
+    Args:
+        buf: numpy array or torch CPU tensor, contiguous and writable; same
+            count and dtype on every rank.
+        op: "sum", "avg", "min", "max" or "prod".
+        comm: intracommunicator; None for COMM_WORLD.
+        topology: a :class:`hpcjobs.topology.Topology` from
+            ``detect(comm)``; None detects (and caches) it.
+        inter: the flat algorithm across nodes ("ring", "recursive_doubling", ...).
+        intra: "ring" or "shm" (MPI-3 shared memory) inside a node.
+        ranks_per_node: simulate nodes of this many consecutive ranks
+            (ignored when ``topology`` is given).
+
+    Returns:
+        ``buf``, reduced in place, bitwise identical on every rank.
+
+    Raises:
+        ValueError: unknown ``inter``/``intra``, a topology of another
+            communicator, or a bad buffer/op (TypeError: unsupported dtype).
+    """
+    from ..comm import private
+
+    if intra not in INTRA:
+        raise ValueError(f"unknown intra={intra!r}; choose one of {', '.join(INTRA)}")
+    _inter_fn(inter)
+    if topology is not None and topology.comm is not private(comm):
+        raise ValueError("topology was detected on another communicator; pass detect(comm) for this comm")
+    return run(buf, op, comm, _hierarchical, topology=topology, inter=inter, intra=intra,
+               ranks_per_node=ranks_per_node)

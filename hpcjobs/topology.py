@@ -1,0 +1,183 @@
+"""Which ranks share a node: ``detect()`` and ``hpcjobs topology``.
+
+Sources, first that applies (every rank must agree on which; they do, since
+the choice is made collectively):
+
+1. An explicit override, ``ranks_per_node`` (``--ranks-per-node``, env
+   ``HPCJOBS_RANKS_PER_NODE``): consecutive blocks of that many ranks form a
+   node; the last may be smaller. This simulates nodes on one host.
+2. ``SLURM_NODEID``, when every rank has it (launched by srun, or by mpirun
+   inside an allocation). Never the hostname: the fake nodes of a test
+   cluster share one, and under mpirun ``SLURM_LOCALID`` is 0 everywhere.
+3. ``MPI.Comm.Split_type(COMM_TYPE_SHARED)``: the ranks that can share memory.
+
+Node ids are numbered 0..nodes-1 in order of each node's lowest rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .comm import private
+
+__all__ = ["Topology", "detect"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How a communicator's ranks sit on nodes.
+
+    Attributes:
+        comm: the (private) communicator this describes.
+        node_comm: the ranks on this rank's node, ordered by rank.
+        cross_comm: the ranks with this rank's local rank, one per node,
+            ordered by node id (the inter-node stage of a hierarchical
+            collective runs on it).
+        node_id: this rank's node, 0..num_nodes-1.
+        local_rank, local_size: this rank's place on its node.
+        num_nodes: nodes in ``comm``.
+        local_sizes: ranks on each node, by node id.
+        source: "override", "slurm" or "shared-memory".
+    """
+
+    comm: MPI.Intracomm
+    node_comm: MPI.Intracomm
+    cross_comm: MPI.Intracomm
+    node_id: int
+    local_rank: int
+    local_size: int
+    num_nodes: int
+    local_sizes: tuple[int, ...]
+    source: str
+
+    @property
+    def uniform(self) -> bool:
+        """Every node has the same number of ranks."""
+        return len(set(self.local_sizes)) == 1
+
+
+def _ranks_per_node(value) -> int | None:
+    if value is None:
+        value = os.environ.get("HPCJOBS_RANKS_PER_NODE", "").strip() or None
+        if value is None:
+            return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ranks_per_node must be a positive integer, got {value!r}") from None
+    if n <= 0 or n != float(value):
+        raise ValueError(f"ranks_per_node must be a positive integer, got {value!r}")
+    return n
+
+
+def _all_have_slurm_nodeid(comm: MPI.Intracomm) -> int | None:
+    raw = os.environ.get("SLURM_NODEID", "")
+    mine = int(raw) if raw.strip().isdigit() else -1
+    lowest = np.array([mine], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
+    return mine if lowest[0] >= 0 else None
+
+
+def _free_topologies(comm, keyval, cache):
+    if not MPI.Is_finalized():
+        for topo in cache.values():
+            topo.node_comm.Free()
+            topo.cross_comm.Free()
+
+
+_TOPO_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_topologies)
+
+
+def detect(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> Topology:
+    """Find which ranks of ``comm`` share a node (module docstring for the order).
+
+    Collective over ``comm``. The result is cached on the communicator per
+    ``ranks_per_node`` value, so collectives can call this on every call.
+
+    Args:
+        comm: intracommunicator; None for COMM_WORLD.
+        ranks_per_node: simulate nodes of this many consecutive ranks
+            (overrides Slurm and shared-memory detection); None reads
+            ``HPCJOBS_RANKS_PER_NODE``, unset means detect.
+
+    Raises:
+        ValueError: ``ranks_per_node`` (or the env var) is not a positive integer.
+    """
+    return detect_private(private(comm), ranks_per_node)
+
+
+def detect_private(comm: MPI.Intracomm, ranks_per_node: int | None = None) -> Topology:
+    """:func:`detect` on a communicator that is already the suite's private one."""
+    rpn = _ranks_per_node(ranks_per_node)
+    cache = comm.Get_attr(_TOPO_KEYVAL)
+    if cache is None:
+        cache = {}
+        comm.Set_attr(_TOPO_KEYVAL, cache)
+    if rpn in cache:
+        return cache[rpn]
+    rank = comm.Get_rank()
+    if rpn is not None:
+        color, source = rank // rpn, "override"
+    else:
+        slurm = _all_have_slurm_nodeid(comm)
+        if slurm is not None:
+            color, source = slurm, "slurm"
+        else:
+            shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+            leader = np.array([rank], dtype=np.int64)
+            shared.Allreduce(MPI.IN_PLACE, leader, op=MPI.MIN)
+            shared.Free()
+            color, source = int(leader[0]), "shared-memory"
+    node_comm = comm.Split(color, rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    # Number the nodes by their lowest rank: gather (lowest rank, size) per rank.
+    lowest = np.array([rank], dtype=np.int64)
+    node_comm.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
+    table = np.empty(2 * comm.Get_size(), dtype=np.int64)
+    comm.Allgather(np.array([lowest[0], local_size], dtype=np.int64), table)
+    leaders = sorted(set(table[0::2].tolist()))
+    sizes = {int(lead): int(s) for lead, s in zip(table[0::2], table[1::2])}
+    node_id = leaders.index(int(lowest[0]))
+    cross_comm = comm.Split(local_rank, node_id)
+    topo = Topology(comm, node_comm, cross_comm, node_id, local_rank, local_size, len(leaders),
+                    tuple(sizes[lead] for lead in leaders), source)
+    cache[rpn] = topo
+    return topo
+
+
+def _configure(p) -> None:
+    from .cli import positive_int
+
+    p.add_argument("--ranks-per-node", type=positive_int, default=None,
+                   help="simulate nodes of N consecutive ranks (default: Slurm, then shared memory)")
+
+
+def _main(args) -> int:
+    """``hpcjobs topology``: one line per rank, printed in rank order by rank 0."""
+    topo = detect(ranks_per_node=args.ranks_per_node)
+    comm = topo.comm
+    row = np.array([comm.Get_rank(), topo.node_id, topo.local_rank, topo.local_size,
+                    topo.cross_comm.Get_rank(), topo.cross_comm.Get_size()], dtype=np.int64)
+    rows = np.empty(6 * comm.Get_size(), dtype=np.int64) if comm.Get_rank() == 0 else None
+    comm.Gather(row, rows, root=0)
+    if comm.Get_rank() == 0:
+        print(f"# {comm.Get_size()} ranks on {topo.num_nodes} node(s) {list(topo.local_sizes)}, "
+              f"source: {topo.source}", flush=True)
+        print("#  rank  node  local_rank  local_size  cross_rank  cross_size")
+        for r in rows.reshape(-1, 6):
+            print("  ".join(f"{v:>{w}}" for v, w in zip(r, (6, 5, 10, 10, 10, 10))), flush=True)
+    return 0
+
+
+def _register() -> None:
+    from .cli import arguments, command
+
+    command("topology", "print which ranks share a node, as the hierarchical collectives see it")(
+        arguments(_configure)(_main))
+
+
+_register()

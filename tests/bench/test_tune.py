@@ -1,0 +1,31 @@
+"""Tuning-table construction from benchmark records."""
+
+import json
+
+from hpcjobs.bench.allreduce import Record
+from hpcjobs.bench.tune import best_rows, merge
+from hpcjobs.collectives.select import choose
+
+
+def _rec(size, impl, t):
+    return Record(size, size // 4, "float32", "sum", impl, 2, 10, t, 0.0, 0.0, 0)
+
+
+def test_winners_collapse_into_rows_with_an_open_last_row():
+    records = [_rec(8, "rd", 5), _rec(8, "ring", 9), _rec(64, "rd", 6), _rec(64, "ring", 7),
+               _rec(512, "rd", 20), _rec(512, "ring", 10), _rec(4096, "rd", 90), _rec(4096, "ring", 30)]
+    rows = best_rows(records)
+    assert [(r["max_bytes"], r["algorithm"]) for r in rows] == [(64, "rd"), (None, "ring")]
+    assert rows[0]["measured"][0] == {"size_bytes": 8, "time_us": 5, "runner_up": "ring", "runner_up_ratio": 1.8}
+
+
+def test_merge_replaces_only_the_same_shape(tmp_path):
+    path = tmp_path / "t.json"
+    old = {"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "tree"}]},
+                                    {"ranks": 4, "nodes": 2, "rows": [{"max_bytes": None, "algorithm": "ring"}]}]}
+    path.write_text(json.dumps(old))
+    new = {"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "shm"}]}
+    data = merge(str(path), new, {"host": "x"})
+    assert [(t["ranks"], t["nodes"], t["rows"][0]["algorithm"]) for t in data["tables"]] == [
+        (2, 1, "shm"), (4, 2, "ring")]
+    assert choose(1 << 20, 2, 1, tuning=data) == "shm"

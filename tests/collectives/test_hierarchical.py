@@ -1,0 +1,72 @@
+"""Hierarchical allreduce on simulated nodes: 2 and 3 nodes, even and uneven."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import COUNT_LABELS, assert_close, assert_same_on_every_rank, count_for, rank_input
+from hpcjobs.collectives import hierarchical_allreduce
+from hpcjobs.topology import detect
+
+
+def _layout(ranks_per_node: int, size: int) -> list[int]:
+    return [min(ranks_per_node, size - s) for s in range(0, size, ranks_per_node)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("intra", ["ring", "shm"])
+@pytest.mark.parametrize("inter", ["ring", "recursive_doubling", "rabenseifner"])
+@pytest.mark.parametrize("count_label", COUNT_LABELS)
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "prod"])
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 3])
+def test_hierarchical_matches_closed_form_on_simulated_nodes(ranks_per_node, op, count_label, inter, intra):
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    count = count_for(count_label, size)
+    inputs = [rank_input(r, count, "float64", op) for r in range(size)]
+    buf = inputs[rank].copy()
+
+    hierarchical_allreduce(buf, op, comm, inter=inter, intra=intra, ranks_per_node=ranks_per_node)
+
+    assert_close(buf, inputs, op, "float64")
+    assert_same_on_every_rank(buf, comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 3])
+def test_simulated_layout_is_as_asked(ranks_per_node):
+    comm = MPI.COMM_WORLD
+    topo = detect(comm, ranks_per_node=ranks_per_node)
+    assert list(topo.local_sizes) == _layout(ranks_per_node, comm.Get_size())
+    assert topo.node_id == comm.Get_rank() // ranks_per_node
+    assert topo.local_rank == comm.Get_rank() % ranks_per_node
+    assert topo.cross_comm.Get_size() == sum(1 for s in topo.local_sizes if s > topo.local_rank)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_three_nodes_with_a_short_last_one_give_the_mpi_result():
+    comm = MPI.COMM_WORLD  # at 4 ranks with 3 per node: nodes of 3 and 1; at 5: 3 and 2
+    buf = (np.arange(100_003, dtype=np.int64) * (comm.Get_rank() + 7)) % 1009
+    want = buf.copy()
+    comm.Allreduce(MPI.IN_PLACE, want)
+    hierarchical_allreduce(buf, "sum", comm, ranks_per_node=3, intra="shm")
+    np.testing.assert_array_equal(buf, want)
+
+
+def test_bad_stage_names_are_refused():
+    with pytest.raises(ValueError, match="unknown intra='nvlink'"):
+        hierarchical_allreduce(np.zeros(4), intra="nvlink")
+    with pytest.raises(ValueError, match="flat message-passing algorithm"):
+        hierarchical_allreduce(np.zeros(4), inter="shm")
+    with pytest.raises(ValueError, match="unknown algorithm 'bogus'"):
+        hierarchical_allreduce(np.zeros(4), inter="bogus")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topology_of_another_communicator_is_refused():
+    sub = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+    try:
+        with pytest.raises(ValueError, match="another communicator"):
+            hierarchical_allreduce(np.zeros(4), comm=sub, topology=detect(MPI.COMM_WORLD))
+    finally:
+        sub.Free()

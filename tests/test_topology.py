@@ -1,0 +1,65 @@
+"""Topology detection from each source: override, Slurm, shared memory."""
+
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.topology import detect
+
+
+@pytest.fixture
+def fresh_comm():
+    # detect() caches per communicator: a fresh one sees the environment anew.
+    comm = MPI.COMM_WORLD.Dup()
+    yield comm
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_shared_memory_puts_every_local_rank_on_one_node(fresh_comm, monkeypatch):
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    topo = detect(fresh_comm)
+    size = fresh_comm.Get_size()
+    assert (topo.source, topo.num_nodes, topo.local_sizes) == ("shared-memory", 1, (size,))
+    assert topo.local_rank == fresh_comm.Get_rank() and topo.cross_comm.Get_size() == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_slurm_nodeid_wins_over_shared_memory_and_numbers_nodes_by_lowest_rank(fresh_comm, monkeypatch):
+    rank, size = fresh_comm.Get_rank(), fresh_comm.Get_size()
+    # Slurm's node ids need not start at 0 nor follow rank order.
+    monkeypatch.setenv("SLURM_NODEID", str(10 - rank % 2))
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    topo = detect(fresh_comm)
+    assert topo.source == "slurm"
+    assert topo.num_nodes == 2 and topo.node_id == rank % 2
+    assert topo.local_sizes == ((size + 1) // 2, size // 2)
+    assert topo.local_rank == rank // 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_slurm_is_ignored_unless_every_rank_has_it(fresh_comm, monkeypatch):
+    if fresh_comm.Get_rank() == 0:
+        monkeypatch.setenv("SLURM_NODEID", "0")
+    else:
+        monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    assert detect(fresh_comm).source == "shared-memory"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_override_wins_over_slurm_from_argument_and_environment(fresh_comm, monkeypatch):
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert detect(fresh_comm, ranks_per_node=1).num_nodes == fresh_comm.Get_size()
+    monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", "1")
+    topo = detect(fresh_comm)
+    assert topo.source == "override" and topo.num_nodes == fresh_comm.Get_size()
+
+
+@pytest.mark.parametrize("bad", [0, -2, "two", 1.5])
+def test_bad_ranks_per_node_is_refused(bad, monkeypatch):
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
+        detect(ranks_per_node=bad)
+    monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", str(bad))
+    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
+        detect()
