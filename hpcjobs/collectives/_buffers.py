@@ -29,6 +29,9 @@ _NUMPY_DTYPES = {
     "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
 }
 DTYPES = tuple(_NUMPY_DTYPES) + ("bfloat16",)
+# Keyed by the dtype object: numpy computes dtype.name in Python, slowly, and
+# this lookup runs on every collective call. Native byte order only.
+_BY_DTYPE = {np.dtype(name): (name, np.dtype(wire)) for name, wire in _NUMPY_DTYPES.items()}
 
 _UFUNCS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
@@ -81,18 +84,22 @@ def as_flat(buf) -> Flat:
     """
     if isinstance(buf, np.ndarray):
         arr = buf
-        if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        flags = arr.flags
+        if not flags.writeable:
+            raise ValueError("buffer is read-only: collectives work in place and need a writable array")
+        if flags.c_contiguous:
+            data = arr.reshape(-1)
+        elif flags.f_contiguous:
+            data = arr.ravel(order="K")
+        else:
             raise ValueError(
                 f"buffer must be contiguous (shape {arr.shape}, strides {arr.strides}); "
                 "pass np.ascontiguousarray(buf) and copy the result back"
             )
-        if not arr.flags.writeable:
-            raise ValueError("buffer is read-only: collectives work in place and need a writable array")
-        name = arr.dtype.name
-        if name not in _NUMPY_DTYPES or not arr.dtype.isnative:
+        info = _BY_DTYPE.get(arr.dtype)
+        if info is None:
             raise TypeError(f"unsupported dtype {arr.dtype!s}; supported: {', '.join(DTYPES)} (bfloat16 via torch)")
-        data = arr.ravel(order="K")
-        return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
+        return Flat(data, data.view(info[1]), info[0])
     if _is_torch_tensor(buf):
         return _flat_from_torch(buf)
     raise TypeError(f"buffer must be a numpy.ndarray or torch.Tensor, got {type(buf).__name__}")

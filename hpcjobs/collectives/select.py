@@ -11,8 +11,9 @@ and nodes, the fastest algorithm up to each message size::
 ``auto`` reads the file named by ``HPCJOBS_TUNING`` (or :func:`set_tuning`),
 takes the table with the same ranks and nodes, else the same nodes and the
 nearest ranks, else the nearest overall, and falls back on
-:data:`DEFAULT_TABLE` when there is no file. Decisions are cached per
-communicator and size, so ``auto`` costs a dictionary lookup.
+:data:`DEFAULT_TABLE` when there is no file. It reads the node layout
+(``hpcjobs.topology``, ``HPCJOBS_RANKS_PER_NODE``) once per communicator and
+caches each decision on it per size, so a call costs a dictionary lookup.
 """
 
 from __future__ import annotations
@@ -141,12 +142,14 @@ def _auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     if decisions is None or decisions.get("generation") != _decisions_generation:
         decisions = {"generation": _decisions_generation}
         comm.Set_attr(_DECISIONS_KEYVAL, decisions)
-    key = (flat.nbytes, os.environ.get("HPCJOBS_RANKS_PER_NODE"))
+    key = flat.nbytes
     fn = decisions.get(key)
     if fn is None:
         from ..topology import detect_private
 
-        topo = detect_private(comm)
+        topo = decisions.get("topology")
+        if topo is None:  # the layout, read once per communicator (and set_tuning)
+            topo = decisions["topology"] = detect_private(comm)
         name = choose(flat.nbytes, comm.Get_size(), topo.num_nodes)
         if name == "shm" and not is_single_node(comm):
             name = "hierarchical"

@@ -19,6 +19,14 @@ def test_winners_collapse_into_rows_with_an_open_last_row():
     assert rows[0]["measured"][0] == {"size_bytes": 8, "time_us": 5, "runner_up": "ring", "runner_up_ratio": 1.8}
 
 
+def test_a_near_tie_does_not_switch_algorithms():
+    records = [_rec(8, "rd", 5), _rec(8, "ring", 9), _rec(64, "rd", 10.3), _rec(64, "ring", 10),
+               _rec(512, "rd", 20), _rec(512, "ring", 10)]
+    rows = best_rows(records)
+    assert [(r["max_bytes"], r["algorithm"]) for r in rows] == [(64, "rd"), (None, "ring")]
+    assert rows[0]["measured"][1]["runner_up"] == "ring"
+
+
 def test_merge_replaces_only_the_same_shape(tmp_path):
     path = tmp_path / "t.json"
     old = {"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "tree"}]},
