@@ -25,7 +25,11 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     Each of the ``warmup + iters`` rounds runs every implementation once:
     ``reset(); barrier; run()``, timing only ``run``. Interleaving matters on
     a shared machine: load that comes and goes then hits every implementation
-    alike instead of whichever ran its block of iterations at the time.
+    alike instead of whichever ran its block of iterations at the time. The
+    order rotates every round, because an implementation can leave work
+    behind for the next MPI call (a pipelined ring's segmented rendezvous
+    sends slowed whatever ran after them by ~10% here): rotated, each one
+    follows each other equally often.
     ``check()`` (untimed) counts this rank's wrong elements right after each
     implementation's final run.
 
@@ -35,8 +39,10 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     """
     times: dict[str, list[float]] = {label: [] for label in runs}
     wrong: dict[str, int] = {}
+    order = list(runs.items())
     for i in range(warmup + iters):
-        for label, run in runs.items():
+        shift = i % len(order)
+        for label, run in order[shift:] + order[:shift]:
             reset()
             comm.Barrier()
             t0 = MPI.Wtime()
