@@ -26,7 +26,7 @@ from mpi4py import MPI
 from ..collectives import ALGORITHMS, allreduce, ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
-from .baselines import BASELINES, mpi_supports
+from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 
 _PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
@@ -88,7 +88,21 @@ def expected_output(count: int, dtype: str, op: str, size: int) -> np.ndarray:
     return out
 
 
-def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> dict[str, Callable]:
+@dataclass(frozen=True)
+class Impl:
+    """One column of the table: ``fn(buf, op, comm)`` and which dtypes it has."""
+
+    fn: Callable
+    supports: Callable[[str], bool] = lambda dtype: True
+    # Measured in a pass of its own after the others: once initialised it
+    # keeps costing CPU that every other implementation would pay for.
+    late: bool = False
+
+    def __call__(self, buf, op, comm):
+        return self.fn(buf, op, comm)
+
+
+def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> dict[str, Impl]:
     """Map table labels to ``fn(buf, op, comm)`` for the requested names.
 
     Names are our algorithms (:data:`hpcjobs.collectives.ALGORITHMS`), "auto"
@@ -101,11 +115,11 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
         if name == "ring_pipelined" and segment_sizes:
             for seg in segment_sizes:
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
-                impls[label] = functools.partial(_ring_pipelined, segment_bytes=seg)
+                impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
         elif name in ALGORITHMS or name == "auto":
-            impls[name] = functools.partial(_ours, algorithm=name)
+            impls[name] = Impl(functools.partial(_ours, algorithm=name))
         elif name in BASELINES:
-            impls[name] = BASELINES[name]
+            impls[name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
         else:
             raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
     return impls
@@ -119,7 +133,7 @@ def _ring_pipelined(buf, op, comm, *, segment_bytes):
     return ring_allreduce(buf, op, comm, pipeline=True, segment_bytes=segment_bytes)
 
 
-IMPLS = (*ALGORITHMS, "auto", *BASELINES)
+IMPLS = (*ALGORITHMS, "auto", *KNOWN_BASELINES)
 
 
 def format_bytes(n: int) -> str:
@@ -165,7 +179,7 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         want = expected_output(count, dtype, op, size)
         n_iters = iters or auto_iters(count * itemsize)
         runs = {label: functools.partial(fn, buf, op, comm) for label, fn in impls.items()
-                if not (label == "mpi" and not mpi_supports(dtype))}
+                if not isinstance(fn, Impl) or fn.supports(dtype)}
         times, wrong = time_interleaved(runs, lambda: np.copyto(flat.data, pristine),
                                         lambda: int(np.count_nonzero(flat.data != want)),
                                         comm, n_iters, warmup)
@@ -188,8 +202,13 @@ def _configure(p) -> None:
     p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
                    help="largest message (default 64M)")
     p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier between rows (default 2)")
-    p.add_argument("--impl", default="ring,ring_pipelined,mpi",
-                   help=f"comma-separated implementations, or 'all' (from: {', '.join(IMPLS)}; default %(default)s)")
+    p.add_argument("--impl", default="ring,ring_pipelined",
+                   help=f"comma-separated algorithms of ours, or 'all' (from: {', '.join((*ALGORITHMS, 'auto'))}; "
+                        "default %(default)s)")
+    p.add_argument("--baselines", default="mpi",
+                   help=f"comma-separated baselines, 'all' or 'none' (from: {', '.join(KNOWN_BASELINES)}; "
+                        "default %(default)s); one that cannot run here is skipped with the reason, except "
+                        "horovod when HPCJOBS_REQUIRE_HOROVOD=1")
     p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
                    help="simulate nodes of N consecutive ranks for hierarchical and auto "
                         "(sets HPCJOBS_RANKS_PER_NODE; default: detect)")
@@ -205,18 +224,29 @@ def _configure(p) -> None:
                    help=f"ring_pipelined segment size(s); several give one row each "
                         f"(default {format_bytes(DEFAULT_SEGMENT_BYTES)})")
     p.add_argument("--json", metavar="PATH", help="also write the records and the environment as JSON")
+    p.add_argument("--csv", metavar="PATH", help="also write the records as CSV")
+    p.add_argument("--out", metavar="DIR",
+                   help="write a report there: report.md with the table and environment, busbw.png, "
+                        "latency.png, records.json, records.csv (plots need matplotlib)")
 
 
 def main(args) -> int:
+    import os
+
     from ..cli import UsageError, parse_bytes
     from ..comm import print0, private
-    from .report import environment, header, preamble, row, write_json
+    from .report import environment, header, preamble, row, write_csv, write_json, write_report
 
     if args.min_bytes > args.max_bytes:
         raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if args.factor < 2:
         raise UsageError("--factor must be at least 2")
-    names = list(IMPLS) if args.impl == "all" else [n.strip() for n in args.impl.split(",") if n.strip()]
+    names = [*ALGORITHMS, "auto"] if args.impl == "all" else [n.strip() for n in args.impl.split(",") if n.strip()]
+    base = {"all": list(KNOWN_BASELINES), "none": []}.get(
+        args.baselines, [n.strip() for n in args.baselines.split(",") if n.strip()])
+    unknown = [n for n in base if n not in KNOWN_BASELINES]
+    if unknown:
+        raise UsageError(f"unknown baseline {unknown[0]!r}; choose from {', '.join(KNOWN_BASELINES)}, all, none")
     apply_placement(args)
     try:
         segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
@@ -229,21 +259,68 @@ def main(args) -> int:
         n *= args.factor
 
     comm = private()
+    skipped = {}
+    for name in base:
+        reason = available(name, comm)
+        if reason is None:
+            impls.update(implementations([name]))
+        elif name == "horovod" and os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
+            raise RuntimeError(f"HPCJOBS_REQUIRE_HOROVOD=1 but horovod cannot run: {reason}")
+        else:
+            skipped[name] = reason
     env = environment(comm)
     for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
                               f"{args.framework} buffers; time = max over ranks of each rank's median"):
         print0(line)
-    if "mpi" in impls and not mpi_supports(args.dtype):
-        print0(f"# mpi: this MPI has no {args.dtype} reduction; its rows are left out")
+    for name, reason in skipped.items():
+        print0(f"# {name}: skipped: {reason}")
+    for label, impl in impls.items():
+        if not impl.supports(args.dtype):
+            print0(f"# {label}: has no {args.dtype} allreduce; its rows are left out")
     print0(header())
-    records = run(comm, sizes, impls, args.dtype, args.op, args.iters, args.warmup, args.framework,
+    first = {label: impl for label, impl in impls.items() if not impl.late}
+    late = {label: impl for label, impl in impls.items() if impl.late}
+    records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
                   on_record=lambda r: print0(row(r)))
+    if late:
+        records += _late_pass(comm, sizes, late, records, args)
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
-    if args.json and comm.Get_rank() == 0:
-        write_json(args.json, records, env)
-        print0(f"# records written to {args.json}")
+    if comm.Get_rank() == 0:
+        if args.json:
+            write_json(args.json, records, env)
+            print0(f"# records written to {args.json}")
+        if args.csv:
+            write_csv(args.csv, records)
+            print0(f"# records written to {args.csv}")
+        if args.out:
+            import sys
+
+            command = " ".join(["hpcjobs", *sys.argv[1:]])
+            paths = write_report(args.out, records, env, f"hpcjobs bench allreduce, {comm.Get_size()} ranks", command)
+            print0(f"# report written to {paths[0]}")
     return 1 if wrong else 0
+
+
+def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:
+    """Measure the late implementations (Horovod) after everything else, with
+    MPI_Allreduce re-measured beside them as an anchor: the anchor's ratio to
+    its first-pass time says how far conditions drifted between the passes."""
+    from ..comm import print0
+    from .report import row
+
+    print0(f"# {', '.join(late)}: measured after the others, beside MPI_Allreduce as an anchor "
+           "(Horovod's background thread keeps ~half a core busy on rank 0 once initialised)")
+    anchor = {"mpi (anchor)": Impl(*BASELINES["mpi"])}
+    recs = run(comm, sizes, {**late, **anchor}, args.dtype, args.op, args.iters, args.warmup, args.framework,
+               on_record=lambda r: print0(row(r)) if r.impl in late else None)
+    first_mpi = {r.size_bytes: r.time_us for r in first_records if r.impl == "mpi"}
+    drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
+                   if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
+    if drift:
+        print0(f"# anchor: MPI_Allreduce in the late pass took {drift[len(drift) // 2]:.2f}x its first-pass "
+               f"time (median over sizes; range {drift[0]:.2f}-{drift[-1]:.2f}x)")
+    return [r for r in recs if r.impl in late]
 
 
 def apply_placement(args) -> None:

@@ -3,6 +3,7 @@ nccl-tests way (each rank's median, then the maximum over ranks)."""
 
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Callable
 
@@ -26,10 +27,11 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     ``reset(); barrier; run()``, timing only ``run``. Interleaving matters on
     a shared machine: load that comes and goes then hits every implementation
     alike instead of whichever ran its block of iterations at the time. The
-    order rotates every round, because an implementation can leave work
-    behind for the next MPI call (a pipelined ring's segmented rendezvous
-    sends slowed whatever ran after them by ~10% here): rotated, each one
-    follows each other equally often.
+    order is a fresh permutation every round (seeded, so every rank agrees),
+    because what ran just before matters: a pipelined ring's segmented
+    rendezvous sends slowed whatever followed by ~10% here, and the shared-
+    memory algorithm ran 3-4x faster or slower depending on its predecessor.
+    Merely rotating a fixed order keeps the same neighbours.
     ``check()`` (untimed) counts this rank's wrong elements right after each
     implementation's final run.
 
@@ -41,8 +43,8 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     wrong: dict[str, int] = {}
     order = list(runs.items())
     for i in range(warmup + iters):
-        shift = i % len(order)
-        for label, run in order[shift:] + order[:shift]:
+        random.Random(i).shuffle(order)
+        for label, run in order:
             reset()
             comm.Barrier()
             t0 = MPI.Wtime()

@@ -55,3 +55,85 @@ def write_json(path: str, records: Iterable, env: dict) -> None:
         json.dump({"environment": env, "records": [r.to_dict() for r in records]}, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def write_csv(path: str, records: Iterable) -> None:
+    """One row per record, the Record fields as columns."""
+    import csv
+
+    records = list(records)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        if records:
+            writer = csv.DictWriter(f, fieldnames=list(records[0].to_dict()))
+            writer.writeheader()
+            writer.writerows(r.to_dict() for r in records)
+    os.replace(tmp, path)
+
+
+def _size_label(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g}{unit}"
+    return f"{n}"
+
+
+def plot(records: Iterable, path: str, metric: str, title: str) -> None:
+    """Log-log plot of ``metric`` ("busbw_gbps" or "time_us") against message
+    size, one line per implementation.
+
+    Raises:
+        RuntimeError: matplotlib is missing (install hpcjobs[report]).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plots need matplotlib: pip install 'hpcjobs[report]'") from None
+    by_impl: dict[str, list] = {}
+    for r in records:
+        by_impl.setdefault(r.impl, []).append(r)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    for impl, rows in by_impl.items():
+        rows = sorted(rows, key=lambda r: r.size_bytes)
+        style = "--" if impl in ("mpi", "gloo", "nccl", "horovod") else "-"
+        ax.plot([r.size_bytes for r in rows], [getattr(r, metric) for r in rows], style, marker="o",
+                markersize=3, label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    sizes = sorted({r.size_bytes for rows in by_impl.values() for r in rows})
+    ticks = sizes[::max(1, len(sizes) // 8)]
+    ax.set_xticks(ticks, [_size_label(t) for t in ticks])
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel({"busbw_gbps": "bus bandwidth (GB/s)", "time_us": "time (µs)"}[metric])
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(out_dir: str, records: list, env: dict, title: str, command: str) -> list[str]:
+    """``out_dir``/report.md (table, environment, plots), busbw.png,
+    latency.png, records.json and records.csv. Returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {name: os.path.join(out_dir, name) for name in
+             ("report.md", "busbw.png", "latency.png", "records.json", "records.csv")}
+    write_json(paths["records.json"], records, env)
+    write_csv(paths["records.csv"], records)
+    plot(records, paths["busbw.png"], "busbw_gbps", f"allreduce bus bandwidth, {env['ranks']} ranks")
+    plot(records, paths["latency.png"], "time_us", f"allreduce time, {env['ranks']} ranks")
+    lines = [f"# {title}", "", f"Command: `{command}`", "", "## Environment", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", "## Results", "", "Time is the slowest rank's median; busbw = algbw·2(P−1)/P; "
+              "`#wrong` counts elements that differ from the exact result, over all ranks.", "", "```",
+              header(), *(row(r) for r in records), "```", "",
+              "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
+    tmp = paths["report.md"] + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(lines))
+    os.replace(tmp, paths["report.md"])
+    return list(paths.values())

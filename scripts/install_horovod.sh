@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build Horovod 0.28.1 (its last release) with PyTorch + MPI + Gloo into the
+# project venv, and cache the wheel so a rerun installs in seconds.
+#
+# 0.28.1's sdist sets CMAKE_CXX_STANDARD 14 in CMakeLists.txt and
+# horovod/torch/CMakeLists.txt, but torch >= 2.1 needs C++17: we patch both to
+# 17. Building takes about 5 minutes on 2 cores. The cached wheel lives in
+# .cache/horovod/, keyed by Python, torch and MPI, so a different MPI or torch
+# rebuilds. Ends with `horovodrun --check-build`, which must list PyTorch, MPI
+# and Gloo.
+#
+#   scripts/install_horovod.sh            # build (or reuse) and install
+#   HOROVOD_FORCE_REBUILD=1 scripts/install_horovod.sh
+set -euo pipefail
+source "$(dirname "$0")/lib.sh"
+ensure_venv
+setup_mpi_env
+
+version=0.28.1
+py=$VENV/bin/python
+torch_version=$("$py" -c 'import torch; print(torch.__version__)')
+mpi_id=$(mpirun --version 2>&1 | head -n 1 | tr -c 'A-Za-z0-9.\n' '_')
+key=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')-torch${torch_version}-$(echo "$mpi_id" | sha256sum | cut -c1-12)
+cache=$ROOT/.cache/horovod/$key
+mkdir -p "$cache"
+
+installed() {
+    "$py" - "$version" <<'PY' 2>/dev/null
+import sys, importlib.metadata as md
+sys.exit(0 if md.version("horovod") == sys.argv[1] else 1)
+PY
+}
+
+if [ "${HOROVOD_FORCE_REBUILD:-0}" = 1 ]; then rm -f "$cache"/*.whl; fi
+wheel=$(ls "$cache"/horovod-$version-*.whl 2>/dev/null | head -n 1 || true)
+if [ -z "$wheel" ]; then
+    for tool in cmake g++ mpicc; do
+        command -v "$tool" >/dev/null 2>&1 || { say "building Horovod needs $tool on PATH (Debian: apt-get install cmake g++)"; exit 1; }
+    done
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    say "downloading the Horovod $version sdist"
+    "$py" -m pip download -q --no-deps --no-binary=:all: -d "$work" "horovod==$version"
+    tar -xzf "$work"/horovod-$version.tar.gz -C "$work"
+    src=$work/horovod-$version
+    for f in CMakeLists.txt horovod/torch/CMakeLists.txt; do
+        grep -q 'set(CMAKE_CXX_STANDARD 14)' "$src/$f" || { say "$f has no 'set(CMAKE_CXX_STANDARD 14)': unexpected sdist"; exit 1; }
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/$f"
+    done
+    # CMake >= 4 refuses the sdist's old cmake_minimum_required without this.
+    export CMAKE_POLICY_VERSION_MINIMUM=3.5
+    say "building Horovod $version against torch $torch_version and $(mpirun --version 2>&1 | head -n 1) (about 5 minutes)"
+    HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
+    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
+    MAKEFLAGS=-j"$(nproc)" \
+        "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$cache" "$src" >"$work/build.log" 2>&1 || {
+            say "Horovod build failed; last lines of the log:"; tail -n 40 "$work/build.log" >&2; exit 1; }
+    wheel=$(ls "$cache"/horovod-$version-*.whl | head -n 1)
+    say "built $(basename "$wheel"), cached in $cache"
+fi
+if ! installed; then
+    say "installing $(basename "$wheel")"
+    "$py" -m pip install -q --no-deps "$wheel"
+    # Horovod's own run-time dependencies (not torch: that stays pinned).
+    "$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+fi
+check=$(horovodrun --check-build 2>&1)
+echo "$check"
+for want in PyTorch MPI Gloo; do
+    echo "$check" | grep -qE "\[X\] $want" || { say "horovodrun --check-build does not list $want"; exit 1; }
+done
+say "Horovod $version ready"
