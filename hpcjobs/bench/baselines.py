@@ -172,6 +172,20 @@ def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     return buf
 
 
+def shutdown() -> None:
+    """Tear down the torch.distributed process group and Horovod, if started,
+    so a long-lived process (a test session) stops paying for their threads."""
+    global _torch_dist_backend, _hvd
+    if _hvd is not None:
+        _hvd.shutdown()
+        _hvd = None
+    if _torch_dist_backend is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        _torch_dist_backend = None
+
+
 # name -> (fn, supports(dtype)); "nccl" is known but has no CPU-buffer adapter.
 BASELINES: dict[str, tuple[Callable, Callable[[str], bool]]] = {
     "mpi": (mpi_allreduce, mpi_supports),
