@@ -93,7 +93,8 @@ def nonnegative_int(text: str) -> int:
 
 
 # Importing one of these modules registers its commands.
-_COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune")
+_COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune",
+                    "hpcjobs.perfmodel")
 
 
 def _load_commands() -> None:

@@ -90,3 +90,57 @@ def test_info_names_every_rank():
     assert "ranks: 3" in out.stdout
     assert [l.split()[:4] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
         ["rank", str(r), "of", "3"] for r in range(3)]
+
+
+def test_bench_report_with_gloo_and_bad_baselines(tmp_path):
+    out = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "4K", "-f", "16", "--iters", "2",
+                  "--impl", "ring,recursive_doubling", "--baselines", "mpi,gloo,nccl",
+                  "--out", str(tmp_path / "rep"), "--csv", str(tmp_path / "r.csv"))
+    assert out.returncode == 0, out.stderr
+    assert "# nccl: skipped: " in out.stdout
+    rows = [l.split() for l in out.stdout.splitlines() if l and not l.startswith("#")]
+    assert {r[4] for r in rows} == {"ring", "recursive_doubling", "mpi", "gloo"}
+    assert all(r[-1] == "0" for r in rows)
+    for name in ("report.md", "busbw.png", "latency.png", "records.json", "records.csv"):
+        assert (tmp_path / "rep" / name).stat().st_size > 0, name
+    assert (tmp_path / "rep" / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "gloo" in (tmp_path / "rep" / "report.md").read_text()
+    assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("size_bytes,count,dtype,op,impl")
+    bad = _mpirun(2, "bench", "allreduce", "--baselines", "mpi,mkl")
+    assert bad.returncode == 2 and "unknown baseline 'mkl'" in bad.stderr
+
+
+def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
+    table = tmp_path / "tuning.json"
+    out = _mpirun(2, "tune", "-b", "8", "-e", "64K", "-f", "8", "--iters", "3", "--out", str(table))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(table.read_text())
+    (t,) = data["tables"]
+    assert (t["ranks"], t["nodes"]) == (2, 1) and t["rows"][-1]["max_bytes"] is None
+    used = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64K", "-f", "8", "--iters", "2",
+                   "--impl", "auto", "--tuning", str(table))
+    assert used.returncode == 0, used.stderr
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    bad = _mpirun(2, "bench", "allreduce", "--impl", "auto", "--tuning", str(broken))
+    assert bad.returncode == 2 and "has no 'tables'" in bad.stderr
+
+
+def test_model_fits_predicts_and_counts_bytes(tmp_path):
+    out = _mpirun(2, "model", "-b", "1M", "-e", "4M", "-f", "4", "--iters", "3", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "alpha =" in out.stdout and "gamma =" in out.stdout
+    assert out.stdout.count("(matches)") == 6
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert {r["algorithm"] for r in data["rows"]} == {"ring", "recursive_doubling", "rabenseifner", "tree",
+                                                       "parameter_server"}
+    assert all(r["predicted_us"] > 0 for r in data["rows"])
+    assert (tmp_path / "model.png").exists()
+    one = _mpirun(1, "model")
+    assert one.returncode == 2 and "at least 2 ranks" in one.stderr
+
+
+def test_topology_prints_the_simulated_layout():
+    out = _mpirun(5, "topology", "--ranks-per-node", "2")
+    assert out.returncode == 0, out.stderr
+    assert "5 ranks on 3 node(s) [2, 2, 1], source: override" in out.stdout

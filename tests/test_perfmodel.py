@@ -1,0 +1,68 @@
+"""The cost model: its formulas, its fit, and bytes counted on the wire."""
+
+import math
+
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.perfmodel import Machine, _fit, count_bytes, predict
+
+SIZES = [8, 1024, 1 << 20, 64 << 20]
+
+
+def _linear_machine(alpha=2e-6, beta=1e-10, gamma=5e-11):
+    return Machine(alpha=alpha, beta=beta, beta_pingpong=beta, gamma=gamma, dtype="float32",
+                   sizes=SIZES, message_s=[alpha + n * beta for n in SIZES],
+                   oneway_s=[alpha + n * beta for n in SIZES], reduce_s=[n * gamma for n in SIZES])
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
+def test_linear_predictions_are_the_textbook_formulas(P):
+    m = _linear_machine()
+    a, b, g, N = m.alpha, m.beta, m.gamma, float(1 << 24)
+    p2 = 1 << (P.bit_length() - 1)
+    fold = 0 if p2 == P else 2 * (a + N * b) + N * g
+    lg = math.log2(p2)
+    assert predict("ring", N, P, m, linear=True) == pytest.approx(2 * (P - 1) * a + 2 * (P - 1) / P * N * b
+                                                                  + (P - 1) / P * N * g)
+    assert predict("recursive_doubling", N, P, m, linear=True) == pytest.approx(lg * (a + N * b + N * g) + fold)
+    assert predict("rabenseifner", N, P, m, linear=True) == pytest.approx(
+        2 * lg * a + 2 * (p2 - 1) / p2 * N * b + (p2 - 1) / p2 * N * g + fold)
+    assert predict("parameter_server", N, P, m, linear=True) == pytest.approx(2 * (P - 1) * (a + N * b)
+                                                                              + (P - 1) * N * g)
+
+
+def test_measured_costs_interpolate_between_sizes_and_scale_beyond():
+    m = _linear_machine()
+    m.message_s = [1e-6, 2e-6, 100e-6, 8000e-6]
+    assert m.message(1024) == pytest.approx(2e-6)
+    assert 2e-6 < m.message(32 << 10) < 100e-6
+    assert m.message(128 << 20) == pytest.approx(16000e-6)
+
+
+def test_fit_recovers_alpha_and_beta():
+    sizes = [8, 512, 32 << 10, 1 << 20, 16 << 20]
+    alpha, beta = _fit(sizes, [3e-6 + n * 2e-10 for n in sizes])
+    assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
+
+
+def test_unmodeled_algorithm_is_refused():
+    with pytest.raises(ValueError, match="no model for 'shm'"):
+        predict("shm", 1024, 2, _linear_machine())
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("nbytes", [4096, 1 << 20])
+def test_counted_bytes_match_the_formulas(nbytes):
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    # ring: 2(P-1) chunks of N/P each way (chunks differ by at most one element)
+    sent, received = count_bytes("ring", nbytes, comm)
+    assert abs(sent - 2 * (P - 1) * nbytes / P) <= 2 * (P - 1) * 4
+    assert abs(received - 2 * (P - 1) * nbytes / P) <= 2 * (P - 1) * 4
+    # parameter server: 2N(P-1) through rank 0, 2N on every other rank
+    sent, received = count_bytes("parameter_server", nbytes, comm)
+    assert (sent, received) == ((nbytes * (P - 1),) * 2 if rank == 0 else (nbytes, nbytes))
+    # recursive doubling: N per round, log2 P rounds, when P is a power of two
+    if P & (P - 1) == 0:
+        assert count_bytes("recursive_doubling", nbytes, comm) == (nbytes * int(math.log2(P)),) * 2
