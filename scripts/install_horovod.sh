@@ -34,6 +34,10 @@ PY
 if [ "${HOROVOD_FORCE_REBUILD:-0}" = 1 ]; then rm -f "$cache"/*.whl; fi
 wheel=$(ls "$cache"/horovod-$version-*.whl 2>/dev/null | head -n 1 || true)
 if [ -z "$wheel" ]; then
+    if { ! command -v cmake || ! command -v g++; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing cmake and g++ (Debian packages) to build Horovod"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake g++ make >/dev/null
+    fi
     for tool in cmake g++ mpicc; do
         command -v "$tool" >/dev/null 2>&1 || { say "building Horovod needs $tool on PATH (Debian: apt-get install cmake g++)"; exit 1; }
     done
