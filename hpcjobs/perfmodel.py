@@ -291,7 +291,7 @@ def _configure(p) -> None:
 
 
 def _main(args) -> int:
-    from .bench.allreduce import apply_placement, implementations, run
+    from .bench.allreduce import apply_placement, implementations, run, size_sweep
     from .cli import UsageError
     from .comm import print0, private
     from .topology import detect_private
@@ -308,10 +308,7 @@ def _main(args) -> int:
     m = measure(comm)
     print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {1 / m.beta / 1e9:.2f} GB/s (exchange), "
            f"{1 / m.beta_pingpong / 1e9:.2f} GB/s (ping-pong)    gamma = {1 / m.gamma / 1e9:.2f} GB/s reduced")
-    sizes, n = [], args.min_bytes
-    while n <= args.max_bytes:
-        sizes.append(n)
-        n *= args.factor
+    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
     names = [a for a in MODELED if a != "hierarchical" or topo.num_nodes > 1]
     records = run(comm, sizes, implementations(names), iters=args.iters)
     print0("# predicted: the formulas costed with measured per-size message and reduction costs;")

@@ -134,6 +134,18 @@ def assert_same_on_every_rank(result, comm: MPI.Comm) -> None:
     assert lo[0] == hi[0], "ranks disagree on the result"
 
 
+def check_allreduce(out, inputs: list[np.ndarray], op: str, dtype: str, comm: MPI.Comm) -> None:
+    """The result of an allreduce of ``inputs`` on this rank: the closed form
+    within the rounding bound, bitwise equal on every rank, and equal to
+    ``MPI_Allreduce`` of the same data where the MPI has the dtype."""
+    assert_close(out, inputs, op, dtype)
+    assert_same_on_every_rank(out, comm)
+    if dtype in MPI_DTYPES:
+        ref = mpi_reference(inputs[comm.Get_rank()], dtype, op, comm)
+        diff = np.abs(to_float64(out, dtype) - ref.astype(np.float64))
+        assert (diff <= 2 * tolerance(inputs, op, dtype)).all()
+
+
 @pytest.fixture(scope="session")
 def split_comm():
     """COMM_WORLD split into even and odd ranks (sizes ceil(P/2), floor(P/2))."""

@@ -136,6 +136,16 @@ def _ring_pipelined(buf, op, comm, *, segment_bytes):
 IMPLS = (*ALGORITHMS, "auto", *KNOWN_BASELINES)
 
 
+def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """min_bytes, min_bytes·factor, ... up to max_bytes (the --min/--max/--factor
+    flags of every sweeping command)."""
+    sizes, n = [], min_bytes
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= factor
+    return sizes
+
+
 def format_bytes(n: int) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale and n % scale == 0:
@@ -253,10 +263,7 @@ def main(args) -> int:
         impls = implementations(names, segs)
     except (ValueError, argparse.ArgumentTypeError) as e:
         raise UsageError(f"{e}") from None
-    sizes, n = [], args.min_bytes
-    while n <= args.max_bytes:
-        sizes.append(n)
-        n *= args.factor
+    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
 
     comm = private()
     skipped = {}

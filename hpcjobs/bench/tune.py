@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 import os
 
-from mpi4py import MPI
 
 from ..collectives import ALGORITHMS
 from ..collectives.shm import is_single_node
-from .allreduce import Record, format_bytes, implementations, run
+from .allreduce import Record, format_bytes, implementations, run, size_sweep
 
 
 # Keep the current row's algorithm while it is within this factor of a size's
@@ -102,10 +101,7 @@ def main(args) -> int:
     comm = private()
     topo = detect_private(comm)
     names = [a for a in ALGORITHMS if a != "shm" or is_single_node(comm)]
-    sizes, n = [], args.min_bytes
-    while n <= args.max_bytes:
-        sizes.append(n)
-        n *= args.factor
+    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
            f"{len(names)} algorithms x {len(sizes)} sizes")
     done = [0]

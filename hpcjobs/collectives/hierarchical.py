@@ -63,12 +63,7 @@ def _hierarchical(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology |
         inter_fn(flat, op, cross)
         return
     if not topo.uniform:
-        _tree_reduce(flat, stage, node)
-        if topo.local_rank == 0:
-            inter_fn(flat, stage, cross)
-            if op == "avg":
-                finish_avg(flat.data, flat.dtype, size)
-        _tree_bcast(flat, node)
+        _through_leaders(flat, op, topo, inter_fn, size)
         return
     main = flat.count // L * L
     if main:
@@ -87,13 +82,20 @@ def _hierarchical(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology |
         else:
             _allgather(m, node)
     if main < flat.count:
-        tail = flat.slice(main, flat.count)
-        _tree_reduce(tail, stage, node)
-        if topo.local_rank == 0:
-            inter_fn(tail, stage, cross)
-            if op == "avg":
-                finish_avg(tail.data, flat.dtype, size)
-        _tree_bcast(tail, node)
+        _through_leaders(flat.slice(main, flat.count), op, topo, inter_fn, size)
+
+
+def _through_leaders(flat: Flat, op: str, topo: Topology, inter_fn, size: int) -> None:
+    """Binomial reduce to local rank 0, allreduce among the local-rank-0
+    ranks, binomial broadcast inside the node: the uneven-node fallback, and
+    the count % L tail of the uniform path."""
+    stage = "sum" if op == "avg" else op
+    _tree_reduce(flat, stage, topo.node_comm)
+    if topo.local_rank == 0:
+        inter_fn(flat, stage, topo.cross_comm)
+        if op == "avg":
+            finish_avg(flat.data, flat.dtype, size)
+    _tree_bcast(flat, topo.node_comm)
 
 
 def _intra_allreduce(flat: Flat, op: str, node: MPI.Intracomm, intra: str) -> None:

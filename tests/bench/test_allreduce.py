@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.bench import allreduce as bench
 from hpcjobs.bench.allreduce import expected_output, implementations, make_input, run
 from hpcjobs.bench.baselines import mpi_supports
 

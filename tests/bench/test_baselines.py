@@ -7,7 +7,6 @@ HPCJOBS_REQUIRE_HOROVOD=1 (CI sets it).
 
 import os
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 

@@ -5,8 +5,7 @@
 import numpy as np
 import pytest
 
-from conftest import (COUNT_LABELS, MPI_DTYPES, assert_close, assert_same_on_every_rank, count_for,
-                      make_buffer, mpi_reference, rank_input, to_float64, tolerance)
+from conftest import COUNT_LABELS, check_allreduce, count_for, make_buffer, rank_input
 from hpcjobs.collectives import (ALGORITHMS, allreduce, hierarchical_allreduce, parameter_server_allreduce,
                                  rabenseifner_allreduce, recursive_doubling_allreduce, shm_allreduce,
                                  tree_allreduce)
@@ -31,12 +30,7 @@ def test_algorithm_matches_closed_form_and_mpi(algorithm, framework, dtype, op, 
     out = allreduce(buf, op, algorithm, comm)
 
     assert out is buf
-    assert_close(out, inputs, op, dtype)
-    assert_same_on_every_rank(out, comm)
-    if dtype in MPI_DTYPES:
-        ref = mpi_reference(inputs[rank], dtype, op, comm)
-        diff = np.abs(to_float64(out, dtype) - ref.astype(np.float64))
-        assert (diff <= 2 * tolerance(inputs, op, dtype)).all()
+    check_allreduce(out, inputs, op, dtype, comm)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -13,7 +13,7 @@ from hpcjobs.comm import private
 @pytest.mark.parametrize("block_bytes", [64, 1000, 1 << 16])
 @pytest.mark.parametrize("count", [1, 7, 10_007])
 def test_small_blocks_take_many_steps_and_stay_exact(block_bytes, count, comm):
-    size, rank = comm.Get_size(), comm.Get_rank()
+    rank = comm.Get_rank()
     buf = (np.arange(count, dtype=np.int64) * (rank + 1)) % 97
     want = buf.copy()
     comm.Allreduce(MPI.IN_PLACE, want)
