@@ -26,7 +26,7 @@ from mpi4py import MPI
 from ..collectives import ALGORITHMS, allreduce, ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
-from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available
+from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 
 _PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
@@ -119,7 +119,7 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
         elif name in ALGORITHMS or name == "auto":
             impls[name] = Impl(functools.partial(_ours, algorithm=name))
         elif name in BASELINES:
-            impls[name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
+            impls[mpi_label() if name == "mpi" else name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
         else:
             raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
     return impls
@@ -321,7 +321,7 @@ def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:
     anchor = {"mpi (anchor)": Impl(*BASELINES["mpi"])}
     recs = run(comm, sizes, {**late, **anchor}, args.dtype, args.op, args.iters, args.warmup, args.framework,
                on_record=lambda r: print0(row(r)) if r.impl in late else None)
-    first_mpi = {r.size_bytes: r.time_us for r in first_records if r.impl == "mpi"}
+    first_mpi = {r.size_bytes: r.time_us for r in first_records if r.impl == mpi_label()}
     drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
                    if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
     if drift:

@@ -46,6 +46,17 @@ def mpi_supports(dtype: str) -> bool:
     return True
 
 
+def mpi_label() -> str:
+    """"mpi", or "mpi/tuned:N" when Open MPI's coll/tuned was told to force
+    allreduce algorithm N (``mpirun --mca coll_tuned_use_dynamic_rules 1
+    --mca coll_tuned_allreduce_algorithm N``; MCA parameters must be set
+    before MPI_Init, so the launcher sets them). The table then says which
+    algorithm the mpi row measured instead of passing it off as the default."""
+    forced = os.environ.get("OMPI_MCA_coll_tuned_allreduce_algorithm", "").strip()
+    dynamic = os.environ.get("OMPI_MCA_coll_tuned_use_dynamic_rules", "").strip().lower() in ("1", "true", "yes")
+    return f"mpi/tuned:{forced}" if forced and forced != "0" and dynamic else "mpi"
+
+
 def mpi_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     """The MPI library's own ``MPI_Allreduce``, in place (``MPI_IN_PLACE``)."""
     check_op(op)
