@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcjobs",
         description="MPI job suite for distributed training: hand-written collectives, "
-                    "benchmarked against MPI_Allreduce. Run under mpirun/srun.",
+                    "benchmarked against MPI_Allreduce, torch.distributed and Horovod. "
+                    "Run under mpirun/srun, e.g. `mpirun -n 4 hpcjobs bench allreduce`.",
     )
     groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
     parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {}
