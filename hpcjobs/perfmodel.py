@@ -279,14 +279,9 @@ def count_bytes(algorithm: str, nbytes: int, comm: MPI.Intracomm) -> tuple[int, 
 
 
 def _configure(p) -> None:
-    from .cli import parse_bytes, positive_int
+    from .bench.allreduce import add_sweep_arguments
 
-    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE", help="default 8")
-    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE", help="default 64M")
-    p.add_argument("--factor", "-f", type=positive_int, default=4, help="size multiplier (default 4)")
-    p.add_argument("--iters", "-n", type=positive_int, default=None, help="timed iterations (default by size)")
-    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
-                   help="simulate nodes of N consecutive ranks for the hierarchical row")
+    add_sweep_arguments(p, factor=4)
     p.add_argument("--out", metavar="DIR", help="write model.json and model.png (predicted vs measured)")
 
 

@@ -136,6 +136,24 @@ def _ring_pipelined(buf, op, comm, *, segment_bytes):
 IMPLS = (*ALGORITHMS, "auto", *KNOWN_BASELINES)
 
 
+def add_sweep_arguments(p, factor: int = 2) -> None:
+    """--min-bytes/--max-bytes/--factor/--iters/--ranks-per-node, shared by
+    every command that sweeps message sizes (bench allreduce, tune, model)."""
+    from ..cli import parse_bytes, positive_int
+
+    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE",
+                   help="smallest message, e.g. 8, 4K (default 8)")
+    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
+                   help="largest message (default 64M)")
+    p.add_argument("--factor", "-f", type=positive_int, default=factor,
+                   help=f"size multiplier between rows (default {factor})")
+    p.add_argument("--iters", "-n", type=positive_int, default=None,
+                   help="timed iterations per row (default: 200 for small messages down to 10 for large)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="simulate nodes of N consecutive ranks for hierarchical and auto "
+                        "(sets HPCJOBS_RANKS_PER_NODE; default: detect)")
+
+
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     """min_bytes, min_bytes·factor, ... up to max_bytes (the --min/--max/--factor
     flags of every sweeping command)."""
@@ -205,13 +223,9 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
 
 
 def _configure(p) -> None:
-    from ..cli import nonnegative_int, parse_bytes, positive_int
+    from ..cli import nonnegative_int
 
-    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE",
-                   help="smallest message, e.g. 8, 4K (default 8)")
-    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
-                   help="largest message (default 64M)")
-    p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier between rows (default 2)")
+    add_sweep_arguments(p)
     p.add_argument("--impl", default="ring,ring_pipelined",
                    help=f"comma-separated algorithms of ours, or 'all' (from: {', '.join((*ALGORITHMS, 'auto'))}; "
                         "default %(default)s)")
@@ -219,16 +233,11 @@ def _configure(p) -> None:
                    help=f"comma-separated baselines, 'all' or 'none' (from: {', '.join(KNOWN_BASELINES)}; "
                         "default %(default)s); one that cannot run here is skipped with the reason, except "
                         "horovod when HPCJOBS_REQUIRE_HOROVOD=1")
-    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
-                   help="simulate nodes of N consecutive ranks for hierarchical and auto "
-                        "(sets HPCJOBS_RANKS_PER_NODE; default: detect)")
     p.add_argument("--tuning", metavar="PATH", default=None,
                    help="tuning table for auto, from `hpcjobs tune` (default: $HPCJOBS_TUNING, else built in)")
     p.add_argument("--dtype", "-d", default="float32", choices=("float16", "float32", "float64", "int32", "int64", "bfloat16"))
     p.add_argument("--op", "-o", default="sum", choices=("sum", "avg", "min", "max", "prod"))
     p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
-    p.add_argument("--iters", "-n", type=positive_int, default=None,
-                   help="timed iterations per row (default: 200 for small messages down to 10 for large)")
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
                    help=f"ring_pipelined segment size(s); several give one row each "

@@ -76,16 +76,11 @@ def merge(path: str, table: dict, environment: dict) -> dict:
 
 
 def _configure(p) -> None:
-    from ..cli import parse_bytes, positive_int
+    from .allreduce import add_sweep_arguments
 
     p.add_argument("--out", "-O", default="tuning.json", metavar="PATH",
                    help="tuning file to write or update (default tuning.json)")
-    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE", help="default 8")
-    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE", help="default 64M")
-    p.add_argument("--factor", "-f", type=positive_int, default=2, help="size multiplier (default 2)")
-    p.add_argument("--iters", "-n", type=positive_int, default=None, help="timed iterations (default by size)")
-    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
-                   help="simulate nodes of N consecutive ranks (default: detect)")
+    add_sweep_arguments(p)
 
 
 def main(args) -> int:
