@@ -26,7 +26,7 @@ from mpi4py import MPI
 from ..collectives import ALGORITHMS, allreduce, ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
-from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available, mpi_label
+from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available, mpi_label, shutdown
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 
 _PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
@@ -296,10 +296,13 @@ def main(args) -> int:
     print0(header())
     first = {label: impl for label, impl in impls.items() if not impl.late}
     late = {label: impl for label, impl in impls.items() if impl.late}
-    records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
-                  on_record=lambda r: print0(row(r)))
-    if late:
-        records += _late_pass(comm, sizes, late, records, args)
+    try:
+        records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
+                      on_record=lambda r: print0(row(r)))
+        if late:
+            records += _late_pass(comm, sizes, late, records, args)
+    finally:
+        shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:

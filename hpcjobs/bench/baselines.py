@@ -18,6 +18,7 @@ out rather than faked.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -122,6 +123,11 @@ def _ensure_process_group(backend: str, comm: MPI.Intracomm) -> None:
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
                             rank=comm.Get_rank(), world_size=comm.Get_size())
     _torch_dist_backend = backend
+    # Gloo's worker thread must not outlive the interpreter: left to exit on
+    # its own it can still hold a tensor when Python finalises, take the GIL
+    # and abort the process ("terminate called without an active exception",
+    # seen here). atexit runs before mpi4py's MPI_Finalize (last in, first out).
+    atexit.register(shutdown)
 
 
 def gloo_supports(dtype: str) -> bool:
@@ -159,6 +165,7 @@ def _horovod(comm: MPI.Intracomm):
         os.environ.setdefault("HOROVOD_CONTROLLER", "mpi")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
         hvd.init(comm=MPI.COMM_WORLD)
+        atexit.register(shutdown)
         if hvd.size() != comm.Get_size():
             raise BaselineUnavailable(f"Horovod sees {hvd.size()} ranks, MPI {comm.Get_size()}")
         _hvd = hvd
