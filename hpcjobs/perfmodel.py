@@ -149,7 +149,7 @@ def measure(comm: MPI.Intracomm, dtype: str = "float32", reps: int = 20) -> Mach
     sizes = [8 << (3 * k) for k in range(8)] + [16 << 20, 32 << 20, 64 << 20]  # 8 B .. 64 MB
     sizes = sorted(set(sizes))
     oneway = _exchange_times(comm, sizes, both=False, reps=reps)
-    a_pp, b_pp = _fit(sizes, oneway)
+    _, b_pp = _fit(sizes, oneway)  # one-way alpha: the exchange fit gives the one predictions use
     exchange = _exchange_times(comm, sizes, both=True, reps=reps)
     a_x, b_x = _fit(sizes, exchange)
     reduce_s = _reduce_times(comm, sizes, dtype, reps)
