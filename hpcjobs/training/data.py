@@ -1,0 +1,343 @@
+"""Datasets for data-parallel training, each rank reading only its shard.
+
+Datasets (:data:`DATASETS`):
+
+- ``mnist1d`` -- MNIST-1D (Greydanus 2020), *generated* offline with
+  ``mnist1d.data.make_dataset`` for any sample count and seed (its
+  ``get_dataset`` downloads by default and is never called). Generation is
+  slow (~9 s per 40,000 samples), so rank 0 writes it once to the cache
+  directory as ``.npy`` files and every rank memory-maps them.
+- ``digits`` -- scikit-learn's 8x8 digits (1,797 images, shipped with it).
+- ``synthetic`` -- Gaussian inputs labelled by a fixed random two-layer
+  teacher: learnable, any size, made in memory from the seed.
+- ``mnist`` -- the standard IDX files (``train-images-idx3-ubyte`` etc.,
+  optionally ``.gz``) from ``data_dir``.
+- ``cifar10`` -- the CIFAR-10 binary batches (``data_batch_1.bin`` ..
+  ``data_batch_5.bin``, ``test_batch.bin``) from ``data_dir``.
+
+Sharding: every epoch one permutation of the training set is drawn from
+``(seed, epoch)`` -- the same on every rank, no communication. Step ``s``
+uses global batch ``perm[s*B:(s+1)*B]`` with ``B = P*b``; rank ``r`` takes
+its ``b`` samples ``[r*b:(r+1)*b]`` of it, so the ranks together see exactly
+the batch one process with batch ``B`` would see. The last partial global
+batch of an epoch is dropped, so every step has the same size (which the
+linear scaling rule assumes). Uncompressed files are memory-mapped and each
+rank touches only the rows of its own samples.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["DATASETS", "Rows", "Split", "Dataset", "load_dataset", "read_idx", "default_cache_dir",
+           "rank_batches", "steps_per_epoch", "eval_shard"]
+
+DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10")
+
+
+class Rows:
+    """Rows of one or more arrays (numpy or memmap) stacked along axis 0,
+    read by index without loading the rest."""
+
+    def __init__(self, *parts: np.ndarray):
+        if not parts:
+            raise ValueError("Rows needs at least one array")
+        shapes = {p.shape[1:] for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"row shapes differ: {sorted(shapes)}")
+        self.parts = parts
+        self.row_shape = parts[0].shape[1:]
+        self.dtype = parts[0].dtype
+        self._ends = np.cumsum([len(p) for p in parts])
+
+    def __len__(self) -> int:
+        return int(self._ends[-1])
+
+    def take(self, index: np.ndarray) -> np.ndarray:
+        index = np.asarray(index, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= len(self)):
+            raise IndexError(f"row index out of range [0, {len(self)})")
+        if len(self.parts) == 1:
+            return np.asarray(self.parts[0][index])
+        out = np.empty((len(index),) + self.row_shape, self.dtype)
+        part = np.searchsorted(self._ends, index, side="right")
+        starts = np.concatenate([[0], self._ends[:-1]])
+        for k in np.unique(part):
+            sel = part == k
+            out[sel] = self.parts[k][index[sel] - starts[k]]
+        return out
+
+
+@dataclass
+class Split:
+    x: Rows
+    y: Rows
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class Dataset:
+    """A train and a test split; inputs are normalised as ``(x - mean) / std``
+    when a batch is taken (so memory-mapped raw bytes stay raw)."""
+
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+    mean: float = 0.0
+    std: float = 1.0
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.x.row_shape)
+
+    def batch(self, split: Split, index: np.ndarray):
+        """``(x float32, y int64)`` numpy arrays for the given rows."""
+        x = split.x.take(index).astype(np.float32)
+        if self.mean != 0.0 or self.std != 1.0:
+            x = (x - np.float32(self.mean)) / np.float32(self.std)
+        return x, split.y.take(index).astype(np.int64)
+
+
+def default_cache_dir() -> Path:
+    """``$HPCJOBS_DATA_DIR``, else ``$XDG_CACHE_HOME/hpcjobs`` (``~/.cache/hpcjobs``)."""
+    if os.environ.get("HPCJOBS_DATA_DIR"):
+        return Path(os.environ["HPCJOBS_DATA_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hpcjobs"
+
+
+# --- readers ---------------------------------------------------------------
+
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """An IDX file (the MNIST format) as an array; memory-mapped unless gzipped.
+
+    Raises:
+        ValueError: not an IDX file, or its size disagrees with its header.
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        head = f.read(4)
+        if len(head) != 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
+            raise ValueError(f"{path}: not an IDX file (magic {head.hex() or 'empty'})")
+        ndim = head[3]
+        dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
+        dtype = np.dtype(_IDX_DTYPES[head[2]])
+        offset = 4 + 4 * ndim
+        expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+        if path.suffix == ".gz":
+            data = f.read()
+            if len(data) != expected:
+                raise ValueError(f"{path}: header says {dims} ({expected} bytes), file has {len(data)}")
+            return np.frombuffer(data, dtype).reshape(dims)
+    size = path.stat().st_size - offset
+    if size != expected:
+        raise ValueError(f"{path}: header says {dims} ({expected} bytes), file has {size}")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=dims)
+
+
+def _find(data_dir: Path, stem: str) -> Path:
+    for name in (stem, stem + ".gz", stem.replace("-idx", ".idx")):
+        if (data_dir / name).exists():
+            return data_dir / name
+    raise FileNotFoundError(f"{data_dir}: no {stem} (or {stem}.gz); download the MNIST IDX files there")
+
+
+def _mnist(data_dir: Path) -> Dataset:
+    parts = {}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        x = read_idx(_find(data_dir, f"{prefix}-images-idx3-ubyte"))
+        y = read_idx(_find(data_dir, f"{prefix}-labels-idx1-ubyte"))
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise ValueError(f"{data_dir}: {prefix} images {x.shape} and labels {y.shape} do not match")
+        parts[split] = Split(Rows(x), Rows(y))
+    # The usual MNIST normalisation, in raw byte units.
+    return Dataset("mnist", parts["train"], parts["test"], 10, mean=0.1307 * 255, std=0.3081 * 255)
+
+
+_CIFAR_RECORD = 1 + 3 * 32 * 32
+
+
+def _cifar_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    size = path.stat().st_size
+    if size == 0 or size % _CIFAR_RECORD:
+        raise ValueError(f"{path}: {size} bytes is not a whole number of {_CIFAR_RECORD}-byte CIFAR-10 records")
+    rec = np.memmap(path, dtype=np.uint8, mode="r", shape=(size // _CIFAR_RECORD, _CIFAR_RECORD))
+    return rec[:, 1:].reshape(-1, 3, 32, 32), rec[:, 0]
+
+
+def _cifar10(data_dir: Path) -> Dataset:
+    if (data_dir / "cifar-10-batches-bin").is_dir():
+        data_dir = data_dir / "cifar-10-batches-bin"
+    train = sorted(data_dir.glob("data_batch_*.bin"))
+    test = data_dir / "test_batch.bin"
+    if not train or not test.exists():
+        raise FileNotFoundError(f"{data_dir}: need data_batch_*.bin and test_batch.bin (CIFAR-10 binary version)")
+    tr = [_cifar_file(p) for p in train]
+    te = _cifar_file(test)
+    return Dataset("cifar10", Split(Rows(*[x for x, _ in tr]), Rows(*[y for _, y in tr])),
+                   Split(Rows(te[0]), Rows(te[1])), 10, mean=0.4734 * 255, std=0.2516 * 255)
+
+
+def _digits(seed: int) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = d.data.astype(np.float32).reshape(-1, 8, 8)
+    y = d.target.astype(np.int64)
+    perm = np.random.default_rng([seed, 0xD161]).permutation(len(y))
+    cut = int(0.8 * len(y))
+    tr, te = perm[:cut], perm[cut:]
+    return Dataset("digits", Split(Rows(x[tr]), Rows(y[tr])), Split(Rows(x[te]), Rows(y[te])), 10,
+                   mean=float(x[tr].mean()), std=float(x[tr].std()))
+
+
+def _synthetic(num_samples: int, seed: int, features: int = 64, classes: int = 10) -> Dataset:
+    rng = np.random.default_rng([seed, 0x5EED])
+    x = rng.standard_normal((num_samples, features)).astype(np.float32)
+    w1 = rng.standard_normal((features, 64)) / np.sqrt(features)
+    w2 = rng.standard_normal((64, classes)) / 8.0
+    y = np.argmax(np.tanh(x @ w1) @ w2, axis=1).astype(np.int64)
+    cut = int(0.8 * num_samples)
+    return Dataset("synthetic", Split(Rows(x[:cut]), Rows(y[:cut])), Split(Rows(x[cut:]), Rows(y[cut:])), classes)
+
+
+def _mnist1d_dir(cache_dir: Path, num_samples: int, seed: int) -> Path:
+    return cache_dir / f"mnist1d-n{num_samples}-seed{seed}"
+
+
+def _generate_mnist1d(target: Path, num_samples: int, seed: int) -> None:
+    """Make MNIST-1D offline and write it atomically (a temp dir renamed)."""
+    import random
+
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.num_samples = num_samples
+    args.seed = seed
+    # make_dataset seeds the global random and numpy generators; put them back.
+    saved = random.getstate(), np.random.get_state()
+    try:
+        data = make_dataset(args)
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    tmp.mkdir()
+    for key in ("x", "y", "x_test", "y_test"):
+        arr = data[key].astype(np.float32 if key.startswith("x") else np.int64)
+        np.save(tmp / f"{key}.npy", arr)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        for f in tmp.iterdir():  # another job made it first
+            f.unlink()
+        tmp.rmdir()
+
+
+def _mnist1d(cache_dir: Path, num_samples: int, seed: int) -> Dataset:
+    d = _mnist1d_dir(cache_dir, num_samples, seed)
+    arr = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("x", "y", "x_test", "y_test")}
+    return Dataset("mnist1d", Split(Rows(arr["x"]), Rows(arr["y"])),
+                   Split(Rows(arr["x_test"]), Rows(arr["y_test"])), 10)
+
+
+def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = None,
+                 num_samples: int | None = None, seed: int = 42) -> Dataset:
+    """Open a dataset on every rank of ``comm``.
+
+    Args:
+        name: one of :data:`DATASETS`.
+        comm: an MPI communicator; for ``mnist1d`` its rank 0 generates the
+            cache when missing and the others wait for it. None: this process
+            alone.
+        data_dir: where ``mnist``/``cifar10`` files are, and where ``mnist1d``
+            is cached (default :func:`default_cache_dir`).
+        num_samples: ``mnist1d``: samples generated (default 5,000, 80% for
+            training, as the MNIST-1D paper); ``synthetic``: default 8,192.
+        seed: the data seed (generation of ``mnist1d``/``synthetic``, the
+            ``digits`` split).
+
+    Raises:
+        ValueError: unknown name or bad sizes; FileNotFoundError: files
+        missing. With ``comm``, every rank raises when rank 0 fails to
+        generate the cache.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
+    if num_samples is not None and num_samples < 10:
+        raise ValueError(f"num_samples must be >= 10, got {num_samples}")
+    if name == "digits":
+        return _digits(seed)
+    if name == "synthetic":
+        return _synthetic(num_samples or 8192, seed)
+    if name in ("mnist", "cifar10"):
+        if data_dir is None:
+            raise ValueError(f"dataset {name!r} reads local files: give data_dir (--data-dir)")
+        return _mnist(Path(data_dir)) if name == "mnist" else _cifar10(Path(data_dir))
+    cache = Path(data_dir) if data_dir is not None else default_cache_dir()
+    n = num_samples or 5000
+    target = _mnist1d_dir(cache, n, seed)
+    error = None
+    if comm is None or comm.Get_rank() == 0:
+        if not target.exists():
+            try:
+                _generate_mnist1d(target, n, seed)
+            except Exception as e:  # told to every rank below, then raised
+                error = f"generating MNIST-1D into {target} failed: {type(e).__name__}: {e}"
+    if comm is not None:
+        error = comm.bcast(error, root=0)
+    if error:
+        raise RuntimeError(error)
+    return _mnist1d(cache, n, seed)
+
+
+# --- sharding --------------------------------------------------------------
+
+def steps_per_epoch(num_train: int, global_batch: int) -> int:
+    """Full global batches in one epoch (the partial last one is dropped)."""
+    if global_batch <= 0:
+        raise ValueError(f"global batch must be positive, got {global_batch}")
+    steps = num_train // global_batch
+    if steps == 0:
+        raise ValueError(f"global batch {global_batch} is larger than the training set ({num_train} samples)")
+    return steps
+
+
+def rank_batches(num_train: int, batch_per_rank: int, rank: int, size: int, epoch: int, seed: int) -> np.ndarray:
+    """This rank's sample indices for every step of ``epoch``: shape (steps, b).
+
+    One permutation from ``(seed, epoch)``, identical on all ranks, cut into
+    global batches of ``size * batch_per_rank``; rank ``rank`` takes slice
+    ``[rank*b:(rank+1)*b]`` of each.
+    """
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} not in [0, {size})")
+    global_batch = batch_per_rank * size
+    steps = steps_per_epoch(num_train, global_batch)
+    perm = np.random.default_rng([seed, epoch, 0xDA7A]).permutation(num_train)
+    batches = perm[: steps * global_batch].reshape(steps, size, batch_per_rank)
+    return np.ascontiguousarray(batches[:, rank, :])
+
+
+def eval_shard(num_test: int, rank: int, size: int) -> np.ndarray:
+    """A contiguous slice of the test set for ``rank``; together the ranks
+    cover every test sample exactly once."""
+    lo = num_test * rank // size
+    hi = num_test * (rank + 1) // size
+    return np.arange(lo, hi)

@@ -1,0 +1,96 @@
+"""Models for the training jobs: an MLP and a 1-D CNN (the MNIST-1D paper's
+baselines: an MLP with two hidden layers of 100, and a three-layer
+convolutional net with 25 channels; here the widths are parameters).
+
+``batch_norm=True`` inserts BatchNorm after each hidden layer; its statistics
+are per worker, computed over the rank's own ``b`` samples (Goyal et al. 2017
+sec. 2.3: the BN batch is the per-worker batch, never the global one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["MODELS", "MLP", "CNN1D", "build_model"]
+
+MODELS = ("mlp", "cnn1d")
+
+
+class MLP(nn.Module):
+    """Flatten -> [Linear -> (BN) -> ReLU] * len(hidden) -> Linear."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: tuple[int, ...] = (256, 256),
+                 batch_norm: bool = False):
+        super().__init__()
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = in_features
+        for h in hidden:
+            layers.append(nn.Linear(width, h))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(h))
+            layers.append(nn.ReLU())
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN1D(nn.Module):
+    """Three strided 1-D convolutions (kernel 5, stride 2, padding 2), then a
+    linear classifier over the flattened features. Input (N, L) or (N, C, L)."""
+
+    def __init__(self, length: int, num_classes: int, in_channels: int = 1, channels: int = 32,
+                 batch_norm: bool = False):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = in_channels
+        for _ in range(3):
+            layers.append(nn.Conv1d(c, channels, kernel_size=5, stride=2, padding=2))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(channels))
+            layers.append(nn.ReLU())
+            c = channels
+            length = (length + 2 * 2 - 5) // 2 + 1
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(channels * length, num_classes)
+        self.in_channels = in_channels
+
+    def forward(self, x):
+        if x.ndim == 2:
+            x = x.unsqueeze(1)
+        return self.classifier(self.features(x).flatten(1))
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, width: int | None = None,
+                batch_norm: bool = False) -> nn.Module:
+    """A model for inputs of ``input_shape`` (one sample, no batch dim).
+
+    ``cnn1d`` reads (L,) as one channel and (C, H, W) images as C channels of
+    length H*W. ``width``: hidden units of the MLP (two layers) or channels
+    of the CNN.
+    """
+    if name == "mlp":
+        return MLP(math.prod(input_shape), num_classes, hidden=(width or 256,) * 2, batch_norm=batch_norm)
+    if name == "cnn1d":
+        if len(input_shape) == 1:
+            channels, length = 1, input_shape[0]
+        else:
+            channels, length = input_shape[0], math.prod(input_shape[1:])
+        return _Reshape(CNN1D(length, num_classes, in_channels=channels, channels=width or 32,
+                              batch_norm=batch_norm), (channels, length))
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+class _Reshape(nn.Module):
+    def __init__(self, inner: nn.Module, shape: tuple[int, int]):
+        super().__init__()
+        self.inner = inner
+        self.shape = shape
+
+    def forward(self, x):
+        return self.inner(x.reshape(x.shape[0], *self.shape))

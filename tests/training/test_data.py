@@ -1,0 +1,156 @@
+"""Datasets, readers and the per-epoch sharding."""
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.training.data import (Rows, eval_shard, load_dataset, rank_batches, read_idx, steps_per_epoch)
+
+
+def write_idx(path, arr: np.ndarray, code=0x08, compress=False):
+    head = bytes([0, 0, code, arr.ndim]) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    data = head + arr.astype(arr.dtype.newbyteorder(">")).tobytes()
+    (gzip.open if compress else open)(path, "wb").write(data)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_read_idx_round_trips(tmp_path, compress):
+    arr = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / ("x.idx" + (".gz" if compress else ""))
+    write_idx(path, arr, compress=compress)
+    np.testing.assert_array_equal(read_idx(path), arr)
+    f32 = np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)
+    write_idx(tmp_path / "f.idx", f32, code=0x0D)
+    np.testing.assert_array_equal(read_idx(tmp_path / "f.idx"), f32)
+
+
+def test_read_idx_refuses_bad_files(tmp_path):
+    (tmp_path / "bad").write_bytes(b"\x12\x34\x56\x78")
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(tmp_path / "bad")
+    write_idx(tmp_path / "short", np.zeros((4, 4), np.uint8))
+    (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-3])
+    with pytest.raises(ValueError, match="header says"):
+        read_idx(tmp_path / "short")
+
+
+def test_mnist_idx_dataset(tmp_path):
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 12), ("t10k", 5)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)).astype(np.uint8))
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", (np.arange(n) % 10).astype(np.uint8), compress=True)
+    ds = load_dataset("mnist", data_dir=tmp_path)
+    assert (len(ds.train), len(ds.test), ds.input_shape, ds.num_classes) == (12, 5, (28, 28), 10)
+    x, y = ds.batch(ds.train, np.array([3, 1]))
+    raw = read_idx(tmp_path / "train-images-idx3-ubyte")
+    np.testing.assert_allclose(x, (raw[[3, 1]].astype(np.float32) - 0.1307 * 255) / (0.3081 * 255), rtol=1e-6)
+    np.testing.assert_array_equal(y, [3, 1])
+
+
+def test_mnist_missing_files_say_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="train-images-idx3-ubyte"):
+        load_dataset("mnist", data_dir=tmp_path)
+    with pytest.raises(ValueError, match="data_dir"):
+        load_dataset("mnist")
+
+
+def test_cifar10_binary_batches(tmp_path):
+    d = tmp_path / "cifar-10-batches-bin"
+    d.mkdir()
+    rng = np.random.default_rng(1)
+    records = {}
+    for name, n in (("data_batch_1.bin", 3), ("data_batch_2.bin", 4), ("test_batch.bin", 2)):
+        rec = rng.integers(0, 256, (n, 3073)).astype(np.uint8)
+        rec[:, 0] = rng.integers(0, 10, n)
+        (d / name).write_bytes(rec.tobytes())
+        records[name] = rec
+    ds = load_dataset("cifar10", data_dir=tmp_path)
+    assert (len(ds.train), len(ds.test), ds.input_shape) == (7, 2, (3, 32, 32))
+    both = np.concatenate([records["data_batch_1.bin"], records["data_batch_2.bin"]])
+    idx = np.array([6, 0, 3, 2])
+    np.testing.assert_array_equal(ds.train.x.take(idx), both[idx, 1:].reshape(-1, 3, 32, 32))
+    np.testing.assert_array_equal(ds.train.y.take(idx), both[idx, 0])
+    (d / "data_batch_3.bin").write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match="CIFAR-10 records"):
+        load_dataset("cifar10", data_dir=tmp_path)
+
+
+def test_digits_and_synthetic():
+    ds = load_dataset("digits")
+    assert len(ds.train) + len(ds.test) == 1797 and ds.input_shape == (8, 8)
+    x, _ = ds.batch(ds.train, np.arange(len(ds.train)))
+    assert abs(float(x.mean())) < 1e-4 and abs(float(x.std()) - 1) < 1e-3
+    s1, s2 = load_dataset("synthetic", num_samples=200, seed=3), load_dataset("synthetic", num_samples=200, seed=3)
+    assert len(s1.train) == 160
+    np.testing.assert_array_equal(s1.train.x.take(np.arange(160)), s2.train.x.take(np.arange(160)))
+    assert len(np.unique(s1.train.y.take(np.arange(160)))) >= 5   # the teacher uses several classes
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mnist1d_is_generated_once_and_shared(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    # One directory for the whole job: rank 0's path, told to everyone.
+    root = comm.bcast(str(tmp_path_factory.mktemp("mnist1d")) if comm.rank == 0 else None)
+    ds = load_dataset("mnist1d", comm=comm, data_dir=root, num_samples=200, seed=7)
+    assert (len(ds.train), len(ds.test), ds.input_shape) == (160, 40, (40,))
+    x, y = ds.batch(ds.train, np.arange(160))
+    digest = np.array([float(np.round(x.sum(), 3)), float(y.sum())])
+    everyone = comm.allgather(digest)
+    assert all(np.array_equal(d, digest) for d in everyone)
+    from mnist1d.data import get_dataset_args, make_dataset
+    args = get_dataset_args()
+    args.num_samples, args.seed = 200, 7
+    ref = make_dataset(args)
+    np.testing.assert_allclose(x, ref["x"].astype(np.float32), rtol=1e-6)
+    np.testing.assert_array_equal(y, ref["y"])
+
+
+def test_mnist1d_generation_failure_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RuntimeError, match="generating MNIST-1D"):
+        load_dataset("mnist1d", data_dir=blocker, num_samples=100)
+
+
+def test_unknown_dataset():
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("imagenet")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_rank_batches_tile_the_global_batch(size):
+    n, b, seed = 103, 4, 9
+    for epoch in (0, 1):
+        per_rank = [rank_batches(n, b, r, size, epoch, seed) for r in range(size)]
+        steps = n // (b * size)
+        assert all(p.shape == (steps, b) for p in per_rank)
+        glob = np.concatenate(per_rank, axis=1)              # step s: ranks side by side
+        one = rank_batches(n, b * size, 0, 1, epoch, seed)   # one process, batch P*b
+        np.testing.assert_array_equal(glob, one)
+        flat = glob.ravel()
+        assert len(np.unique(flat)) == flat.size             # no sample twice in an epoch
+    assert not np.array_equal(rank_batches(n, b, 0, size, 0, seed), rank_batches(n, b, 0, size, 1, seed))
+
+
+def test_steps_per_epoch_drops_the_partial_batch():
+    assert steps_per_epoch(100, 32) == 3
+    with pytest.raises(ValueError, match="larger than the training set"):
+        steps_per_epoch(10, 32)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_eval_shards_cover_the_test_set_once(size):
+    got = np.concatenate([eval_shard(10, r, size) for r in range(size)])
+    np.testing.assert_array_equal(got, np.arange(10))
+
+
+def test_rows_takes_across_parts():
+    a, b = np.arange(6).reshape(3, 2), np.arange(6, 10).reshape(2, 2)
+    rows = Rows(a, b)
+    assert len(rows) == 5
+    np.testing.assert_array_equal(rows.take([4, 0, 3]), [[8, 9], [0, 1], [6, 7]])
+    with pytest.raises(IndexError):
+        rows.take([5])
