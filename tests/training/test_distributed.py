@@ -1,0 +1,279 @@
+"""DistributedOptimizer: P ranks with batch b compute what one process
+computes with batch P*b; layouts are checked across ranks; broadcasts."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.training import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from hpcjobs.training.models import build_model
+
+torch.set_num_threads(1)
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.01),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
+}
+
+
+def global_data(steps, global_batch, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(steps, global_batch, 40, generator=g), torch.randint(0, 10, (steps, global_batch), generator=g)
+
+
+def fresh_model(seed):
+    torch.manual_seed(seed)
+    return build_model("mlp", (40,), 10, width=24)
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def reference(opt_name, x, y, passes=1):
+    """One process, the whole global batch per step (split into ``passes``
+    equal micro-batches whose mean-loss gradients are averaged)."""
+    model = fresh_model(0)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    for xs, ys in zip(x, y):
+        opt.zero_grad()
+        for xm, ym in zip(xs.chunk(passes), ys.chunk(passes)):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / passes).backward()
+        opt.step()
+    return flat_params(model)
+
+
+def distributed(opt_name, x, y, comm, passes=1, **kwargs):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = fresh_model(100 + rank)           # different on every rank: the broadcast must fix it
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    # root's initial weights must be the reference's
+    with torch.no_grad():
+        ref0 = fresh_model(0)
+        if rank == 0:
+            for p, q in zip(model.parameters(), ref0.parameters()):
+                p.copy_(q)
+    broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    opt = DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()), model.named_parameters(), comm=comm,
+                               backward_passes_per_step=passes, **kwargs)
+    b = x.shape[1] // size
+    for xs, ys in zip(x, y):
+        mine_x, mine_y = xs[rank * b:(rank + 1) * b], ys[rank * b:(rank + 1) * b]
+        opt.zero_grad()
+        for xm, ym in zip(mine_x.chunk(passes), mine_y.chunk(passes)):
+            (torch.nn.functional.cross_entropy(model(xm), ym) / passes).backward()
+        opt.step()
+    opt.close()
+    return flat_params(model), opt
+
+
+def rel_diff(a, b):
+    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
+
+
+def same_on_every_rank(t, comm):
+    arr = t.numpy().astype(np.float64)
+    lo, hi = arr.copy(), arr.copy()
+    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
+    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
+    return np.array_equal(lo, hi)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_p_ranks_with_batch_b_equal_one_process_with_batch_pb(opt_name, comm):
+    """The bar: 20 steps, relative parameter difference <= 1e-5."""
+    size = comm.Get_size()
+    x, y = global_data(20, 8 * size)
+    want = reference(opt_name, x, y)
+    got, opt = distributed(opt_name, x, y, comm, fusion_bytes=2048)
+    assert opt.num_buckets > 1
+    assert rel_diff(got, want) <= 1e-5, rel_diff(got, want)
+    assert same_on_every_rank(got, comm)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("overlap", ["thread", "none"])
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "tree", "auto"])
+def test_every_algorithm_and_overlap_mode_gives_the_same_training(algorithm, overlap):
+    comm = MPI.COMM_WORLD
+    x, y = global_data(20, 4 * comm.Get_size())
+    want = reference("momentum", x, y)
+    got, opt = distributed("momentum", x, y, comm, algorithm=algorithm, overlap=overlap, fusion_bytes=2048)
+    assert opt.overlap == overlap and opt.stats["steps"] == 20
+    assert opt.stats["allreduces"] == 20 * opt.num_buckets
+    assert rel_diff(got, want) <= 1e-5
+
+
+@pytest.mark.mpi(min_size=1)
+def test_backward_passes_per_step_accumulates_locally():
+    comm = MPI.COMM_WORLD
+    x, y = global_data(20, 6 * comm.Get_size())
+    want = reference("nesterov", x, y, passes=1)
+    got, opt = distributed("nesterov", x, y, comm, passes=3)
+    assert opt.stats["allreduces"] == 20 * opt.num_buckets   # one reduction per step, not per pass
+    assert rel_diff(got, want) <= 1e-5
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unused_parameters_contribute_zeros(comm):
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(3, 2)
+            self.b = torch.nn.Linear(3, 2)
+
+        def forward(self, x, head):
+            return (self.a if head == "a" else self.b)(x)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), comm=comm)
+    rank = comm.Get_rank()
+    x = torch.full((1, 3), float(rank + 1))
+    opt.zero_grad()
+    # only rank 0 uses head b: its gradient is averaged with zeros from the others
+    model(x, "b" if rank == 0 else "a").sum().backward()
+    opt.synchronize()
+    size = comm.Get_size()
+    torch.testing.assert_close(model.b.weight.grad, torch.ones(2, 3) / size)
+    want_a = sum(r + 1 for r in range(1, size)) / size
+    torch.testing.assert_close(model.a.weight.grad, torch.full((2, 3), float(want_a)))
+    opt.close()
+
+
+def test_buckets_follow_fusion_bytes_and_dtype():
+    model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))  # 10100 + 1010 floats
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               comm=MPI.COMM_SELF, fusion_bytes=40_000)
+    # reverse order: 1.bias, 1.weight (4040 B) then 0.bias (4440 B total), 0.weight closes at 44440 B
+    assert [[s.name for s in b.slots] for b in opt._buckets] == [["1.bias", "1.weight", "0.bias", "0.weight"]]
+    opt.close()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               comm=MPI.COMM_SELF, fusion_bytes=4000)
+    # a bucket closes once it reaches fusion_bytes: 4040 B, then 40400 B
+    assert [[s.name for s in b.slots] for b in opt._buckets] == [["1.bias", "1.weight"], ["0.bias", "0.weight"]]
+    opt.close()
+    mixed = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).double())
+    opt = DistributedOptimizer(torch.optim.SGD(mixed.parameters(), lr=0.1), mixed.named_parameters(),
+                               comm=MPI.COMM_SELF)
+    assert sorted(str(b.dtype) for b in opt._buckets) == ["torch.float32", "torch.float64"]
+    opt.close()
+
+
+def test_a_second_backward_before_step_is_an_error():
+    model = torch.nn.Linear(3, 1)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               comm=MPI.COMM_SELF)
+    model(torch.ones(1, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="computed 2 times before step"):
+        model(torch.ones(1, 3)).sum().backward()
+    opt.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(algorithm="bogus"), "unknown algorithm"), (dict(fusion_bytes=0), "fusion_bytes"),
+    (dict(backward_passes_per_step=0), "backward_passes_per_step"), (dict(overlap="maybe"), "overlap"),
+])
+def test_bad_arguments(kwargs, match):
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match=match):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             comm=MPI.COMM_SELF, **kwargs)
+
+
+def test_parameters_missing_from_named_parameters_are_refused():
+    model, other = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="not in named_parameters"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), other.named_parameters(),
+                             comm=MPI.COMM_SELF)
+
+
+def test_a_non_summable_compressor_is_refused():
+    class TopK:
+        summable = False
+
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="not summable"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             comm=MPI.COMM_SELF, compression=TopK())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_summable_compressor_reduces_its_payload():
+    class Half:
+        summable = True
+
+        def compress(self, t):
+            return t.to(torch.float16), t.dtype
+
+        def decompress(self, payload, dtype):
+            return payload.to(dtype)
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               comm=comm, compression=Half())
+    model.weight.grad = None
+    (model(torch.full((1, 4), 1.0 / 3 + rank)).sum()).backward()
+    opt.synchronize()
+    want = np.mean([np.float16(1.0 / 3 + r) for r in range(size)])
+    np.testing.assert_allclose(model.weight.grad.numpy(), np.full((1, 4), want), rtol=2e-3)
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_models_fail_on_every_rank():
+    comm = MPI.COMM_WORLD
+    model = torch.nn.Linear(4 if comm.Get_rank() == 0 else 5, 1)
+    with pytest.raises(ValueError, match="ranks disagree on .*number of elements"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_parameters_with_mismatched_tensors_fails_on_every_rank():
+    comm = MPI.COMM_WORLD
+    tensors = [torch.zeros(3)] * (1 if comm.Get_rank() == 0 else 2)
+    with pytest.raises(ValueError, match="ranks hold different tensors"):
+        broadcast_parameters(tensors, comm=comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast_parameters_and_optimizer_state_from_root(comm):
+    rank = comm.Get_rank()
+    root = comm.Get_size() - 1
+    torch.manual_seed(rank)
+    model = build_model("mlp", (40,), 10, width=8, batch_norm=True).to(torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3 * (rank + 1))
+    model(torch.randn(4, 40)).sum().backward()
+    opt.step()   # per-rank moments and BN running stats
+    broadcast_parameters(model.state_dict(), root_rank=root, comm=comm)
+    broadcast_optimizer_state(opt, root_rank=root, comm=comm)
+    for name, t in model.state_dict().items():
+        assert same_on_every_rank(t.double().reshape(-1), comm), name
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * (root + 1))
+    for p in model.parameters():
+        assert same_on_every_rank(opt.state[p]["exp_avg"].double().reshape(-1), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_batch_norm_statistics_stay_per_worker():
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2, momentum=1.0))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), comm=comm)
+    x = torch.full((4, 2), float(rank)) + torch.arange(4.0).unsqueeze(1)
+    model(x).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        h = model[0](x)
+    torch.testing.assert_close(model[1].running_mean, h.mean(0))   # this rank's batch only
+    opt.close()
