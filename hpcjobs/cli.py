@@ -94,7 +94,7 @@ def nonnegative_int(text: str) -> int:
 
 # Importing one of these modules registers its commands.
 _COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune",
-                    "hpcjobs.perfmodel")
+                    "hpcjobs.perfmodel", "hpcjobs.training.cli")
 
 
 def _load_commands() -> None:

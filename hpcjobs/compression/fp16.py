@@ -1,0 +1,34 @@
+"""Half-precision casts: fp16 (10-bit mantissa, range +-65504) and bf16
+(8-bit mantissa, fp32's range). Half the bytes of fp32; summable, so the
+payload goes through the ordinary allreduce. fp16 can overflow where fp32
+gradients exceed 65504, bf16 cannot but keeps ~3 significant digits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+
+__all__ = ["FP16Compressor", "BF16Compressor"]
+
+
+class _Cast(Compressor):
+    summable = True
+    wire_dtype: torch.dtype
+
+    def compress(self, tensor: torch.Tensor):
+        if not tensor.is_floating_point():
+            raise TypeError(f"{type(self).__name__} compresses floating-point tensors, got {tensor.dtype}")
+        return tensor.to(self.wire_dtype), tensor.dtype
+
+    def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
+        return payload.to(ctx)
+
+
+class FP16Compressor(_Cast):
+    wire_dtype = torch.float16
+
+
+class BF16Compressor(_Cast):
+    wire_dtype = torch.bfloat16
