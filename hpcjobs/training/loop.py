@@ -333,6 +333,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                 "wait_s": times[2], "comm_share": times[1] / times[0], "ranks": size,
                 "global_batch": global_batch,
             }
+            # plain Python numbers: the checkpoint is loaded with weights_only=True
+            record = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in record.items()}
             history.append(record)
             if rank == 0:
                 _report(cfg, record)

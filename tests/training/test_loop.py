@@ -1,0 +1,120 @@
+"""The training loop: metrics, checkpoints, resume, and bad checkpoints."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.training.loop import CheckpointError, TrainConfig, load_checkpoint, save_checkpoint, train
+
+torch.set_num_threads(1)
+
+
+def shared_dir(tmp_path_factory, name):
+    comm = MPI.COMM_WORLD
+    return comm.bcast(str(tmp_path_factory.mktemp(name)) if comm.rank == 0 else None)
+
+
+def cfg(**kw):
+    base = dict(model="mlp", width=16, dataset="synthetic", num_samples=600, batch_per_rank=8, lr=0.05,
+                warmup="gradual", warmup_epochs=1, epochs=4, seed=3, quiet=True, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_training_learns_and_reports_every_epoch(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "metrics")
+    size = comm.Get_size()
+    history = train(cfg(metrics=f"{d}/m.jsonl", batch_per_rank=max(1, 16 // size)), comm)
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert history[-1]["test_acc"] > 0.3          # 10 classes: chance is ~0.1
+    assert all(0 <= h["comm_share"] <= 1 and h["samples_per_s"] > 0 for h in history)
+    if comm.rank == 0:
+        lines = [json.loads(x) for x in open(f"{d}/m.jsonl")]
+        assert [x["epoch"] for x in lines] == [1, 2, 3, 4]
+        assert lines[-1]["global_batch"] == size * max(1, 16 // size)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resume_continues_to_the_same_parameters(tmp_path_factory):
+    """4 epochs straight == 2 epochs, stop, resume to 4 (deterministic mode)."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "resume")
+    kw = dict(optimizer="sgd", momentum=0.9, batch_norm=True)
+    straight = train(cfg(checkpoint=f"{d}/a.pt", **kw), comm)
+    train(cfg(checkpoint=f"{d}/b.pt", epochs=2, **kw), comm)
+    resumed = train(cfg(checkpoint=f"{d}/b.pt", resume=True, **kw), comm)
+    assert [h["epoch"] for h in resumed] == [1, 2, 3, 4]
+    assert resumed[-1]["loss"] == pytest.approx(straight[-1]["loss"], rel=1e-6)
+    if comm.rank == 0:
+        a, b = load_checkpoint(f"{d}/a.pt"), load_checkpoint(f"{d}/b.pt")
+        assert a["epoch"] == b["epoch"] == 4
+        for k in a["model"]:
+            torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_corrupt_checkpoint_fails_on_every_rank(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "corrupt")
+    train(cfg(checkpoint=f"{d}/c.pt", epochs=1), comm)
+    comm.Barrier()
+    if comm.rank == 0:
+        raw = open(f"{d}/c.pt", "rb").read()
+        open(f"{d}/c.pt", "wb").write(raw[: len(raw) // 2])
+    comm.Barrier()
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        train(cfg(checkpoint=f"{d}/c.pt", resume=True), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resuming_another_experiment_is_refused(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "other")
+    train(cfg(checkpoint=f"{d}/o.pt", epochs=1), comm)
+    with pytest.raises(CheckpointError, match="another experiment: model 'mlp' -> 'cnn1d'"):
+        train(cfg(checkpoint=f"{d}/o.pt", resume=True, model="cnn1d"), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resume_without_a_checkpoint_file_starts_fresh(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "fresh")
+    history = train(cfg(checkpoint=f"{d}/new.pt", resume=True, epochs=1), comm)
+    assert [h["epoch"] for h in history] == [1]
+
+
+def test_checkpoint_writes_are_atomic_and_loads_are_checked(tmp_path):
+    path = tmp_path / "x.pt"
+    save_checkpoint(path, {"version": 1, "model": {"w": torch.ones(2)}})
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]   # no temp file left behind
+    assert load_checkpoint(path)["model"]["w"].sum() == 2
+    torch.save({"something": "else"}, path)
+    with pytest.raises(CheckpointError, match="not an hpcjobs training checkpoint"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_a_global_batch_larger_than_the_data_is_a_clear_error():
+    with pytest.raises(ValueError, match="larger than the training set"):
+        train(cfg(batch_per_rank=10_000), MPI.COMM_SELF)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad", "adadelta", "rmsprop", "lars", "nesterov"])
+def test_every_optimizer_trains(optimizer):
+    lr = {"adadelta": 1.0, "lars": 1.0}.get(optimizer, 0.01)
+    h = train(cfg(optimizer=optimizer, lr=lr, epochs=3, weight_decay=1e-4, no_decay_bn_bias=True,
+                  batch_norm=True), MPI.COMM_SELF)
+    assert np.isfinite(h[-1]["loss"]) and h[-1]["loss"] < h[0]["loss"] * 1.05
+
+
+def test_fp16_compression_trains_close_to_uncompressed():
+    plain = train(cfg(epochs=2), MPI.COMM_SELF)
+    half = train(cfg(epochs=2, compression="fp16"), MPI.COMM_SELF)
+    assert half[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-2)
