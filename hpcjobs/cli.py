@@ -94,7 +94,8 @@ def nonnegative_int(text: str) -> int:
 
 # Importing one of these modules registers its commands.
 _COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune",
-                    "hpcjobs.perfmodel", "hpcjobs.training.cli")
+                    "hpcjobs.perfmodel", "hpcjobs.training.cli", "hpcjobs.training.experiment",
+                    "hpcjobs.bench.train")
 
 
 def _load_commands() -> None:
