@@ -1,35 +1,10 @@
 """The command line as a user runs it: real mpirun, real exit codes."""
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 
-
-def _env():
-    # A clean launch: no MPI variables inherited from a pytest that may itself
-    # run as an MPI singleton.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_COMM", "PMIX_", "PMI_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
-
-
-def _mpirun(n, *args, timeout=120, env=None):
-    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-    if mpirun is None:
-        pytest.fail("no mpirun next to the interpreter or on PATH (scripts/test.sh installs one)")
-    over = ["--oversubscribe"] if "Open MPI" in subprocess.run([mpirun, "--version"], capture_output=True,
-                                                               text=True, env=_env()).stdout else []
-    return subprocess.run([mpirun, *over, "-n", str(n), sys.executable, "-m", "hpcjobs", *args],
-                          capture_output=True, text=True, timeout=timeout, env=_env() | (env or {}))
-
-
-def _hpcjobs(*args):
-    return subprocess.run([sys.executable, "-m", "hpcjobs", *args], capture_output=True, text=True,
-                          timeout=60, env=_env())
+from launch import hpcjobs as _hpcjobs, mpirun as _mpirun
 
 
 def test_help_lists_the_commands():

@@ -1,0 +1,23 @@
+"""``hpcjobs bench train``: every implementation in one run, parameters agree."""
+
+import json
+
+from launch import mpirun as _mpirun
+
+
+def test_bench_train_measures_every_implementation(tmp_path):
+    out = _mpirun(2, "bench", "train", "--impl", "single,ours:auto,ours:ring/none,ours:auto+bf16,ddp",
+                  "--width", "32", "--num-iters", "2", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
+                  "--json", str(tmp_path / "t.json"), "--no-progress", timeout=180)
+    assert out.returncode == 0, out.stderr
+    data = json.load(open(tmp_path / "t.json"))
+    rows = {r["impl"]: r for r in data["results"]}
+    assert list(rows) == ["single", "ours:auto", "ours:ring/none", "ours:auto+bf16", "ddp"]
+    assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 and len(r["rounds"]) == 2 for r in rows.values())
+    assert rows["ddp"]["vs_ddp"] == 1.0
+    assert rows["ours:auto"]["total_samples_per_s"] == 2 * rows["ours:auto"]["samples_per_s_per_rank"]
+
+
+def test_bench_train_refuses_unknown_implementations():
+    out = _mpirun(2, "bench", "train", "--impl", "ours:auto,tensorflow")
+    assert out.returncode == 2 and "unknown implementation 'tensorflow'" in out.stderr

@@ -1,0 +1,45 @@
+"""``hpcjobs experiment large-batch``: the grid, the table, the plots."""
+
+import json
+
+import pytest
+
+from hpcjobs.training.experiment import batch_sizes, markdown_table, summarize
+from launch import mpirun as _mpirun
+
+
+def test_experiment_runs_the_grid_and_writes_table_and_plots(tmp_path):
+    out = _mpirun(2, "experiment", "large-batch", "--model", "mlp", "--width", "16", "--dataset", "synthetic",
+                  "--num-samples", "1000", "--min-batch", "16", "--max-batch", "64", "--seeds", "2",
+                  "--epochs", "2", "--warmup-epochs", "1", "--lr", "0.05", "--out", str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr
+    # k=1 once per seed, then 2 batches x 3 warmups per seed
+    runs = [json.loads(line) for line in open(tmp_path / "runs.jsonl")]
+    assert len(runs) == 2 * (1 + 2 * 3)
+    table = (tmp_path / "table.md").read_text()
+    assert "| 64 | 4 | 0.2 |" in table and "gradual warmup" in table
+    assert (tmp_path / "error_vs_batch.png").stat().st_size > 1000
+    assert (tmp_path / "curves_largest_batch.png").stat().st_size > 1000
+
+
+def test_experiment_refuses_batches_that_do_not_divide_by_the_ranks(tmp_path):
+    out = _mpirun(3, "experiment", "large-batch", "--min-batch", "32", "--max-batch", "64", "--out", str(tmp_path))
+    assert out.returncode == 2 and "do not divide by 3 ranks" in out.stderr
+
+
+def test_batch_sizes_double():
+    assert batch_sizes(32, 4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert batch_sizes(32, 100) == [32, 64]
+
+
+def test_summary_counts_the_k1_run_for_every_warmup():
+    runs = [{"global_batch": 32, "warmup": "all", "test_error": 0.1},
+            {"global_batch": 32, "warmup": "all", "test_error": 0.3},
+            {"global_batch": 64, "warmup": "none", "test_error": 0.5},
+            {"global_batch": 64, "warmup": "gradual", "test_error": 0.2}]
+    s = summarize(runs)
+    assert s[(32, "none")] == s[(32, "gradual")] == pytest.approx((0.2, 0.1414213, 2))
+    assert s[(64, "gradual")] == (0.2, 0.0, 1)
+    table = markdown_table(s, 32, 0.02)
+    assert "| 32 | 1 | 0.02 | 20.00 ± 14.14 | 20.00 ± 14.14 | +0.00 |" in table
+    assert "| 64 | 2 | 0.04 | 50.00 | 20.00 | +0.00 |" in table
