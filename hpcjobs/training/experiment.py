@@ -27,6 +27,7 @@ Launch::
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -87,8 +88,8 @@ def run_grid(args, comm, log=print) -> list[dict]:
         history = train(cfg, comm)
         last = history[-1]
         rec = {"global_batch": b, "k": b / base, "warmup": warmup, "seed": seed,
-               "lr_peak": args.lr * b / base, "test_error": 1 - last["test_acc"] if last["loss"] == last["loss"] else 1.0,
-               "train_loss": last["loss"], "epochs_run": len(history), "seconds": time.perf_counter() - t0,
+               "lr_peak": args.lr * b / base, "test_error": 1 - last["test_acc"],
+               "diverged": not math.isfinite(last["loss"]), "train_loss": last["loss"], "epochs_run": len(history), "seconds": time.perf_counter() - t0,
                "history": history}
         results.append(rec)
         if comm.Get_rank() == 0:
@@ -97,19 +98,25 @@ def run_grid(args, comm, log=print) -> list[dict]:
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (i + 1) * (len(plan) - i - 1)
             log(f"[{i + 1}/{len(plan)}] batch {b:5d} (k={b / base:g}) warmup {warmup:8s} seed {seed}: "
-                f"test error {100 * rec['test_error']:.2f}%  ({rec['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
+                f"test error {100 * rec['test_error']:.2f}%{' (diverged)' if rec['diverged'] else ''}  ({rec['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
     return results
 
 
 def summarize(results: list[dict]) -> dict:
-    """{(batch, warmup): (mean error, stdev, n)}; the k=1 run counts for every warmup."""
-    groups: dict[tuple[int, str], list[float]] = {}
+    """{(batch, warmup): (mean error, stdev, n, diverged runs)}; the k=1 run
+    counts for every warmup. A diverged run (non-finite loss) counts with the
+    test error its last model had."""
+    groups: dict[tuple[int, str], list[dict]] = {}
     warmups = sorted({r["warmup"] for r in results if r["warmup"] != "all"}, key=WARMUPS.index) or list(WARMUPS)
     for r in results:
         for w in (warmups if r["warmup"] == "all" else [r["warmup"]]):
-            groups.setdefault((r["global_batch"], w), []).append(r["test_error"])
-    return {key: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
-            for key, v in groups.items()}
+            groups.setdefault((r["global_batch"], w), []).append(r)
+    out = {}
+    for key, runs in groups.items():
+        v = [r["test_error"] for r in runs]
+        out[key] = (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v),
+                    sum(bool(r.get("diverged")) for r in runs))
+    return out
 
 
 def markdown_table(summary: dict, base_batch: int, lr: float) -> str:
@@ -125,8 +132,9 @@ def markdown_table(summary: dict, base_batch: int, lr: float) -> str:
             if (b, w) not in summary:
                 cells.append("")
                 continue
-            mean, sd, n = summary[(b, w)]
-            cells.append(f"{100 * mean:.2f} ± {100 * sd:.2f}" if n > 1 else f"{100 * mean:.2f}")
+            mean, sd, n, diverged = summary[(b, w)]
+            cell = f"{100 * mean:.2f} ± {100 * sd:.2f}" if n > 1 else f"{100 * mean:.2f}"
+            cells.append(cell + (f" ({diverged}/{n} diverged)" if diverged else ""))
         gap = ""
         if (b, "gradual") in summary and "gradual" in base_err:
             gap = f"{100 * (summary[(b, 'gradual')][0] - base_err['gradual']):+.2f}"
@@ -148,7 +156,7 @@ def plot(results: list[dict], summary: dict, out_dir: Path, base_batch: int) -> 
     warmups = [w for w in WARMUPS if any(k[1] == w for k in summary)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for w in warmups:
-        pts = sorted((b, m, s) for (b, ww), (m, s, _) in summary.items() if ww == w)
+        pts = sorted((b, m, s) for (b, ww), (m, s, _, _) in summary.items() if ww == w)
         ax.errorbar([p[0] for p in pts], [100 * p[1] for p in pts], yerr=[100 * p[2] for p in pts],
                     marker="o", capsize=3, label=f"{w} warmup")
     ax.set_xscale("log", base=2)

@@ -35,11 +35,11 @@ def test_batch_sizes_double():
 def test_summary_counts_the_k1_run_for_every_warmup():
     runs = [{"global_batch": 32, "warmup": "all", "test_error": 0.1},
             {"global_batch": 32, "warmup": "all", "test_error": 0.3},
-            {"global_batch": 64, "warmup": "none", "test_error": 0.5},
+            {"global_batch": 64, "warmup": "none", "test_error": 0.5, "diverged": True},
             {"global_batch": 64, "warmup": "gradual", "test_error": 0.2}]
     s = summarize(runs)
-    assert s[(32, "none")] == s[(32, "gradual")] == pytest.approx((0.2, 0.1414213, 2))
-    assert s[(64, "gradual")] == (0.2, 0.0, 1)
+    assert s[(32, "none")] == s[(32, "gradual")] == pytest.approx((0.2, 0.1414213, 2, 0))
+    assert s[(64, "gradual")] == (0.2, 0.0, 1, 0)
     table = markdown_table(s, 32, 0.02)
     assert "| 32 | 1 | 0.02 | 20.00 ± 14.14 | 20.00 ± 14.14 | +0.00 |" in table
-    assert "| 64 | 2 | 0.04 | 50.00 | 20.00 | +0.00 |" in table
+    assert "| 64 | 2 | 0.04 | 50.00 (1/1 diverged) | 20.00 | +0.00 |" in table
