@@ -72,24 +72,25 @@ def parse_bytes(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _bounded(cast, kind: str, ok, rule: str):
+    """An argparse type: ``cast(text)`` that must satisfy ``ok``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _bounded(int, "an integer", lambda v: v > 0, "positive")
+nonnegative_int = _bounded(int, "an integer", lambda v: v >= 0, ">= 0")
+positive_float = _bounded(float, "a number", lambda v: v > 0 and v != float("inf"), "positive")
+nonnegative_float = _bounded(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0")
 
 
 # Importing one of these modules registers its commands.

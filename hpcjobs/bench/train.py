@@ -199,7 +199,7 @@ def _measure(runners, comm, args, rng, results):
 
 
 def _configure(p) -> None:
-    from ..cli import parse_bytes, positive_int
+    from ..cli import parse_bytes, positive_float, positive_int
     from ..training.models import MODELS
 
     p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
@@ -215,7 +215,7 @@ def _configure(p) -> None:
     p.add_argument("--num-batches-per-iter", type=positive_int, default=5, help="default: %(default)s")
     p.add_argument("--num-iters", type=positive_int, default=10, help="timed rounds (default 10)")
     p.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="our bucket size (default 1M)")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")

@@ -10,33 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import UsageError, arguments, command, nonnegative_int, parse_bytes, positive_int
+from ..cli import (UsageError, arguments, command, nonnegative_float, nonnegative_int, parse_bytes, positive_float,
+                   positive_int)
 from ..collectives import ALGORITHMS
 from .data import DATASETS
 from .distributed import DEFAULT_FUSION_BYTES, OVERLAPS
 from .loop import COMPRESSIONS, OPTIMIZERS, TrainConfig
 from .models import MODELS
 from .schedule import DECAYS, WARMUPS
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _milestones(text: str) -> tuple[float, ...]:
@@ -63,19 +44,19 @@ def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
 def add_optim_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("optimizer and schedule")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd", help="default: %(default)s (with --momentum)")
-    g.add_argument("--lr", type=_positive_float, default=0.1, help="rate for --base-batch samples (default 0.1)")
+    g.add_argument("--lr", type=positive_float, default=0.1, help="rate for --base-batch samples (default 0.1)")
     g.add_argument("--base-batch", type=positive_int,
                    help="the batch --lr is tuned for; the rate is scaled by global/base (linear scaling rule). "
                         "Default: the global batch (no scaling)")
-    g.add_argument("--momentum", type=_nonnegative_float, default=0.9, help="default: %(default)s")
-    g.add_argument("--weight-decay", type=_nonnegative_float, default=0.0, help="default: %(default)s")
+    g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="default: %(default)s")
     g.add_argument("--no-decay-bn-bias", action="store_true", help="no weight decay on biases and BatchNorm")
-    g.add_argument("--trust-coefficient", type=_positive_float, default=0.001, help="LARS eta (default 0.001)")
+    g.add_argument("--trust-coefficient", type=positive_float, default=0.001, help="LARS eta (default 0.001)")
     g.add_argument("--warmup", choices=WARMUPS, default="gradual", help="default: %(default)s")
-    g.add_argument("--warmup-epochs", type=_nonnegative_float, default=5.0, help="default: %(default)s")
+    g.add_argument("--warmup-epochs", type=nonnegative_float, default=5.0, help="default: %(default)s")
     g.add_argument("--decay", choices=DECAYS, default="none", help="after warmup (default: %(default)s)")
     g.add_argument("--milestones", type=_milestones, default=(), help="step decay epochs, e.g. 30,60,80")
-    g.add_argument("--gamma", type=_positive_float, default=0.1, help="step decay factor (default 0.1)")
+    g.add_argument("--gamma", type=positive_float, default=0.1, help="step decay factor (default 0.1)")
     g.add_argument("--no-momentum-correction", action="store_true",
                    help="emulate the uncorrected v <- m*v + lr*g momentum when the rate changes (ablation)")
 

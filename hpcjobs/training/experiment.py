@@ -33,7 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..cli import UsageError, arguments, command, positive_int
+from ..cli import UsageError, arguments, command, nonnegative_float, positive_float, positive_int
 from .cli import add_comm_arguments, add_model_data_arguments, set_threads
 from .loop import TrainConfig, train
 from .schedule import WARMUPS
@@ -210,10 +210,10 @@ def _configure(p) -> None:
                    default=list(WARMUPS), help="comma-separated subset of none,constant,gradual (default: all)")
     g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
     g.add_argument("--epochs", type=positive_int, default=20, help="every run trains this long (default 20)")
-    g.add_argument("--lr", type=float, default=0.02, help="rate at the base batch (default 0.02)")
-    g.add_argument("--momentum", type=float, default=0.9, help="default: %(default)s")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="default: %(default)s")
-    g.add_argument("--warmup-epochs", type=float, default=5.0, help="default: %(default)s (Goyal)")
+    g.add_argument("--lr", type=positive_float, default=0.02, help="rate at the base batch (default 0.02)")
+    g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="default: %(default)s")
+    g.add_argument("--warmup-epochs", type=nonnegative_float, default=5.0, help="default: %(default)s (Goyal)")
     add_comm_arguments(p)
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     g.add_argument("--out", "-O", default="results/large-batch", metavar="DIR",

@@ -11,7 +11,7 @@ from launch import mpirun as _mpirun
     (["--global-batch", "33"], "--global-batch 33 does not divide by 2 ranks x 1 passes"),
     (["--resume"], "--resume needs --checkpoint"),
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
-    (["--lr", "-1"], "must be > 0"),
+    (["--lr", "-1"], "must be positive"),
     (["--dataset", "mnist"], "give data_dir"),
 ])
 def test_bad_train_arguments_exit_2_on_every_rank(args, words):
