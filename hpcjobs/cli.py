@@ -96,7 +96,7 @@ nonnegative_float = _bounded(float, "a number", lambda v: 0 <= v < float("inf"),
 # Importing one of these modules registers its commands.
 _COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune",
                     "hpcjobs.perfmodel", "hpcjobs.training.cli", "hpcjobs.training.experiment",
-                    "hpcjobs.bench.train")
+                    "hpcjobs.bench.train", "hpcjobs.slurm")
 
 
 def _load_commands() -> None:
@@ -140,6 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         parsers = parser._hpcjobs_groups
         (parsers.get(given[:1]) or parser).print_help(sys.stderr)
         return 2
+    prog = f"hpcjobs {' '.join(a for a in (argv or sys.argv[1:])[:2] if not a.startswith('-'))}"
+    if getattr(run, "no_mpi", False):  # login-node commands (slurm render/submit/launch): no MPI_Init
+        try:
+            return int(run(args) or 0)
+        except UsageError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            return 2
+    from .slurm import bind_gpu
+
+    bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
     from mpi4py import MPI
 
     from .comm import expect_world_size
@@ -154,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(run(args) or 0)
     except UsageError as e:
         if MPI.COMM_WORLD.Get_rank() == 0:
-            print(f"hpcjobs {' '.join(a for a in (argv or sys.argv[1:])[:2] if not a.startswith('-'))}: error: {e}",
-                  file=sys.stderr, flush=True)
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         return 2
     except Exception:
         traceback.print_exc()

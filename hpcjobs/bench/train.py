@@ -32,7 +32,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
@@ -40,7 +40,7 @@ from mpi4py import MPI
 __all__ = ["IMPLS", "Result", "main"]
 
 # name -> (description); "ours:*" are parsed as ours:<algorithm>[+<compression>][/<overlap>].
-IMPLS = ("single", "ours:auto", "ours:auto/none", "ours:ring", "ours:auto+fp16", "ddp", "horovod")
+IMPLS = ("single", "ours:auto", "ours:auto/thread", "ours:auto/none", "ours:ring", "ours:auto+fp16", "ddp", "horovod")
 DEFAULT_IMPLS = IMPLS
 
 

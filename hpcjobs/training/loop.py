@@ -27,7 +27,6 @@ Per epoch:
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import os
@@ -43,7 +42,8 @@ from mpi4py import MPI
 from ..comm import private
 from . import schedule as sched
 from .data import eval_shard, load_dataset, rank_batches, steps_per_epoch
-from .distributed import DEFAULT_FUSION_BYTES, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .distributed import (DEFAULT_FUSION_BYTES, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
+                          cores_per_rank)
 from .lars import LARS
 from .models import build_model
 
@@ -127,15 +127,8 @@ class CheckpointError(RuntimeError):
 
 
 def default_threads(comm: MPI.Comm) -> int:
-    """torch threads per rank: the cores this rank may use, shared with the
-    other ranks on its node when they are not bound to cores."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if allowed < (os.cpu_count() or 1):
-        return max(1, allowed)  # bound by the launcher: its cores are ours
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local = node.Get_size()
-    node.Free()
-    return max(1, allowed // local)
+    """torch threads per rank: the cores this rank may use (:func:`cores_per_rank`)."""
+    return cores_per_rank(comm)
 
 
 def _compressor(name: str):
