@@ -133,14 +133,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is handed to the command untouched (the
+    # job's arguments for `slurm render/submit/launch`), not parsed here.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    args.passthrough = passthrough
     run = getattr(args, "_run", None)
     if run is None:
         given = tuple(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-"))
         parsers = parser._hpcjobs_groups
         (parsers.get(given[:1]) or parser).print_help(sys.stderr)
         return 2
-    prog = f"hpcjobs {' '.join(a for a in (argv or sys.argv[1:])[:2] if not a.startswith('-'))}"
+    prog = f"hpcjobs {' '.join(a for a in argv[:2] if not a.startswith('-'))}"
+    if passthrough and not getattr(run, "takes_passthrough", False):
+        print(f"{prog}: error: unexpected arguments after --: {' '.join(passthrough)}", file=sys.stderr)
+        return 2
     if getattr(run, "no_mpi", False):  # login-node commands (slurm render/submit/launch): no MPI_Init
         try:
             return int(run(args) or 0)

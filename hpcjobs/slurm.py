@@ -128,13 +128,17 @@ def render(template: str, opts: RenderOptions) -> str:
             if key == "gpus-per-node" and cpu:
                 continue  # CPU mode: ask for no GPUs
             if values.get(key) is not None:
-                line = f"#SBATCH --{key}={values[key]}{m.group('rest')}"
+                head, rest = f"#SBATCH --{key}={values[key]}", m.group("rest")
+                comment = rest.lstrip()
+                # keep the comment in its column when the new value fits
+                width = len(line) - len(comment) if comment else 0
+                line = (head.ljust(width - 1) + " " + comment) if comment else head
             out.append(line)
             if key == "job-name":
                 if opts.partition:
-                    out.append(f"#SBATCH --partition={opts.partition}")
+                    out.append(f"#SBATCH --partition={opts.partition}".ljust(40) + " # partition (render --partition)")
                 if opts.account:
-                    out.append(f"#SBATCH --account={opts.account}")
+                    out.append(f"#SBATCH --account={opts.account}".ljust(40) + " # account charged (render --account)")
             continue
         if line.strip() == "JOB_ARGS=()":
             seen.add("JOB_ARGS")
@@ -224,18 +228,19 @@ def _render_arguments(p) -> None:
     p.add_argument("--partition", "-p", help="partition (else sbatch's default or SBATCH_PARTITION)")
     p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
     p.add_argument("--cpu", action="store_true", help="CPU mode: no GPU request, HPCJOBS_CPU=1 by default")
-    p.add_argument("job_args", nargs="*", help="arguments for the job's hpcjobs command (after --)")
+    p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"
 
 
 def _options(args) -> RenderOptions:
     return RenderOptions(nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
                          cpus_per_task=args.cpus_per_task, time=args.time, job_name=args.job_name,
                          partition=args.partition, account=args.account, cpu=args.cpu,
-                         job_args=tuple(args.job_args))
+                         job_args=tuple(args.passthrough))
 
 
 def _no_mpi(fn):
     fn.no_mpi = True  # runs on a login node or the batch host: no MPI_Init
+    fn.takes_passthrough = True  # the job's arguments come after --
     return fn
 
 
@@ -286,7 +291,7 @@ def submit_main(args) -> int:
 
 
 def _launch_arguments(p) -> None:
-    p.add_argument("args", nargs="+", help="the hpcjobs command every rank runs (after --); {job_dir} is replaced")
+    p.epilog = "After --: the hpcjobs command every rank runs; {job_dir} in it becomes the job's results directory"
 
 
 @command("slurm launch", "inside a job script: start the ranks with srun or mpirun (see the templates)")
@@ -295,7 +300,9 @@ def _launch_arguments(p) -> None:
 def launch_main(args) -> int:
     if not os.environ.get("SLURM_JOB_ID"):
         raise UsageError("not inside a Slurm job (no SLURM_JOB_ID): submit the template with sbatch")
-    cmd, env = launch_command(dict(os.environ), list(args.args))
+    if not args.passthrough:
+        raise UsageError("give the command the ranks run after --, e.g. launch -- bench allreduce")
+    cmd, env = launch_command(dict(os.environ), list(args.passthrough))
     env.setdefault("MASTER_ADDR", master_address(os.environ.get("SLURM_JOB_NODELIST", "")))
     Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)
     print(f"# hpcjobs slurm launch: job {os.environ['SLURM_JOB_ID']}, {env['HPCJOBS_EXPECT_WORLD_SIZE']} tasks on "

@@ -7,6 +7,11 @@
 #   scripts/test.sh                 # everything
 #   scripts/test.sh -k ring         # extra args go to every pytest run
 #   HPCJOBS_TEST_SIZES="2 5" scripts/test.sh
+#
+# The serial run includes tests/slurm, which starts a real local Slurm
+# (scripts/local_slurm.sh; installs it with apt-get as root) and submits every
+# template; where that cannot be done they skip with the reason, unless
+# HPCJOBS_REQUIRE_SLURM=1 (CI sets it).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 ensure_venv || exit 1
@@ -66,6 +71,10 @@ for n in ${HPCJOBS_TEST_SIZES:-2 3 4 5}; do
 done
 
 echo
+if [ -f "$logs/slurm-jobs.txt" ]; then
+    echo "==== Slurm template jobs (tests/slurm, local cluster: 2 fake nodes x 2 tasks) ===="
+    cat "$logs/slurm-jobs.txt"
+fi
 echo "==== hpcjobs test summary ===="
 printf '%s\n' "${summaries[@]}"
 python - "$logs" <<'PY'

@@ -285,6 +285,10 @@ def main(args) -> int:
         else:
             skipped[name] = reason
     env = environment(comm)
+    from ..topology import detect_private
+
+    topo = detect_private(comm)  # what the hierarchical and auto rows see
+    env["nodes"] = f"{topo.num_nodes} ({topo.source}; ranks per node {','.join(map(str, topo.local_sizes))})"
     for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
                               f"{args.framework} buffers; time = max over ranks of each rank's median"):
         print0(line)

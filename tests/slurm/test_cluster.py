@@ -1,0 +1,165 @@
+"""Every template, rendered in CPU mode, submitted to a real local Slurm
+(scripts/local_slurm.sh: slurmctld + one slurmd per fake node) at 2 nodes x
+2 tasks, and checked by what it wrote. Skipped with the reason where Slurm
+cannot be installed (not root, not Debian); HPCJOBS_REQUIRE_SLURM=1 (CI)
+turns the skip into a failure."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcjobs.slurm import RenderOptions, TEMPLATES, render, template_path
+from launch import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+SLURM_DIR = "/tmp/hpcjobs-slurm-test"
+PORT = "16917"  # not local_slurm.sh's default, so a developer's cluster keeps running
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
+SMALL = {
+    "allreduce": ["--max-bytes", "4K", "--iters", "3"],
+    "train": ["--dataset", "synthetic", "--num-samples", "800", "--width", "16", "-b", "8", "--epochs", "2"],
+    "tune": ["--max-bytes", "1K", "--iters", "3"],
+    "horovod": ["--max-bytes", "1K", "--iters", "3"],
+    "nccl": ["--max-bytes", "1K", "--iters", "3"],
+}
+
+
+def _slurm_env(conf):
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
+    env.update(SLURM_CONF=conf, HPCJOBS_VENV=sys.prefix, HPCJOBS_SLURM_DIR=SLURM_DIR, HPCJOBS_SLURM_PORT=PORT,
+               HPCJOBS_BENCH_TRAIN_ARGS="--width 32 --num-iters 2 --num-batches-per-iter 2 "
+                                        "--num-warmup-batches 1 --no-progress")
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    required = os.environ.get("HPCJOBS_REQUIRE_SLURM") == "1"
+    reason = None
+    if not shutil.which("slurmctld") and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        reason = "Slurm is not installed and cannot be (needs root and apt-get)"
+    else:
+        env = _slurm_env(f"{SLURM_DIR}/slurm.conf")
+        proc = subprocess.run([str(ROOT / "scripts/local_slurm.sh"), "start", "2"], capture_output=True, text=True,
+                              timeout=900, env=env)
+        if proc.returncode != 0:
+            reason = f"scripts/local_slurm.sh start failed: {proc.stderr.strip()[-500:]}"
+    if reason:
+        (pytest.fail if required else pytest.skip)(reason)
+    yield f"{SLURM_DIR}/slurm.conf"
+    subprocess.run([str(ROOT / "scripts/local_slurm.sh"), "stop"], capture_output=True, timeout=60,
+                   env=_slurm_env(f"{SLURM_DIR}/slurm.conf"))
+
+
+def _job_state(job_id, env):
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env).stdout
+    fields = dict(re.findall(r"(\w+)=(\S+)", out))
+    return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?"), fields.get("RunTime", "?")
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory):
+    """Submit every template (and one launched the wrong way) at once; wait."""
+    work = tmp_path_factory.mktemp("slurm-jobs")
+    env = _slurm_env(cluster)
+    plan = {name: ({}, name) for name in TEMPLATES}
+    # Open MPI's wheel under srun --mpi=pmi2: every rank starts alone as "0 of 1".
+    plan["singletons"] = ({"HPCJOBS_SRUN_MPI": "pmi2"}, "allreduce")
+    submitted = {}
+    t0 = time.monotonic()
+    for label, (extra, template) in plan.items():
+        opts = RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True,
+                             job_name=f"test-{label}", job_args=tuple(SMALL[template]))
+        script = work / f"{label}.sbatch"
+        script.write_text(render(template_path(template).read_text(), opts))
+        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
+                              env=env | extra, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        submitted[label] = proc.stdout.strip().split(";")[0]
+    results = {}
+    deadline = time.monotonic() + 600
+    while len(results) < len(submitted) and time.monotonic() < deadline:
+        for label, job_id in submitted.items():
+            if label not in results:
+                state, code, elapsed = _job_state(job_id, env)
+                if state in DONE:
+                    out = (work / f"hpcjobs-{plan[label][1]}-{job_id}.out")
+                    results[label] = dict(id=job_id, state=state, exit=code, elapsed=elapsed,
+                                          output=out.read_text() if out.exists() else "",
+                                          dir=work / "results" / f"test-{label}-{job_id}")
+        time.sleep(1)
+    for label, job_id in submitted.items():
+        if label not in results:
+            subprocess.run(["scancel", job_id], env=env)
+            results[label] = dict(id=job_id, state="TIMEOUT (test)", exit="?", elapsed="?", output="", dir=work)
+    summary = [f"{'JobID':>6}  {'template':12s} {'State':10s} {'ExitCode':8s} Elapsed"]
+    summary += [f"{r['id']:>6}  {label:12s} {r['state']:10s} {r['exit']:8s} {r['elapsed']}" for label, r in results.items()]
+    summary.append(f"all jobs, submit to last finished: {time.monotonic() - t0:.0f} s")
+    log = ROOT / ".test-logs"
+    log.mkdir(exist_ok=True)
+    (log / "slurm-jobs.txt").write_text("\n".join(summary) + "\n")
+    return results
+
+
+def _ok(r, bench=True):
+    assert (r["state"], r["exit"]) == ("COMPLETED", "0:0"), r["output"][-3000:]
+    if bench:  # the benchmark header: the hierarchical rows saw both fake nodes
+        assert "#   nodes: 2 (slurm; ranks per node 2,2)" in r["output"]
+
+
+def _rows(output):
+    return [line.split() for line in output.splitlines() if re.match(r"^\s+\d+\s+\d+\s+float32", line)]
+
+
+def test_allreduce_template(jobs):
+    r = jobs["allreduce"]
+    _ok(r)
+    rows = _rows(r["output"])
+    assert {row[4] for row in rows} == {"ring", "hierarchical", "auto", "mpi", "gloo"}
+    assert all(row[-1] == "0" for row in rows)  # #wrong
+    assert (r["dir"] / "report" / "report.md").exists()
+    assert json.loads((r["dir"] / "allreduce.json").read_text())["records"]
+
+
+def test_train_template(jobs):
+    r = jobs["train"]
+    _ok(r, bench=False)
+    metrics = [json.loads(line) for line in open(r["dir"] / "metrics.jsonl")]
+    assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["ranks"] == 4
+    assert (r["dir"] / "checkpoint.pt").exists()
+
+
+def test_tune_template(jobs):
+    r = jobs["tune"]
+    _ok(r, bench=False)
+    table = json.loads((r["dir"] / "tuning.json").read_text())
+    assert any(t["ranks"] == 4 and t["nodes"] == 2 for t in table["tables"])
+
+
+def test_horovod_template(jobs):
+    r = jobs["horovod"]
+    _ok(r)
+    assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "horovod"}
+    rows = {row["impl"]: row for row in json.loads((r["dir"] / "train.json").read_text())["results"]}
+    assert set(rows) == {"single", "ours:auto", "horovod"} and all(x["wrong"] == 0 for x in rows.values())
+
+
+def test_nccl_template_in_cpu_mode_uses_gloo(jobs):
+    r = jobs["nccl"]
+    _ok(r)
+    assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "gloo"}
+    rows = {row["impl"] for row in json.loads((r["dir"] / "train.json").read_text())["results"]}
+    assert rows == {"single", "ours:auto", "ddp"}
+
+
+def test_ranks_that_come_up_as_singletons_fail_the_job(jobs):
+    r = jobs["singletons"]
+    assert r["state"] == "FAILED" and r["exit"] != "0:0"
+    assert "HPCJOBS_EXPECT_WORLD_SIZE=4" in r["output"]

@@ -1,0 +1,142 @@
+"""`hpcjobs slurm render` against golden files (as submitit tests its
+scripts), its validation and quoting, and `launch`'s command line."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcjobs.cli import UsageError
+from hpcjobs.slurm import TEMPLATES, RenderOptions, bind_gpu, launch_command, render, template_path
+
+GOLDEN = Path(__file__).parent / "golden"
+OPTIONS = RenderOptions(nodes=4, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=6, time="1-02:00:00",
+                        job_name="golden", partition="gpu", account="proj.42",
+                        job_args=("--max-bytes", "1G", "--label", "two words; $(not run)"))
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_rendered_templates_match_their_golden_files(name):
+    got = render(template_path(name).read_text(), OPTIONS)
+    path = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("HPCJOBS_UPDATE_GOLDEN") == "1":
+        path.write_text(got)
+    assert got == path.read_text(), f"rendered {name} differs from {path} (HPCJOBS_UPDATE_GOLDEN=1 rewrites it)"
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_cpu_mode_drops_the_gpu_request_and_defaults_to_cpu(name):
+    text = render(template_path(name).read_text(), RenderOptions(cpu=True))
+    assert "#SBATCH --gpus-per-node" not in text
+    assert "export HPCJOBS_CPU=${HPCJOBS_CPU:-1}" in text
+    default = template_path(name).read_text()
+    assert "#SBATCH --gpus-per-node=" in default and "export HPCJOBS_CPU=${HPCJOBS_CPU:-0}" in default
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_every_template_documents_each_sbatch_default_and_is_valid_bash(name):
+    text = template_path(name).read_text()
+    for line in text.splitlines():
+        if line.startswith("#SBATCH"):
+            assert "# " in line.split("#SBATCH", 1)[1], f"undocumented: {line}"
+    for key in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "job-name", "output"):
+        assert f"#SBATCH --{key}=" in text
+    assert "%j" in text and "/home" not in text and "ib0" not in text.split("NCCL_SOCKET_IFNAME=")[0]
+    assert subprocess.run(["bash", "-n", str(template_path(name))]).returncode == 0
+
+
+def test_job_args_survive_the_shell_exactly(tmp_path):
+    text = render(template_path("allreduce").read_text(), OPTIONS)
+    line = next(x for x in text.splitlines() if x.startswith("JOB_ARGS=("))
+    script = tmp_path / "args.sh"
+    script.write_text(line + '\nprintf "%s\\n" "${JOB_ARGS[@]}"\n')
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True).stdout.splitlines()
+    assert out == list(OPTIONS.job_args)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(time="90 minutes"), "not a Slurm time"), (dict(time="1:2:3:4"), "not a Slurm time"),
+    (dict(job_name="x; rm -rf /"), "--job-name"), (dict(partition="-p"), "--partition"),
+    (dict(account="a b"), "--account"), (dict(nodes=0), "--nodes must be a positive integer"),
+    (dict(gpus_per_node=-1), "--gpus-per-node"),
+])
+def test_bad_values_are_refused(kwargs, words):
+    with pytest.raises(UsageError, match=words.replace("(", r"\(")):
+        render(template_path("train").read_text(), RenderOptions(**kwargs))
+
+
+@pytest.mark.parametrize("time", ["30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:00"])
+def test_slurm_time_formats_are_accepted(time):
+    assert f"#SBATCH --time={time} " in render(template_path("tune").read_text(), RenderOptions(time=time))
+
+
+def test_unknown_template_is_a_usage_error():
+    with pytest.raises(UsageError, match="no template 'resnet'"):
+        template_path("resnet")
+
+
+def _hpcjobs(*args, env=None):
+    from launch import clean_env
+
+    return subprocess.run([sys.executable, "-m", "hpcjobs", *args], capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in clean_env().items() if not k.startswith("SLURM_")} | (env or {}))
+
+
+def test_render_command_prints_the_script_and_refuses_bad_input():
+    out = _hpcjobs("slurm", "render", "train", "-N", "3", "--cpu", "--", "--epochs", "2")
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --nodes=3" in out.stdout and "JOB_ARGS=(--epochs 2)" in out.stdout
+    out = _hpcjobs("slurm", "render", "train", "--time", "soon")
+    assert out.returncode == 2 and "not a Slurm time" in out.stderr
+
+
+def test_templates_and_launch_refuse_to_run_outside_slurm():
+    out = subprocess.run(["bash", str(template_path("allreduce"))], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    assert out.returncode == 2 and "submit it with sbatch" in out.stderr
+    out = _hpcjobs("slurm", "launch", "--", "info")
+    assert out.returncode == 2 and "not inside a Slurm job" in out.stderr
+
+
+def test_other_commands_refuse_arguments_after_double_dash():
+    out = _hpcjobs("info", "--", "x")
+    assert out.returncode == 2 and "unexpected arguments after --" in out.stderr
+
+
+JOB = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "hpcjobs-train", "SLURM_NTASKS_PER_NODE": "4",
+       "SLURM_SUBMIT_DIR": "/scratch/me", "HPCJOBS_SRUN_MPI": "pmi2", "HPCJOBS_SRUN_FLAGS": "--cpu-bind=cores"}
+
+
+def test_launch_with_srun():
+    cmd, env = launch_command(dict(JOB), ["train", "--metrics", "{job_dir}/m.jsonl"])
+    assert cmd[:3] == ["srun", "--mpi=pmi2", "--cpu-bind=cores"]
+    assert cmd[-4:] == ["hpcjobs", "train", "--metrics", "/scratch/me/results/hpcjobs-train-77/m.jsonl"]
+    assert env["HPCJOBS_EXPECT_WORLD_SIZE"] == "8" and env["HPCJOBS_BIND_GPU"] == "1"
+    assert env["HPCJOBS_JOB_DIR"] == "/scratch/me/results/hpcjobs-train-77"
+    assert env["MASTER_PORT"] == str(20077)
+
+
+def test_launch_with_mpirun_in_cpu_mode():
+    cmd, env = launch_command(dict(JOB, HPCJOBS_LAUNCHER="mpirun", HPCJOBS_CPU="1", HPCJOBS_MPIRUN_FLAGS="-x FOO",
+                                   SLURM_NTASKS_PER_NODE="4(x2)"), ["tune"])
+    assert cmd[:8] == ["mpirun", "-n", "8", "--map-by", "ppr:4:node", "-x", "FOO", cmd[7]]
+    assert "HPCJOBS_BIND_GPU" not in env
+    with pytest.raises(UsageError, match="srun or mpirun"):
+        launch_command(dict(JOB, HPCJOBS_LAUNCHER="pdsh"), ["tune"])
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"SLURM_LOCALID": "2", "CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "6"),
+    ({"SLURM_LOCALID": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, "3"),   # under mpirun SLURM_LOCALID is 0
+    ({"MPI_LOCALRANKID": "1"}, "1"),
+])
+def test_bind_gpu_picks_the_local_ranks_gpu(monkeypatch, env, want):
+    for k in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HPCJOBS_BIND_GPU", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    bind_gpu()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == want
