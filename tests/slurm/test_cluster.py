@@ -72,6 +72,7 @@ def jobs(cluster, tmp_path_factory):
     plan = {name: ({}, name) for name in TEMPLATES}
     # Open MPI's wheel under srun --mpi=pmi2: every rank starts alone as "0 of 1".
     plan["singletons"] = ({"HPCJOBS_SRUN_MPI": "pmi2"}, "allreduce")
+    plan["mpirun"] = ({"HPCJOBS_LAUNCHER": "mpirun"}, "allreduce")
     submitted = {}
     t0 = time.monotonic()
     for label, (extra, template) in plan.items():
@@ -157,6 +158,13 @@ def test_nccl_template_in_cpu_mode_uses_gloo(jobs):
     assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "gloo"}
     rows = {row["impl"] for row in json.loads((r["dir"] / "train.json").read_text())["results"]}
     assert rows == {"single", "ours:auto", "ddp"}
+
+
+def test_allreduce_template_launched_with_mpirun(jobs):
+    r = jobs["mpirun"]
+    _ok(r)
+    assert "# mpirun -n 4 --map-by ppr:2:node" in r["output"]
+    assert all(row[-1] == "0" for row in _rows(r["output"]))
 
 
 def test_ranks_that_come_up_as_singletons_fail_the_job(jobs):
