@@ -29,6 +29,8 @@ SMALL = {
     "horovod": ["--max-bytes", "1K", "--iters", "3"],
     "nccl": ["--max-bytes", "1K", "--iters", "3"],
 }
+LARGE_BATCH = ["--model", "mlp", "--width", "16", "--dataset", "synthetic", "--num-samples", "1000", "--min-batch",
+               "16", "--max-batch", "32", "--seeds", "1", "--epochs", "2", "--warmup-epochs", "1", "--lr", "0.05"]
 
 
 def _slurm_env(conf):
@@ -73,11 +75,13 @@ def jobs(cluster, tmp_path_factory):
     # Open MPI's wheel under srun --mpi=pmi2: every rank starts alone as "0 of 1".
     plan["singletons"] = ({"HPCJOBS_SRUN_MPI": "pmi2"}, "allreduce")
     plan["mpirun"] = ({"HPCJOBS_LAUNCHER": "mpirun"}, "allreduce")
+    plan["large-batch"] = ({"HPCJOBS_TRAIN_JOB": "large-batch"}, "train")
     submitted = {}
     t0 = time.monotonic()
     for label, (extra, template) in plan.items():
         opts = RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True,
-                             job_name=f"test-{label}", job_args=tuple(SMALL[template]))
+                             job_name=f"test-{label}",
+                             job_args=tuple(LARGE_BATCH if label == "large-batch" else SMALL[template]))
         script = work / f"{label}.sbatch"
         script.write_text(render(template_path(template).read_text(), opts))
         proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
@@ -135,6 +139,15 @@ def test_train_template(jobs):
     metrics = [json.loads(line) for line in open(r["dir"] / "metrics.jsonl")]
     assert [m["epoch"] for m in metrics] == [1, 2] and metrics[-1]["ranks"] == 4
     assert (r["dir"] / "checkpoint.pt").exists()
+
+
+def test_train_template_runs_the_large_batch_experiment(jobs):
+    r = jobs["large-batch"]
+    _ok(r, bench=False)
+    runs = [json.loads(line) for line in open(r["dir"] / "runs.jsonl")]
+    assert len(runs) == 1 + 3 and {x["history"][-1]["ranks"] for x in runs} == {4}
+    assert "| 32 | 2 |" in (r["dir"] / "table.md").read_text()
+    assert (r["dir"] / "error_vs_batch.png").exists()
 
 
 def test_tune_template(jobs):
