@@ -4,7 +4,7 @@
 #      MPI_Allreduce, one table, one run;
 #   2. a short large-minibatch comparison (Goyal et al. 2017 in miniature):
 #      MNIST-1D test error at global batch 32 .. 512 with the linear scaling
-#      rule and no / constant / gradual warmup (about 3 minutes here).
+#      rule and no / constant / gradual warmup (about a minute here).
 # Creates .venv and installs everything on first use.
 #
 #   scripts/demo.sh                      # default sweep, 8 B .. 64 MB
