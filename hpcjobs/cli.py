@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     args.passthrough = passthrough
     run = getattr(args, "_run", None)
     if run is None:
-        given = tuple(a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("-"))
+        given = tuple(a for a in argv if not a.startswith("-"))
         parsers = parser._hpcjobs_groups
         (parsers.get(given[:1]) or parser).print_help(sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import sys
 
 from mpi4py import MPI
 
-__all__ = ["world", "private", "is_root", "print0", "expect_world_size"]
+__all__ = ["world", "private", "is_root", "print0", "expect_world_size", "agree"]
 
 
 def _free_private(comm, keyval, attr):
@@ -63,6 +63,19 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
 def world() -> MPI.Intracomm:
     """The suite's private duplicate of MPI.COMM_WORLD (made on first use)."""
     return private(MPI.COMM_WORLD)
+
+
+def agree(values, comm: MPI.Comm):
+    """Which of ``values`` (a 1-D numeric numpy array, the same length on
+    every rank) are equal on every rank of ``comm``: one MIN and one MAX
+    allreduce, a boolean array. Collective."""
+    import numpy as np
+
+    values = np.ascontiguousarray(values)
+    lo, hi = np.empty_like(values), np.empty_like(values)
+    comm.Allreduce(values, lo, op=MPI.MIN)
+    comm.Allreduce(values, hi, op=MPI.MAX)
+    return lo == hi
 
 
 def is_root(comm: MPI.Comm | None = None) -> bool:

@@ -308,5 +308,4 @@ def launch_main(args) -> int:
     print(f"# hpcjobs slurm launch: job {os.environ['SLURM_JOB_ID']}, {env['HPCJOBS_EXPECT_WORLD_SIZE']} tasks on "
           f"{os.environ.get('SLURM_JOB_NUM_NODES', '?')} node(s), results in {env['HPCJOBS_JOB_DIR']}, "
           f"MASTER_ADDR={env['MASTER_ADDR']}:{env['MASTER_PORT']}\n# {shlex.join(cmd)}", flush=True)
-    sys.stdout.flush()
     os.execvpe(cmd[0], cmd, env)

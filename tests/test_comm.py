@@ -1,9 +1,10 @@
 """Private communicators and the world-size check."""
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.comm import expect_world_size, private, world
+from hpcjobs.comm import agree, expect_world_size, private, world
 
 
 @pytest.mark.mpi(min_size=1)
@@ -38,3 +39,10 @@ def test_expected_world_size_mismatch_fails_loudly(monkeypatch):
     monkeypatch.setenv("HPCJOBS_EXPECT_WORLD_SIZE", "four")
     with pytest.raises(RuntimeError, match="not an integer"):
         expect_world_size()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_agree_names_the_entries_that_differ_across_ranks():
+    comm = MPI.COMM_WORLD
+    values = np.array([7, comm.Get_rank(), 3], dtype=np.int64)
+    assert agree(values, comm).tolist() == [True, comm.Get_size() == 1, True]

@@ -35,7 +35,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 from mpi4py import MPI
 
 __all__ = ["IMPLS", "Result", "main"]
@@ -98,18 +97,12 @@ def _build(name: str, args, comm, seed_state, x, y):
     if name == "single":
         return _Runner(name, model, loss_step(sgd), alone=True)
     if name.startswith("ours:"):
-        spec = name[5:]
-        overlap = "auto"
-        if "/" in spec:
-            spec, overlap = spec.split("/", 1)
-        compression = None
-        if "+" in spec:
-            spec, comp = spec.split("+", 1)
-            from ..training.loop import _compressor
+        from ..training.loop import make_compressor
 
-            compression = _compressor(comp)
-        opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=spec,
-                                   compression=compression, fusion_bytes=args.fusion_bytes, overlap=overlap)
+        algorithm, compression, overlap = _parse_ours(name)
+        opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=algorithm,
+                                   compression=make_compressor(compression), fusion_bytes=args.fusion_bytes,
+                                   overlap=overlap)
         return _Runner(name, model, loss_step(opt), close=opt.close)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -136,6 +129,27 @@ def _build(name: str, args, comm, seed_state, x, y):
             hvd.init(comm=MPI.COMM_WORLD)
         return _Runner(name, model, loss_step(opt), enter=enter, leave=hvd.shutdown)
     raise ValueError(name)
+
+
+def _parse_ours(name: str) -> tuple[str, str, str]:
+    """"ours:<algorithm>[+<compression>][/<overlap>]" -> (algorithm, compression, overlap).
+
+    Raises:
+        UsageError: an unknown algorithm, compression or overlap.
+    """
+    from ..cli import UsageError
+    from ..collectives import ALGORITHMS
+    from ..training.distributed import OVERLAPS
+    from ..training.loop import COMPRESSIONS
+
+    spec, _, overlap = name[len("ours:"):].partition("/")
+    algorithm, _, compression = spec.partition("+")
+    for what, value, allowed in (("algorithm", algorithm, ("auto",) + ALGORITHMS),
+                                 ("compression", compression or "none", COMPRESSIONS),
+                                 ("overlap", overlap or "auto", OVERLAPS)):
+        if value not in allowed:
+            raise UsageError(f"unknown {what} {value!r} in {name!r}; choose from {', '.join(allowed)}")
+    return algorithm, compression or "none", overlap or "auto"
 
 
 def _wait_quietly(comm):
@@ -170,11 +184,10 @@ def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
 def _params_agree(runner: _Runner, comm) -> bool:
     import torch
 
+    from ..comm import agree
+
     flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).numpy()
-    lo, hi = flat.copy(), flat.copy()
-    comm.Allreduce(MPI.IN_PLACE, lo, op=MPI.MIN)
-    comm.Allreduce(MPI.IN_PLACE, hi, op=MPI.MAX)
-    return bool(np.array_equal(lo, hi))
+    return bool(agree(flat, comm).all())
 
 
 def _measure(runners, comm, args, rng, results):
@@ -227,7 +240,6 @@ def main(args) -> int:
     import torch
 
     from ..cli import UsageError
-    from ..collectives import ALGORITHMS
     from ..comm import print0, private
     from ..training.cli import set_threads
     from .baselines import available, shutdown
@@ -237,9 +249,7 @@ def main(args) -> int:
     names = [n.strip() for n in args.impl.split(",") if n.strip()]
     for n in names:
         if n.startswith("ours:"):
-            spec = n[5:].split("/")[0].split("+")[0]
-            if spec != "auto" and spec not in ALGORITHMS:
-                raise UsageError(f"unknown algorithm in {n!r}; choose from auto, {', '.join(ALGORITHMS)}")
+            _parse_ours(n)
         elif n not in ("single", "ddp", "horovod"):
             raise UsageError(f"unknown implementation {n!r}; see --help")
     threads = set_threads(args, comm)

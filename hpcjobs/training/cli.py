@@ -120,9 +120,9 @@ def config_from_args(args, size: int, batch_per_rank: int | None = None) -> Trai
 def set_threads(args, comm) -> int:
     import torch
 
-    from .loop import default_threads
+    from .distributed import cores_per_rank
 
-    n = getattr(args, "threads", None) or default_threads(comm)
+    n = getattr(args, "threads", None) or cores_per_rank(comm)
     torch.set_num_threads(n)
     return n
 

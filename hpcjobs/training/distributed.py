@@ -53,6 +53,7 @@ a rank bound to a single core, ``overlap="auto"`` chooses ``"none"``.
 from __future__ import annotations
 
 import io
+import os
 import queue
 import threading
 import time
@@ -64,7 +65,7 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, allreduce
-from ..comm import private
+from ..comm import agree, private
 
 __all__ = ["DEFAULT_FUSION_BYTES", "OVERLAPS", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "cores_per_rank"]
@@ -91,7 +92,6 @@ class _Bucket:
     slots: list[_Slot]
     buffer: torch.Tensor
     pending: set = field(default_factory=set)  # slot positions whose gradient has not arrived
-    launched: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -193,23 +193,21 @@ class DistributedOptimizer:
 
     def _layout(self, named) -> list[_Bucket]:
         buckets: list[_Bucket] = []
-        open_: dict[torch.dtype, list] = {}
+        open_: dict[torch.dtype, list[_Slot]] = {}  # the bucket being filled, per dtype
 
         def close(dtype):
-            slots, nbytes = open_.pop(dtype)
-            total = sum(s.numel for s in slots)
-            buckets.append(_Bucket(len(buckets), dtype, slots, torch.zeros(total, dtype=dtype)))
+            slots = open_.pop(dtype)
+            count = slots[-1].offset + slots[-1].numel
+            buckets.append(_Bucket(len(buckets), dtype, slots, torch.zeros(count, dtype=dtype)))
 
         for name, p in reversed(named):
             if p.device.type != "cpu":
                 raise ValueError(f"parameter {name} is on {p.device}; DistributedOptimizer reduces CPU tensors "
                                  "(CUDA parameters need a CUDA-aware MPI, not supported yet)")
-            slots, nbytes = open_.setdefault(p.dtype, ([], 0))
-            offset = sum(s.numel for s in slots)
+            slots = open_.setdefault(p.dtype, [])
+            offset = slots[-1].offset + slots[-1].numel if slots else 0
             slots.append(_Slot(name, p, offset, p.numel()))
-            nbytes += p.numel() * p.element_size()
-            open_[p.dtype] = (slots, nbytes)
-            if nbytes >= self.fusion_bytes:
+            if (offset + p.numel()) * p.element_size() >= self.fusion_bytes:
                 close(p.dtype)
         for dtype in list(open_):
             close(dtype)
@@ -221,14 +219,12 @@ class DistributedOptimizer:
         local = np.array([len(named), sum(p.numel() for _, p in named), zlib.crc32(sig.encode()),
                           zlib.crc32(layout.encode()), self.fusion_bytes, self.backward_passes_per_step,
                           zlib.crc32(self.algorithm.encode())], dtype=np.int64)
-        lo, hi = np.empty_like(local), np.empty_like(local)
-        self._comm.Allreduce(local, lo, op=MPI.MIN)
-        self._comm.Allreduce(local, hi, op=MPI.MAX)
-        if np.array_equal(lo, hi):
+        same = agree(local, self._comm)
+        if same.all():
             return
         what = ["number of parameters", "number of elements", "parameter names/shapes/dtypes",
                 "bucket layout", "fusion_bytes", "backward_passes_per_step", "algorithm"]
-        differ = [w for w, a, b in zip(what, lo, hi) if a != b]
+        differ = [w for w, ok in zip(what, same) if not ok]
         everyone = self._comm.allgather((len(named), int(local[1]), self.fusion_bytes, self.algorithm))
         raise ValueError(f"DistributedOptimizer: ranks disagree on {', '.join(differ)}; per rank "
                          f"(params, elements, fusion_bytes, algorithm): "
@@ -239,7 +235,6 @@ class DistributedOptimizer:
     def _reset_buckets(self) -> None:
         for b in self._buckets:
             b.pending = set(range(len(b.slots)))
-            b.launched = False
             b.done.clear()
         for k in self._passes:
             self._passes[k] = 0
@@ -265,7 +260,6 @@ class DistributedOptimizer:
     def _launch_ready(self) -> None:
         while self._next < len(self._buckets) and not self._buckets[self._next].pending:
             bucket = self._buckets[self._next]
-            bucket.launched = True
             self._next += 1
             if self.overlap == "thread":
                 self._ensure_thread()
@@ -394,8 +388,6 @@ def cores_per_rank(comm: MPI.Comm) -> int:
     """Cores this rank may use: its affinity when the launcher bound it
     (e.g. mpirun's default binding to one core), else the node's cores
     shared among the ranks of ``comm`` on this node. Collective over ``comm``."""
-    import os
-
     cpus = os.cpu_count() or 1
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
@@ -431,10 +423,7 @@ def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = Non
     tensors = [t[1] if isinstance(t, tuple) else t for t in items]
     sig = np.array([len(tensors), zlib.crc32(";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors).encode())],
                    dtype=np.int64)
-    lo, hi = np.empty_like(sig), np.empty_like(sig)
-    comm.Allreduce(sig, lo, op=MPI.MIN)
-    comm.Allreduce(sig, hi, op=MPI.MAX)
-    if not np.array_equal(lo, hi):
+    if not agree(sig, comm).all():
         counts = comm.allgather(len(tensors))
         raise ValueError(f"broadcast_parameters: ranks hold different tensors (counts per rank {counts}, "
                          "or different shapes/dtypes)")

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -273,7 +273,7 @@ def main(args) -> int:
         table = markdown_table(summary, base, args.lr)
         (out / "table.md").write_text(
             f"# Large-minibatch SGD on MNIST-1D ({comm.Get_size()} ranks)\n\n"
-            f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + os.sys.argv[3:])}`\n\n"
+            f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
             f"Model {args.model}, {args.num_samples} MNIST-1D samples (80% train), SGD momentum {args.momentum}, "
             f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
         print(table, flush=True)

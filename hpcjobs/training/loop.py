@@ -42,13 +42,12 @@ from mpi4py import MPI
 from ..comm import private
 from . import schedule as sched
 from .data import eval_shard, load_dataset, rank_batches, steps_per_epoch
-from .distributed import (DEFAULT_FUSION_BYTES, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters,
-                          cores_per_rank)
+from .distributed import DEFAULT_FUSION_BYTES, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .lars import LARS
 from .models import build_model
 
 __all__ = ["OPTIMIZERS", "COMPRESSIONS", "TrainConfig", "train", "save_checkpoint", "load_checkpoint",
-           "CheckpointError", "default_threads"]
+           "CheckpointError", "make_compressor"]
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
 COMPRESSIONS = ("none", "fp16", "bf16")
@@ -126,12 +125,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: truncated, corrupt, or from another experiment."""
 
 
-def default_threads(comm: MPI.Comm) -> int:
-    """torch threads per rank: the cores this rank may use (:func:`cores_per_rank`)."""
-    return cores_per_rank(comm)
-
-
-def _compressor(name: str):
+def make_compressor(name: str):
+    """A compressor by its name in :data:`COMPRESSIONS` ("none": None)."""
+    if name not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {name!r}; choose from {', '.join(COMPRESSIONS)}")
     if name == "none":
         return None
     from ..compression import BF16Compressor, FP16Compressor
@@ -140,10 +137,8 @@ def _compressor(name: str):
 
 
 def _make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    # the "lars_exclude" flag of a group is read by LARS and kept, unread, by the others
     groups = sched.parameter_groups(model, cfg.weight_decay, cfg.no_decay_bn_bias)
-    for g in groups:  # LARS reads it; the torch optimizers must not see an unknown key
-        if cfg.optimizer != "lars":
-            g.pop("lars_exclude", None)
     lr = cfg.lr
     if cfg.optimizer in ("sgd", "nesterov"):
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov")
@@ -279,7 +274,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
-                               compression=_compressor(cfg.compression), fusion_bytes=cfg.fusion_bytes,
+                               compression=make_compressor(cfg.compression), fusion_bytes=cfg.fusion_bytes,
                                backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap)
     if rank == 0 and not cfg.quiet and start_epoch == 0:
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(ds.train)} train / {len(ds.test)} test), "

@@ -21,3 +21,5 @@ def test_bench_train_measures_every_implementation(tmp_path):
 def test_bench_train_refuses_unknown_implementations():
     out = _mpirun(2, "bench", "train", "--impl", "ours:auto,tensorflow")
     assert out.returncode == 2 and "unknown implementation 'tensorflow'" in out.stderr
+    out = _mpirun(2, "bench", "train", "--impl", "ours:auto+zip")
+    assert out.returncode == 2 and "unknown compression 'zip'" in out.stderr

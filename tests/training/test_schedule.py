@@ -103,28 +103,30 @@ def _sgd_run(lrs, correction):
     return w.detach(), grads
 
 
-def test_set_lr_with_correction_is_torch_sgd_eq9():
-    lrs = [0.1, 0.2, 0.4, 0.4, 0.05]
-    got, grads = _sgd_run(lrs, True)
+LRS = [0.1, 0.2, 0.4, 0.4, 0.05]
+
+
+def _closed_form(grads, step):
+    """w_0 = the same seeded start; each step is ``w, buf = step(w, buf, lr, g)``."""
     torch.manual_seed(0)
-    w = torch.randn(5)
-    u = torch.zeros(5)
-    for i, (lr, g) in enumerate(zip(lrs, grads)):
-        u = g.clone() if i == 0 else 0.9 * u + g
-        w = w - lr * u
-    torch.testing.assert_close(got, w)
+    w, buf = torch.randn(5), None
+    for lr, g in zip(LRS, grads):
+        w, buf = step(w, buf, lr, g)
+    return w
+
+
+def test_set_lr_with_correction_is_torch_sgd_eq9():
+    got, grads = _sgd_run(LRS, True)
+    # u <- m*u + g; w <- w - lr*u (the rate outside the buffer)
+    want = _closed_form(grads, lambda w, u, lr, g: (w - lr * (u := g if u is None else 0.9 * u + g), u))
+    torch.testing.assert_close(got, want)
 
 
 def test_set_lr_without_correction_is_uncorrected_eq10():
-    lrs = [0.1, 0.2, 0.4, 0.4, 0.05]
-    got, grads = _sgd_run(lrs, False)
-    torch.manual_seed(0)
-    w = torch.randn(5)
-    v = torch.zeros(5)
-    for i, (lr, g) in enumerate(zip(lrs, grads)):
-        v = lr * g if i == 0 else 0.9 * v + lr * g  # v keeps the old rate: no correction
-        w = w - v
-    torch.testing.assert_close(got, w)
+    got, grads = _sgd_run(LRS, False)
+    # v <- m*v + lr*g; w <- w - v: v keeps the old rate, no correction
+    want = _closed_form(grads, lambda w, v, lr, g: (w - (v := lr * g if v is None else 0.9 * v + lr * g), v))
+    torch.testing.assert_close(got, want)
 
 
 def test_parameter_groups_turn_off_decay_for_bn_and_bias():
