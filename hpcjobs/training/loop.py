@@ -269,7 +269,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     inner = _make_optimizer(cfg, model)
     history: list[dict] = []
     start_epoch = 0
-    if cfg.resume and cfg.checkpoint:
+    if cfg.resume:  # validate() made sure there is a checkpoint path
         start_epoch, history = _resume(cfg, model, inner, comm)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
@@ -295,7 +295,6 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             sums = np.zeros(3)
             comm.Barrier()
             t0 = time.perf_counter()
-            lr = scfg.base_lr
             for s in range(spe):
                 step = epoch * spe + s
                 lr = sched.lr_at(step, spe, scfg)
