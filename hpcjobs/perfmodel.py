@@ -227,47 +227,11 @@ def predict(algorithm: str, nbytes: int, size: int, m: Machine, local_size: int 
     raise ValueError(f"no model for {algorithm!r}; modeled: {', '.join(MODELED)}")
 
 
-class CountingComm:
-    """A communicator proxy that adds up the bytes of every buffer sent
-    through it; everything else goes to the real communicator."""
-
-    def __init__(self, comm: MPI.Intracomm):
-        self._comm = comm
-        self.sent = 0
-        self.received = 0
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
-
-    def _count(self, buf) -> None:
-        self.sent += memoryview(buf).nbytes
-
-    def Send(self, buf, dest, tag=0):
-        self._count(buf)
-        return self._comm.Send(buf, dest, tag)
-
-    def Isend(self, buf, dest, tag=0):
-        self._count(buf)
-        return self._comm.Isend(buf, dest, tag)
-
-    def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-        self.received += memoryview(buf).nbytes
-        return self._comm.Recv(buf, source, tag)
-
-    def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-        self.received += memoryview(buf).nbytes
-        return self._comm.Irecv(buf, source, tag)
-
-    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG):
-        self._count(sendbuf)
-        self.received += memoryview(recvbuf).nbytes
-        return self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
-
-
 def count_bytes(algorithm: str, nbytes: int, comm: MPI.Intracomm) -> tuple[int, int]:
     """(sent, received) bytes of this rank in one float32 sum allreduce of
     ``nbytes`` with a flat ``algorithm`` (collective)."""
     from .collectives._buffers import as_flat
+    from .collectives.counting import CountingComm
     from .collectives.select import flat_algorithm
 
     if algorithm in ("hierarchical", "shm"):

@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 __all__ = ["IMPLS", "Result", "main"]
 
-# name -> (description); "ours:*" are parsed as ours:<algorithm>[+<compression>][/<overlap>].
+# name -> (description); "ours:*" are parsed as ours:<algorithm>[+<compression>[:<param>]][/<overlap>].
 IMPLS = ("single", "ours:auto", "ours:auto/thread", "ours:auto/none", "ours:ring", "ours:auto+fp16", "ddp", "horovod")
 DEFAULT_IMPLS = IMPLS
 
@@ -97,7 +97,7 @@ def _build(name: str, args, comm, seed_state, x, y):
     if name == "single":
         return _Runner(name, model, loss_step(sgd), alone=True)
     if name.startswith("ours:"):
-        from ..training.loop import make_compressor
+        from ..compression import make_compressor
 
         algorithm, compression, overlap = _parse_ours(name)
         opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=algorithm,
@@ -132,23 +132,26 @@ def _build(name: str, args, comm, seed_state, x, y):
 
 
 def _parse_ours(name: str) -> tuple[str, str, str]:
-    """"ours:<algorithm>[+<compression>][/<overlap>]" -> (algorithm, compression, overlap).
+    """"ours:<algorithm>[+<compression>[:<param>]][/<overlap>]" -> (algorithm, compression, overlap).
 
     Raises:
         UsageError: an unknown algorithm, compression or overlap.
     """
     from ..cli import UsageError
     from ..collectives import ALGORITHMS
+    from ..compression import make_compressor
     from ..training.distributed import OVERLAPS
-    from ..training.loop import COMPRESSIONS
 
     spec, _, overlap = name[len("ours:"):].partition("/")
     algorithm, _, compression = spec.partition("+")
     for what, value, allowed in (("algorithm", algorithm, ("auto",) + ALGORITHMS),
-                                 ("compression", compression or "none", COMPRESSIONS),
                                  ("overlap", overlap or "auto", OVERLAPS)):
         if value not in allowed:
             raise UsageError(f"unknown {what} {value!r} in {name!r}; choose from {', '.join(allowed)}")
+    try:
+        make_compressor(compression or "none")
+    except ValueError as e:
+        raise UsageError(f"{e} (in {name!r})") from None
     return algorithm, compression or "none", overlap or "auto"
 
 
@@ -217,7 +220,7 @@ def _configure(p) -> None:
     from ..training.models import MODELS
 
     p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
-                   help="comma-separated: single, ours:<algorithm>[+fp16|+bf16][/thread|/none], ddp, horovod "
+                   help="comma-separated: single, ours:<algorithm>[+<compression>][/thread|/none], ddp, horovod "
                         f"(default: {','.join(DEFAULT_IMPLS)})")
     p.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
     p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")

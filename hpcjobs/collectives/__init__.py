@@ -6,7 +6,7 @@ from .hierarchical import hierarchical_allreduce
 from .parameter_server import parameter_server_allreduce
 from .rabenseifner import rabenseifner_allreduce
 from .recursive_doubling import recursive_doubling_allreduce
-from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .ring import ring_allgather, ring_allgatherv, ring_allreduce, ring_reduce_scatter
 from .select import ALGORITHMS, allreduce
 from .shm import shm_allgather, shm_allreduce, shm_reduce_scatter
 from .tree import tree_allreduce
@@ -14,6 +14,6 @@ from .tree import tree_allreduce
 __all__ = [
     "ALGORITHMS", "DTYPES", "OPS", "allreduce", "chunk_bounds",
     "hierarchical_allreduce", "parameter_server_allreduce", "rabenseifner_allreduce",
-    "recursive_doubling_allreduce", "ring_allgather", "ring_allreduce", "ring_reduce_scatter",
+    "recursive_doubling_allreduce", "ring_allgather", "ring_allgatherv", "ring_allreduce", "ring_reduce_scatter",
     "shm_allgather", "shm_allreduce", "shm_reduce_scatter", "tree_allreduce",
 ]

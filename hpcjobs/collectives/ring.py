@@ -34,15 +34,17 @@ the suite's private duplicate of the communicator.
 
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
-from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run, scratch
+from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, run, scratch
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
     "ring_allreduce",
     "ring_reduce_scatter",
     "ring_allgather",
+    "ring_allgatherv",
 ]
 
 # Measured with `hpcjobs bench allreduce --segment-bytes 64K,256K,1M,4M` at 2
@@ -107,6 +109,41 @@ def _allgather(flat: Flat, comm: MPI.Intracomm) -> None:
         send_c, recv_c = (rank - s) % size, (rank - s - 1) % size
         comm.Sendrecv(wire[bounds[send_c]:bounds[send_c + 1]], right, _TAG,
                       wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
+
+
+def _allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.ndarray]]:
+    size, rank = comm.Get_size(), comm.Get_rank()
+    parts = [np.ascontiguousarray(p).reshape(-1) for p in parts]
+    n = len(parts)
+    # 1. sizes first: row r of a P x n table holds rank r's part sizes in
+    #    bytes; the equal-block ring allgather fills the other rows.
+    sizes = np.zeros((size, n), dtype=np.int64)
+    sizes[rank] = [p.nbytes for p in parts]
+    if n:
+        _allgather(as_flat(sizes), comm)
+    # 2. the blobs, rank after rank, in one byte buffer; round s moves the
+    #    blob of rank r-s to the right neighbour, as in the equal-block ring.
+    #    Each array starts on an 8-byte boundary, so the views stay aligned.
+    padded = (sizes + 7) // 8 * 8
+    ends = np.concatenate([[0], np.cumsum(padded.sum(axis=1))]).astype(np.int64)
+    buf = np.empty(int(ends[-1]), dtype=np.uint8)
+    lo = int(ends[rank])
+    for p, pad in zip(parts, padded[rank]):
+        buf[lo:lo + p.nbytes] = p.view(np.uint8)
+        lo += int(pad)
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for s in range(size - 1):
+        send_c, recv_c = (rank - s) % size, (rank - s - 1) % size
+        comm.Sendrecv(buf[ends[send_c]:ends[send_c + 1]], right, _TAG,
+                      buf[ends[recv_c]:ends[recv_c + 1]], left, _TAG)
+    out = []
+    for q in range(size):
+        lo, row = int(ends[q]), []
+        for p, nb, pad in zip(parts, sizes[q], padded[q]):
+            row.append(buf[lo:lo + int(nb)].view(p.dtype))
+            lo += int(pad)
+        out.append(row)
+    return out
 
 
 def _check_segment_bytes(pipeline: bool, segment_bytes) -> int | None:
@@ -178,6 +215,27 @@ def ring_allgather(buf, comm: MPI.Comm | None = None):
         ``buf``, filled in place.
     """
     return run(buf, "sum", comm, _ring_allgather)
+
+
+def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray]]:
+    """Allgather payloads whose sizes differ between ranks, around the ring.
+
+    Each rank gives a list of 1-D numpy arrays (the same number of arrays
+    with the same dtypes on every rank; their lengths may differ). The sizes
+    go first, as one small equal-block ring allgather of a P x len(parts)
+    table; then each rank's arrays travel as one blob in P-1 ring rounds.
+    Each rank sends (P-1)/P of the total, like the equal-block allgather.
+
+    Returns:
+        ``out[q][i]``: rank q's array i (views into one receive buffer;
+        ``out[rank]`` is a copy of this rank's own).
+    """
+    from ..comm import private
+
+    comm = private(comm)
+    if comm.Get_size() == 1:
+        return [[np.array(p, copy=True).reshape(-1) for p in parts]]
+    return _allgatherv(list(parts), comm)
 
 
 def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,

@@ -3,32 +3,47 @@ and GRACE, Xu et al. 2021).
 
 A compressor is stateless:
 
-- ``compress(tensor) -> (payload, ctx)``: ``payload`` is what travels (a
-  tensor, or a tuple of tensors), ``ctx`` what the receiver needs to undo it
-  (dtype, shape, ...) and never travels;
-- ``decompress(payload, ctx) -> tensor``: the tensor's dtype and shape again;
+- ``compress(tensor, name=None, step=0) -> (payload, ctx)``: ``payload`` is
+  what travels (a tensor, or a tuple of tensors), ``ctx`` what the receiver
+  needs to undo it (dtype, shape, shared indices, ...) and never travels.
+  ``name`` and ``step`` say which tensor and which iteration this is; only
+  compressors whose choices must agree across ranks use them (random-k
+  draws its indices from (seed, name, step));
+- ``decompress(payload, ctx) -> tensor``: the tensor's dtype and shape
+  again. Every payload tensor may arrive flattened to 1-D (it has come
+  through an allgather), so ``decompress`` reshapes what it needs;
 - ``summable``: True when payloads from different ranks may be added by an
   allreduce and then decompressed (fp16, bf16, random-k with a shared seed,
   PowerSGD's factors); False when each rank's payload must travel by
-  allgather and be decompressed separately (top-k, QSGD, sign).
+  allgather and be decompressed separately (top-k, QSGD, sign);
+- ``fusable``: True when compressing a concatenation equals concatenating
+  the compressions (the casts), so fused gradient buckets may be compressed
+  whole; the others see one parameter at a time.
 
-Error-feedback residuals, the only state, live outside the compressor.
+Error-feedback residuals live outside the compressor
+(:class:`~hpcjobs.compression.error_feedback.ErrorFeedback`). PowerSGD is
+the one method that needs more: two allreduces with an orthogonalisation
+between them, and a warm-start matrix kept from step to step. It provides
+``reduce_mean`` for the first and ``state_dict``/``load_state_dict`` for the
+second (:mod:`hpcjobs.compression.powersgd`).
 """
 
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor"]
+__all__ = ["Compressor", "NoneCompressor", "check_float", "check_ratio"]
 
 
 class Compressor(abc.ABC):
     summable: bool = False
+    fusable: bool = False
 
     @abc.abstractmethod
-    def compress(self, tensor: torch.Tensor):
+    def compress(self, tensor: torch.Tensor, name: str | None = None, step: int = 0):
         """Returns ``(payload, ctx)``."""
 
     @abc.abstractmethod
@@ -43,9 +58,28 @@ class NoneCompressor(Compressor):
     """The identity: the payload is the tensor itself."""
 
     summable = True
+    fusable = True
 
-    def compress(self, tensor):
+    def compress(self, tensor, name=None, step=0):
         return tensor, None
 
     def decompress(self, payload, ctx):
         return payload
+
+
+def check_float(compressor: Compressor, tensor: torch.Tensor) -> None:
+    """TypeError unless ``tensor`` holds floating-point numbers."""
+    if not tensor.is_floating_point():
+        raise TypeError(f"{type(compressor).__name__} compresses floating-point tensors, got {tensor.dtype}")
+
+
+def check_ratio(ratio) -> float:
+    """``ratio`` as a float in (0, 1], else ValueError."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def kept(ratio: float, numel: int) -> int:
+    """How many of ``numel`` elements a ratio keeps: ceil(ratio * numel), at least 1."""
+    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor
+from .base import Compressor, check_float
 
 __all__ = ["FP16Compressor", "BF16Compressor"]
 
 
 class _Cast(Compressor):
     summable = True
+    fusable = True
     wire_dtype: torch.dtype
 
-    def compress(self, tensor: torch.Tensor):
-        if not tensor.is_floating_point():
-            raise TypeError(f"{type(self).__name__} compresses floating-point tensors, got {tensor.dtype}")
-        return tensor.to(self.wire_dtype), tensor.dtype
+    def compress(self, tensor: torch.Tensor, name=None, step=0):
+        check_float(self, tensor)
+        return tensor.to(self.wire_dtype), (tensor.dtype, tensor.shape)
 
     def decompress(self, payload: torch.Tensor, ctx) -> torch.Tensor:
-        return payload.to(ctx)
+        dtype, shape = ctx
+        return payload.to(dtype).reshape(shape)
 
 
 class FP16Compressor(_Cast):

@@ -15,7 +15,8 @@ from ..cli import (UsageError, arguments, command, nonnegative_float, nonnegativ
 from ..collectives import ALGORITHMS
 from .data import DATASETS
 from .distributed import DEFAULT_FUSION_BYTES, OVERLAPS
-from .loop import COMPRESSIONS, OPTIMIZERS, TrainConfig
+from ..compression.names import COMPRESSIONS, check_spec
+from .loop import OPTIMIZERS, TrainConfig
 from .models import MODELS
 from .schedule import DECAYS, WARMUPS
 
@@ -64,7 +65,11 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
 def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("communication")
     g.add_argument("--algorithm", choices=("auto",) + ALGORITHMS, default="auto", help="allreduce (default: auto)")
-    g.add_argument("--compression", choices=COMPRESSIONS, default="none", help="default: %(default)s")
+    g.add_argument("--compression", type=check_spec, default="none", metavar="NAME[:PARAM]",
+                   help=f"gradient compression: {', '.join(COMPRESSIONS)}; topk:RATIO, randomk:RATIO, "
+                        "qsgd:LEVELS, powersgd:RANK (default: none)")
+    g.add_argument("--error-feedback", action="store_true",
+                   help="add back what compression dropped at the next step (needs --compression)")
     g.add_argument("--fusion-bytes", type=parse_bytes, default=DEFAULT_FUSION_BYTES,
                    help="largest gradient bucket (default 1M)")
     g.add_argument("--overlap", choices=OVERLAPS, default="auto",
@@ -109,7 +114,7 @@ def config_from_args(args, size: int, batch_per_rank: int | None = None) -> Trai
         no_decay_bn_bias=args.no_decay_bn_bias, trust_coefficient=args.trust_coefficient, warmup=args.warmup,
         warmup_epochs=args.warmup_epochs, decay=args.decay, milestones=args.milestones, gamma=args.gamma,
         momentum_correction=not args.no_momentum_correction, algorithm=getattr(args, "algorithm", "auto"),
-        compression=getattr(args, "compression", "none"),
+        compression=getattr(args, "compression", "none"), error_feedback=getattr(args, "error_feedback", False),
         fusion_bytes=getattr(args, "fusion_bytes", DEFAULT_FUSION_BYTES), overlap=getattr(args, "overlap", "auto"),
         epochs=getattr(args, "epochs", 10), seed=getattr(args, "seed", 0),
         checkpoint=getattr(args, "checkpoint", None), resume=getattr(args, "resume", False),

@@ -41,6 +41,15 @@ training computes what one process computes with batch P*b. With
 ``backward_passes_per_step=k`` the k gradients are summed (torch's own
 accumulation): divide the loss by k for a mean over P*k*b samples.
 
+Compression (``compression=``, any :mod:`hpcjobs.compression` compressor)
+sends each bucket through :func:`~hpcjobs.compression.compressed_allreduce`.
+The casts (fp16, bf16) compress fused buckets whole; the others need one
+tensor at a time (top-k per layer, PowerSGD's matrices), so with them every
+parameter is its own bucket. ``error_feedback=True`` keeps each bucket's
+residual (:class:`~hpcjobs.compression.ErrorFeedback`, by parameter name);
+:meth:`DistributedOptimizer.compression_state_dict` carries the residuals,
+the compressor's state and the step count into checkpoints.
+
 BatchNorm statistics are not reduced: each rank normalises over its own b
 samples (Goyal et al. 2017); only parameters travel.
 
@@ -65,7 +74,9 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, allreduce
+from ..collectives.counting import MESSAGE_ALGORITHMS, counted_allreduce
 from ..comm import agree, private
+from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 
 __all__ = ["DEFAULT_FUSION_BYTES", "OVERLAPS", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "cores_per_rank"]
@@ -106,9 +117,11 @@ class DistributedOptimizer:
             dtypes on every rank.
         comm: the data-parallel communicator (None: COMM_WORLD).
         algorithm: an allreduce algorithm name (:data:`ALGORITHMS`) or "auto".
-        compression: None, or a summable compressor (``compress(t) ->
-            (payload, ctx)``, ``decompress(payload, ctx)``, ``summable``
-            True) whose payload is allreduced in place of the gradient.
+        compression: None, or a :class:`~hpcjobs.compression.Compressor`
+            (the same on every rank); compressed payloads take a
+            message-passing algorithm ("auto" chooses among them).
+        error_feedback: keep what compression drops and add it back the
+            next step (needs ``compression``).
         fusion_bytes: largest bucket, in bytes (> 0).
         backward_passes_per_step: backward passes accumulated locally before
             each reduction.
@@ -125,8 +138,9 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, comm: MPI.Comm | None = None,
-                 algorithm: str = "auto", compression=None, fusion_bytes: int = DEFAULT_FUSION_BYTES,
-                 backward_passes_per_step: int = 1, overlap: str = "auto"):
+                 algorithm: str = "auto", compression: Compressor | None = None, error_feedback: bool = False,
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES, backward_passes_per_step: int = 1,
+                 overlap: str = "auto"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -137,10 +151,15 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
-        if compression is not None and not getattr(compression, "summable", False):
-            raise ValueError(
-                f"compression {type(compression).__name__} is not summable: its payloads cannot be added "
-                "by an allreduce; the optimizer takes summable compressors (fp16, bf16, random-k, PowerSGD)")
+        if compression is not None:
+            if not isinstance(compression, Compressor):
+                raise TypeError(f"compression must be an hpcjobs.compression.Compressor, "
+                                f"got {type(compression).__name__}")
+            if algorithm != "auto" and algorithm not in MESSAGE_ALGORITHMS:
+                raise ValueError(f"compressed gradients need a message-passing algorithm (auto or "
+                                 f"{', '.join(MESSAGE_ALGORITHMS)}), got {algorithm!r}")
+        elif error_feedback:
+            raise ValueError("error_feedback needs a compression")
         self._optimizer = optimizer
         self._user_comm = comm if comm is not None else MPI.COMM_WORLD
         self._comm = private(self._user_comm)  # collective: done here, never first on the thread
@@ -148,6 +167,9 @@ class DistributedOptimizer:
         self.rank = self._comm.Get_rank()
         self.algorithm = algorithm
         self.compression = compression
+        self.memory = ErrorFeedback() if error_feedback else None
+        self._fused = compression is None or compression.fusable
+        self._counted = compression is not None or algorithm in MESSAGE_ALGORITHMS
         self.fusion_bytes = int(fusion_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
         if overlap == "auto":
@@ -186,6 +208,7 @@ class DistributedOptimizer:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._step = 0  # reductions done: random-k's and PowerSGD's step, checkpointed
         self.reset_stats()
         self._reset_buckets()
 
@@ -207,7 +230,7 @@ class DistributedOptimizer:
             slots = open_.setdefault(p.dtype, [])
             offset = slots[-1].offset + slots[-1].numel if slots else 0
             slots.append(_Slot(name, p, offset, p.numel()))
-            if (offset + p.numel()) * p.element_size() >= self.fusion_bytes:
+            if not self._fused or (offset + p.numel()) * p.element_size() >= self.fusion_bytes:
                 close(p.dtype)
         for dtype in list(open_):
             close(dtype)
@@ -218,16 +241,20 @@ class DistributedOptimizer:
         layout = "|".join(",".join(s.name for s in b.slots) for b in self._buckets)
         local = np.array([len(named), sum(p.numel() for _, p in named), zlib.crc32(sig.encode()),
                           zlib.crc32(layout.encode()), self.fusion_bytes, self.backward_passes_per_step,
-                          zlib.crc32(self.algorithm.encode())], dtype=np.int64)
+                          zlib.crc32(self.algorithm.encode()),
+                          zlib.crc32(f"{self.compression!r} ef={self.memory is not None}".encode())],
+                         dtype=np.int64)
         same = agree(local, self._comm)
         if same.all():
             return
         what = ["number of parameters", "number of elements", "parameter names/shapes/dtypes",
-                "bucket layout", "fusion_bytes", "backward_passes_per_step", "algorithm"]
+                "bucket layout", "fusion_bytes", "backward_passes_per_step", "algorithm",
+                "compression/error feedback"]
         differ = [w for w, ok in zip(what, same) if not ok]
-        everyone = self._comm.allgather((len(named), int(local[1]), self.fusion_bytes, self.algorithm))
+        everyone = self._comm.allgather((len(named), int(local[1]), self.fusion_bytes, self.algorithm,
+                                         repr(self.compression), self.memory is not None))
         raise ValueError(f"DistributedOptimizer: ranks disagree on {', '.join(differ)}; per rank "
-                         f"(params, elements, fusion_bytes, algorithm): "
+                         f"(params, elements, fusion_bytes, algorithm, compression, error feedback): "
                          + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone)))
 
     # -- per step ------------------------------------------------------------
@@ -286,12 +313,18 @@ class DistributedOptimizer:
 
     def _reduce(self, bucket: _Bucket) -> None:
         t0 = time.perf_counter()
-        if self.compression is None:
-            allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
+        if self.compression is not None:
+            single = len(bucket.slots) == 1
+            tensor = bucket.buffer.view(bucket.slots[0].param.shape) if single else bucket.buffer
+            name = bucket.slots[0].name if single else f"bucket{bucket.index}"
+            mean, sent = compressed_allreduce(tensor, self.compression, self.memory, name=name,
+                                              comm=self._user_comm, algorithm=self.algorithm, step=self._step)
+            bucket.buffer.copy_(mean.reshape(-1))
+            self.stats["sent_bytes"] += sent
+        elif self._counted:
+            self.stats["sent_bytes"] += counted_allreduce(bucket.buffer, "avg", self.algorithm, self._user_comm)
         else:
-            payload, ctx = self.compression.compress(bucket.buffer)
-            allreduce(payload, op="avg", algorithm=self.algorithm, comm=self._user_comm)
-            bucket.buffer.copy_(self.compression.decompress(payload, ctx))
+            allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["allreduces"] += 1
 
@@ -330,6 +363,7 @@ class DistributedOptimizer:
                 else:
                     slot.param.grad.copy_(avg)
         self._reset_buckets()
+        self._step += 1
         self.stats["wait_s"] += time.perf_counter() - t0
         self.stats["steps"] += 1
 
@@ -344,8 +378,30 @@ class DistributedOptimizer:
     def reset_stats(self) -> None:
         """Zero the counters: ``comm_s`` (time spent in allreduce, on the
         thread), ``wait_s`` (time ``step()`` spent before the optimizer ran),
-        ``steps``, ``allreduces``."""
-        self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0}
+        ``steps``, ``allreduces``, ``sent_bytes`` (bytes this rank sent,
+        counted with compression or a message-passing algorithm, else 0)."""
+        self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0}
+
+    @property
+    def counts_bytes(self) -> bool:
+        """Whether ``stats["sent_bytes"]`` counts: with compression, or with
+        a message-passing algorithm (shared memory sends no messages)."""
+        return self._counted
+
+    def compression_state_dict(self) -> dict:
+        """This rank's compression state: the step count, the error-feedback
+        residuals and the compressor's own state (PowerSGD's warm start).
+        Residuals differ from rank to rank: checkpoint every rank's."""
+        return {"step": self._step,
+                "memory": self.memory.state_dict() if self.memory is not None else None,
+                "compressor": self.compression.state_dict() if hasattr(self.compression, "state_dict") else None}
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        self._step = int(state["step"])
+        if self.memory is not None and state.get("memory") is not None:
+            self.memory.load_state_dict(state["memory"])
+        if state.get("compressor") is not None and hasattr(self.compression, "load_state_dict"):
+            self.compression.load_state_dict(state["compressor"])
 
     @property
     def num_buckets(self) -> int:

@@ -84,7 +84,8 @@ def run_grid(args, comm, log=print) -> list[dict]:
                           batch_per_rank=b // size, optimizer="sgd", lr=args.lr, base_batch=base,
                           momentum=args.momentum, weight_decay=args.weight_decay,
                           warmup="none" if warmup == "all" else warmup, warmup_epochs=args.warmup_epochs,
-                          algorithm=args.algorithm, compression=args.compression, fusion_bytes=args.fusion_bytes,
+                          algorithm=args.algorithm, compression=args.compression,
+                          error_feedback=args.error_feedback, fusion_bytes=args.fusion_bytes,
                           overlap=args.overlap, epochs=args.epochs, seed=seed, quiet=True, progress=False)
         t0 = time.perf_counter()
         history = train(cfg, comm)

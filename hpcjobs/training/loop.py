@@ -40,6 +40,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
+from ..compression import COMPRESSIONS, make_compressor
 from . import schedule as sched
 from .data import eval_shard, load_dataset, rank_batches, steps_per_epoch
 from .distributed import DEFAULT_FUSION_BYTES, DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -50,11 +51,10 @@ __all__ = ["OPTIMIZERS", "COMPRESSIONS", "TrainConfig", "train", "save_checkpoin
            "CheckpointError", "make_compressor"]
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
-COMPRESSIONS = ("none", "fp16", "bf16")
 CHECKPOINT_VERSION = 1
 # A resumed run must be the same experiment: these fields may not change.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
-                "backward_passes_per_step", "optimizer")
+                "backward_passes_per_step", "optimizer", "compression", "error_feedback")
 
 
 @dataclass
@@ -88,6 +88,7 @@ class TrainConfig:
     momentum_correction: bool = True
     algorithm: str = "auto"
     compression: str = "none"
+    error_feedback: bool = False
     fusion_bytes: int = DEFAULT_FUSION_BYTES
     overlap: str = "auto"
     epochs: int = 10
@@ -111,8 +112,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"unknown compression {self.compression!r}; choose from {', '.join(COMPRESSIONS)}")
+        if make_compressor(self.compression) is None and self.error_feedback:
+            raise ValueError("error feedback needs a compression")
         for name in ("batch_per_rank", "backward_passes_per_step", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -123,17 +124,6 @@ class TrainConfig:
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: truncated, corrupt, or from another experiment."""
-
-
-def make_compressor(name: str):
-    """A compressor by its name in :data:`COMPRESSIONS` ("none": None)."""
-    if name not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {name!r}; choose from {', '.join(COMPRESSIONS)}")
-    if name == "none":
-        return None
-    from ..compression import BF16Compressor, FP16Compressor
-
-    return {"fp16": FP16Compressor, "bf16": BF16Compressor}[name]()
 
 
 def _make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -274,7 +264,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
-                               compression=make_compressor(cfg.compression), fusion_bytes=cfg.fusion_bytes,
+                               compression=make_compressor(cfg.compression, seed=cfg.seed),
+                               error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap)
     if rank == 0 and not cfg.quiet and start_epoch == 0:
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(ds.train)} train / {len(ds.test)} test), "

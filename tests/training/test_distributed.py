@@ -1,11 +1,15 @@
 """DistributedOptimizer: P ranks with batch b compute what one process
 computes with batch P*b; layouts are checked across ranks; broadcasts."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
+from hpcjobs.compression import (ErrorFeedback, FP16Compressor, PowerSGDCompressor, RandomKCompressor,
+                                 SignCompressor, TopKCompressor, compressed_allreduce)
 from hpcjobs.training import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from hpcjobs.training.models import build_model
 
@@ -195,37 +199,76 @@ def test_parameters_missing_from_named_parameters_are_refused():
                              comm=MPI.COMM_SELF)
 
 
-def test_a_non_summable_compressor_is_refused():
-    class TopK:
-        summable = False
+def test_a_compression_that_is_not_a_compressor_is_refused():
+    class Half:
+        summable = True
 
     model = torch.nn.Linear(3, 1)
-    with pytest.raises(ValueError, match="not summable"):
+    with pytest.raises(TypeError, match="Compressor"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                             comm=MPI.COMM_SELF, compression=TopK())
+                             comm=MPI.COMM_SELF, compression=Half())
+
+
+def test_compression_refuses_shared_memory_algorithms_and_feedback_needs_a_compressor():
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match="message-passing"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             comm=MPI.COMM_SELF, algorithm="shm", compression=TopKCompressor(0.5))
+    with pytest.raises(ValueError, match="needs a compression"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             comm=MPI.COMM_SELF, error_feedback=True)
 
 
 @pytest.mark.mpi(min_size=1)
 def test_a_summable_compressor_reduces_its_payload():
-    class Half:
-        summable = True
-
-        def compress(self, t):
-            return t.to(torch.float16), t.dtype
-
-        def decompress(self, payload, dtype):
-            return payload.to(dtype)
-
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     model = torch.nn.Linear(4, 1, bias=False)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                               comm=comm, compression=Half())
+                               comm=comm, compression=FP16Compressor())
     model.weight.grad = None
     (model(torch.full((1, 4), 1.0 / 3 + rank)).sum()).backward()
     opt.synchronize()
     want = np.mean([np.float16(1.0 / 3 + r) for r in range(size)])
     np.testing.assert_allclose(model.weight.grad.numpy(), np.full((1, 4), want), rtol=2e-3)
+    assert opt.counts_bytes and (opt.stats["sent_bytes"] > 0) == (size > 1)
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("make", [lambda: TopKCompressor(0.25), lambda: SignCompressor(),
+                                  lambda: PowerSGDCompressor(1), lambda: RandomKCompressor(0.5, seed=3)],
+                         ids=["topk", "sign", "powersgd", "randomk"])
+def test_compressed_steps_apply_what_compressed_allreduce_computes(make):
+    """Two steps of the optimizer with error feedback apply, per parameter,
+    exactly compressed_allreduce of each rank's gradient with its own memory
+    (the arithmetic redone here by name and step)."""
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               comm=comm, compression=make(), error_feedback=True, overlap="none")
+    ref_comp, ref_mem = make(), ErrorFeedback()
+    ref_params = dict(ref.named_parameters())
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ref.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        with torch.no_grad():
+            for name in reversed(list(ref_params)):  # the optimizer's bucket order
+                p = ref_params[name]
+                mean, _ = compressed_allreduce(p.grad, ref_comp, ref_mem, name=name, comm=comm, step=step)
+                p.add_(mean, alpha=-0.1)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    state = opt.compression_state_dict()
+    assert state["step"] == 2 and set(state["memory"]["residuals"]) == set(ref_params)
     opt.close()
 
 

@@ -1,0 +1,97 @@
+"""Bytes on the wire, counted as they are sent.
+
+:class:`CountingComm` wraps a communicator and adds up the size of every
+buffer handed to a point-to-point send; :func:`counted_allreduce` runs one
+of the message-passing algorithms through it and returns what this rank
+sent. ``hpcjobs model`` uses it to check the byte formulas, and
+``compressed_allreduce`` to report real wire bytes for each compressor.
+
+The shared-memory algorithms (``shm``, and ``hierarchical``'s stages on
+sub-communicators) move data through shared windows rather than messages
+on the given communicator, so they cannot be counted here: counting asks
+for one of :data:`MESSAGE_ALGORITHMS`, and ``auto`` is resolved among them.
+"""
+
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from ._buffers import as_flat, check_op
+from .select import choose, flat_algorithm
+
+__all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm"]
+
+MESSAGE_ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server")
+
+
+class CountingComm:
+    """A communicator proxy that adds up the bytes of every buffer sent
+    through it; everything else goes to the real communicator."""
+
+    def __init__(self, comm: MPI.Intracomm):
+        self._comm = comm
+        self.sent = 0
+        self.received = 0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _count(self, buf) -> None:
+        self.sent += memoryview(buf).nbytes
+
+    def Send(self, buf, dest, tag=0):
+        self._count(buf)
+        return self._comm.Send(buf, dest, tag)
+
+    def Isend(self, buf, dest, tag=0):
+        self._count(buf)
+        return self._comm.Isend(buf, dest, tag)
+
+    def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+        self.received += memoryview(buf).nbytes
+        return self._comm.Recv(buf, source, tag)
+
+    def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+        self.received += memoryview(buf).nbytes
+        return self._comm.Irecv(buf, source, tag)
+
+    def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG):
+        self._count(sendbuf)
+        self.received += memoryview(recvbuf).nbytes
+        return self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
+
+
+def message_algorithm(algorithm: str, nbytes: int, ranks: int) -> str:
+    """``algorithm`` itself, or for "auto" the tuning table's choice with the
+    shared-memory algorithms replaced by the ring.
+
+    Raises:
+        ValueError: an unknown or shared-memory algorithm.
+    """
+    if algorithm == "auto":
+        name = choose(nbytes, ranks)
+        return name if name in MESSAGE_ALGORITHMS else "ring"
+    if algorithm not in MESSAGE_ALGORITHMS:
+        flat_algorithm(algorithm)  # unknown names get the usual message
+        raise ValueError(f"algorithm {algorithm!r} moves data through shared memory, not messages; "
+                         f"counted collectives take auto or one of {', '.join(MESSAGE_ALGORITHMS)}")
+    return algorithm
+
+
+def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Intracomm | None = None) -> int:
+    """Allreduce ``buf`` in place like :func:`hpcjobs.collectives.allreduce`
+    and return the bytes this rank sent (collective).
+
+    Args:
+        comm: the suite's private communicator (:func:`hpcjobs.comm.private`).
+    """
+    from ..comm import private
+
+    op = check_op(op)
+    flat = as_flat(buf)
+    comm = private(comm)
+    if comm.Get_size() == 1 or flat.count == 0:
+        return 0
+    proxy = CountingComm(comm)
+    flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
+    return proxy.sent

@@ -1,0 +1,110 @@
+"""``compressed_allreduce``: each compressor on the collective it needs.
+
+1. With ``memory`` (error feedback), add this tensor's residual.
+2. Compress, and move the payload:
+   - summable payloads (fp16, bf16, random-k, the identity) are averaged
+     by our allreduce and decompressed once;
+   - PowerSGD runs its two allreduces (``reduce_mean``);
+   - the others (top-k, QSGD, sign) travel by our ring allgather of
+     variable-size payloads (sizes first), and every rank decompresses the
+     P payloads and adds them, in rank order, so all ranks get the same
+     bits.
+3. Average once (the allreduce's ``avg``, or the sum divided by P).
+4. With ``memory``, keep what this rank's compression dropped.
+
+Wire bytes are counted as they are sent (:mod:`hpcjobs.collectives.counting`).
+Compression exists to cut those bytes, so payloads always take a
+message-passing algorithm: ``auto`` picks among them, and the shared-memory
+ones are refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..collectives.counting import CountingComm, counted_allreduce, message_algorithm
+from ..collectives.ring import _allgatherv
+from ..comm import private
+from .base import Compressor
+from .error_feedback import ErrorFeedback
+
+__all__ = ["compressed_allreduce"]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
+
+
+def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: ErrorFeedback | None = None,
+                         name: str | None = None, comm: MPI.Comm | None = None, algorithm: str = "auto",
+                         step: int = 0) -> tuple[torch.Tensor, int]:
+    """Average ``tensor`` over the ranks of ``comm`` through ``compressor``.
+
+    Args:
+        tensor: a floating-point CPU tensor; the same shape and dtype on
+            every rank. Not modified.
+        compressor: the same compressor on every rank.
+        memory: an :class:`ErrorFeedback` for this rank, or None.
+        name: the tensor's name (parameter name), needed with ``memory`` and
+            by random-k and PowerSGD to tell tensors apart.
+        comm: intracommunicator; None for COMM_WORLD.
+        algorithm: for summable payloads, "auto" or one of
+            :data:`hpcjobs.collectives.counting.MESSAGE_ALGORITHMS`.
+        step: the iteration, the same on every rank (random-k's indices,
+            PowerSGD's ``start_iter``).
+
+    Returns:
+        ``(average, sent_bytes)``: the decompressed average (a new tensor,
+        bitwise the same on every rank) and the bytes this rank sent.
+    """
+    if memory is not None and name is None:
+        raise ValueError("error feedback keeps residuals by name: pass name= with memory=")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
+    comm = private(comm)
+    size = comm.Get_size()
+    message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
+    x = memory.compensate(name, tensor) if memory is not None else tensor
+    sent = 0
+
+    def allreduce_mean(buf: torch.Tensor) -> None:
+        nonlocal sent
+        sent += counted_allreduce(buf, "avg", algorithm, comm)
+
+    reduce_mean = getattr(compressor, "reduce_mean", None)
+    if reduce_mean is not None:
+        mean, local = reduce_mean(x, allreduce_mean, name=name, step=step)
+    else:
+        payload, ctx = compressor.compress(x, name=name, step=step)
+        local = compressor.decompress(payload, ctx) if memory is not None else None
+        parts = payload if isinstance(payload, tuple) else (payload,)
+        if compressor.summable:
+            # our allreduce works in place: never on the caller's memory
+            parts = tuple(p.clone() if p.data_ptr() in (x.data_ptr(), tensor.data_ptr()) else p.contiguous()
+                          for p in parts)
+            for p in parts:
+                allreduce_mean(p)
+            mean = compressor.decompress(parts if isinstance(payload, tuple) else parts[0], ctx)
+        else:
+            proxy = CountingComm(comm)
+            rows = _allgatherv([_numpy(p) for p in parts], proxy) if size > 1 else [[_numpy(p) for p in parts]]
+            sent += proxy.sent
+            mean = None
+            for row in rows:  # rank order: the same sum on every rank
+                got = tuple(_torch(a, p) for a, p in zip(row, parts))
+                d = compressor.decompress(got if isinstance(payload, tuple) else got[0], ctx)
+                mean = d.clone() if mean is None else mean.add_(d)
+            mean = mean.div_(size) if size > 1 else mean
+    if memory is not None:
+        memory.update(name, x, local)
+    return mean, sent

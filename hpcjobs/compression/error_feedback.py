@@ -1,0 +1,50 @@
+"""Error feedback, a.k.a. memory (Seide et al. 2014; Stich et al. 2018;
+Karimireddy et al. 2019): what compression drops this step is added back
+the next.
+
+For each tensor, by name::
+
+    x     = g + e           # compensate: the gradient plus the residual
+    sent  = C(x)            # compress (what reaches the other ranks)
+    e     = x - D(sent)     # update: what was not sent, kept for next step
+
+so g + e_old = D(C(x)) + e_new exactly, at every step: nothing is lost,
+only delayed. The residuals belong to this rank (each rank drops different
+things) and go into checkpoints through ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Per-tensor residuals of a compressor, keyed by name."""
+
+    def __init__(self):
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` plus the residual stored for ``name`` (a new tensor)."""
+        e = self.residuals.get(name)
+        if e is None:
+            return tensor.clone()
+        if e.shape != tensor.shape or e.dtype != tensor.dtype:
+            raise ValueError(f"error feedback for {name!r}: residual is {e.dtype}{tuple(e.shape)}, "
+                             f"the tensor {tensor.dtype}{tuple(tensor.shape)}; one name, one tensor")
+        return tensor + e
+
+    def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
+        """Keep ``compensated - decompressed`` as ``name``'s residual."""
+        self.residuals[name] = compensated - decompressed
+
+    def state_dict(self) -> dict:
+        return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({len(self.residuals)} tensors)"
