@@ -1,0 +1,113 @@
+"""compressed_allreduce across ranks equals the same arithmetic done in one
+process on every rank's tensor; wire bytes are what the payloads weigh."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.collectives import ring_allgatherv
+from hpcjobs.compression import (BF16Compressor, ErrorFeedback, FP16Compressor, NoneCompressor,
+                                 PowerSGDCompressor, QSGDCompressor, RandomKCompressor, SignCompressor,
+                                 TopKCompressor, compressed_allreduce)
+
+ALLGATHERED = {"topk": lambda: TopKCompressor(0.05), "qsgd": lambda: QSGDCompressor(8), "sign": SignCompressor}
+SUMMABLE = {"none": NoneCompressor, "fp16": FP16Compressor, "bf16": BF16Compressor,
+            "randomk": lambda: RandomKCompressor(0.1, seed=5)}
+
+
+def _tensors(size, shape=(37, 11)):
+    return [torch.randn(*shape, generator=torch.Generator().manual_seed(10 + q)) for q in range(size)]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("key", list(ALLGATHERED))
+def test_allgathered_payloads_equal_one_process_bitwise(key):
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ts = _tensors(size)
+    torch.manual_seed(rank)  # QSGD's rounding noise, rank by rank
+    c = ALLGATHERED[key]()
+    got, sent = compressed_allreduce(ts[rank], c, name="w", comm=comm)
+    want = None
+    for q, t in enumerate(ts):
+        torch.manual_seed(q)
+        d = c.decompress(*c.compress(t, name="w"))
+        want = d.clone() if want is None else want.add_(d)
+    want = want / size if size > 1 else want
+    assert torch.equal(got, want)
+    # bytes: the P x 2 table of part sizes, then (P-1) blobs of 8-byte-padded parts
+    payload, _ = c.compress(ts[rank], name="w")
+    blob = sum(-(-p.nbytes // 8) * 8 for p in payload)
+    assert sent == (size - 1) * (2 * 8 + blob)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("key", list(SUMMABLE))
+def test_summable_payloads_equal_one_process(key):
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ts = _tensors(size)
+    c = SUMMABLE[key]()
+    before = ts[rank].clone()
+    got, sent = compressed_allreduce(ts[rank], c, name="w", comm=comm, algorithm="ring", step=3)
+    assert torch.equal(ts[rank], before)  # the input is left alone
+    payloads = [c.compress(t, name="w", step=3) for t in ts]
+    mean_payload = sum(p.double() for p, _ in payloads) / size
+    want = c.decompress(mean_payload.to(payloads[0][0].dtype), payloads[0][1])
+    tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 1.6e-2, "randomk": 1e-6}[key]
+    assert torch.allclose(got, want, rtol=tol, atol=tol)
+    wire = payloads[0][0].nbytes
+    lo, hi = 2 * (size - 1) * (wire // size), 2 * (size - 1) * (-(-wire // size))
+    assert lo <= sent <= hi  # the ring: 2(P-1)/P of the payload
+
+
+@pytest.mark.mpi(min_size=1)
+def test_powersgd_equals_one_process_power_iteration():
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ts = _tensors(size, shape=(40, 30))
+    c = PowerSGDCompressor(2, seed=4)
+    got, sent = compressed_allreduce(ts[rank], c, name="w", comm=comm, algorithm="ring")
+    ref = PowerSGDCompressor(2, seed=4)
+    q0 = ref._q_for("w", 30, 0)
+    p = torch.linalg.qr(sum(t @ q0 for t in ts) / size).Q
+    q = sum(t.t() @ p for t in ts) / size
+    assert torch.allclose(got, p @ q.t(), atol=1e-5)
+    assert (sent == 0) == (size == 1)
+    assert sent <= 2 * (40 + 30) * 2 * 4  # two ring allreduces of the factors, never the matrix
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_feedback_loses_nothing_across_ranks():
+    """Summed over ranks: P * mean + residuals = gradients + old residuals."""
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    for c in (TopKCompressor(0.1), SignCompressor(), PowerSGDCompressor(1), RandomKCompressor(0.2)):
+        mem = ErrorFeedback()
+        for step in range(3):
+            g = _tensors(size, shape=(20, 16))[rank] * (step + 1)
+            e_old = mem.residuals.get("w", torch.zeros_like(g))
+            mean, _ = compressed_allreduce(g, c, mem, name="w", comm=comm, step=step)
+            lhs = np.array(((g + e_old) - mem.residuals["w"]).double().numpy())
+            comm.Allreduce(MPI.IN_PLACE, lhs, op=MPI.SUM)
+            np.testing.assert_allclose(lhs, size * mean.double().numpy(), atol=1e-4, err_msg=repr(c))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_ring_allgatherv_with_sizes_that_differ_by_rank():
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    parts = [np.arange(rank, dtype=np.float32) + rank, np.full(2 * rank + 1, rank, dtype=np.int16)]
+    rows = ring_allgatherv(parts, comm)
+    assert len(rows) == size
+    for q, (a, b) in enumerate(rows):
+        assert a.dtype == np.float32 and np.array_equal(a, np.arange(q, dtype=np.float32) + q)
+        assert b.dtype == np.int16 and np.array_equal(b, np.full(2 * q + 1, q, dtype=np.int16))
+
+
+def test_shared_memory_algorithms_are_refused():
+    with pytest.raises(ValueError, match="shared memory"):
+        compressed_allreduce(torch.ones(4), FP16Compressor(), comm=MPI.COMM_SELF, algorithm="shm")
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        compressed_allreduce(torch.ones(4), FP16Compressor(), comm=MPI.COMM_SELF, algorithm="fast")

@@ -1,0 +1,78 @@
+"""PowerSGD: exact on low-rank matrices, small tensors sent whole, warm start."""
+
+import pytest
+import torch
+
+from hpcjobs.compression import PowerSGDCompressor
+
+
+def _rank_r(n, m, r, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, r, generator=g) @ torch.randn(r, m, generator=g)
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_exact_on_a_rank_r_matrix(r):
+    m = _rank_r(64, 48, r)
+    c = PowerSGDCompressor(r)
+    payload, ctx = c.compress(m, name="w")
+    p, q = payload
+    assert p.shape == (64, r) and q.shape == (48, r)
+    assert torch.allclose(p.t() @ p, torch.eye(r), atol=1e-5)  # orthonormal
+    assert torch.allclose(c.decompress(payload, ctx), m, atol=1e-4 * m.abs().max().item())
+
+
+def test_reduce_mean_of_one_rank_is_exact_on_rank_r_and_keeps_the_warm_start():
+    m = _rank_r(30, 20, 2, seed=1)
+    c = PowerSGDCompressor(2)
+    calls = []
+    mean, local = c.reduce_mean(m, calls.append, name="w")  # one rank: the mean is the identity
+    assert len(calls) == 2 and calls[0].shape == (30, 2) and calls[1].shape == (20, 2)
+    assert torch.allclose(mean, m, atol=1e-4) and torch.allclose(local, mean)
+    assert set(c.state_dict()["q"]) == {"w"}
+    other = PowerSGDCompressor(2)
+    other.load_state_dict(c.state_dict())
+    assert torch.equal(other.state_dict()["q"]["w"], c.state_dict()["q"]["w"])
+
+
+def test_conv_weights_are_reshaped_and_1d_or_small_tensors_sent_whole():
+    c = PowerSGDCompressor(2)
+    w = torch.randn(16, 8, 5)  # 16 x 40 matrix
+    assert c.compresses(w.shape)
+    payload, ctx = c.compress(w, name="conv")
+    assert payload[0].shape == (16, 2) and payload[1].shape == (40, 2)
+    assert c.decompress(payload, ctx).shape == w.shape
+    for t in (torch.randn(100), torch.randn(3, 3)):
+        assert not c.compresses(t.shape)
+        payload, ctx = c.compress(t)
+        assert len(payload) == 1 and torch.equal(c.decompress(payload, ctx), t)
+
+
+def test_before_start_iter_everything_goes_uncompressed():
+    c = PowerSGDCompressor(1, start_iter=5)
+    m = torch.randn(40, 40)
+    calls = []
+    mean, local = c.reduce_mean(m, calls.append, name="w", step=4)
+    assert len(calls) == 1 and torch.equal(calls[0], m) and local is m
+    c.reduce_mean(m, calls.append, name="w", step=5)
+    assert len(calls) == 3
+
+
+def test_warm_start_improves_the_approximation_step_after_step():
+    """Power iteration continued across steps: on a fixed full-rank matrix
+    the rank-1 error falls towards the best rank-1 error (SVD)."""
+    torch.manual_seed(0)
+    m = torch.randn(50, 40)
+    best = torch.linalg.svdvals(m)[1:].square().sum().sqrt()
+    c = PowerSGDCompressor(1)
+    errors = []
+    for step in range(30):
+        mean, _ = c.reduce_mean(m, lambda t: None, name="w", step=step)
+        errors.append((m - mean).norm().item())
+    assert errors[-1] < errors[0] and errors[-1] <= 1.01 * best.item()
+
+
+@pytest.mark.parametrize("kw", [{"rank": 0}, {"rank": 1.5}, {"start_iter": -1}])
+def test_bad_parameters_are_refused(kw):
+    with pytest.raises(ValueError):
+        PowerSGDCompressor(**kw)
