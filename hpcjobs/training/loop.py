@@ -258,15 +258,17 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm)
     inner = _make_optimizer(cfg, model)
     history: list[dict] = []
-    start_epoch = 0
+    start_epoch, compression_states = 0, None
     if cfg.resume:  # validate() made sure there is a checkpoint path
-        start_epoch, history = _resume(cfg, model, inner, comm)
+        start_epoch, history, compression_states = _resume(cfg, model, inner, comm)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                compression=make_compressor(cfg.compression, seed=cfg.seed),
                                error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap)
+    if compression_states is not None:  # each rank gets back its own residuals
+        opt.load_compression_state_dict(comm.scatter(compression_states or None, root=0))
     if rank == 0 and not cfg.quiet and start_epoch == 0:
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(ds.train)} train / {len(ds.test)} test), "
               f"{size} ranks x {cfg.batch_per_rank} x {cfg.backward_passes_per_step} passes = global batch "
@@ -314,13 +316,16 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             # plain Python numbers: the checkpoint is loaded with weights_only=True
             record = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in record.items()}
             history.append(record)
+            # error-feedback residuals differ by rank: the checkpoint keeps them all
+            compression = (comm.gather(opt.compression_state_dict(), root=0)
+                           if cfg.checkpoint and opt.compression is not None else None)
             if rank == 0:
                 _report(cfg, record)
                 if cfg.checkpoint:
                     save_checkpoint(cfg.checkpoint, {
                         "version": CHECKPOINT_VERSION, "epoch": epoch + 1, "config": _config_dict(cfg),
                         "model": model.state_dict(), "optimizer": inner.state_dict(),
-                        "torch_rng": torch.get_rng_state(), "history": history})
+                        "torch_rng": torch.get_rng_state(), "history": history, "compression": compression})
             if on_epoch is not None:
                 on_epoch(record)
             if not math.isfinite(record["loss"]):
@@ -343,9 +348,11 @@ def _report(cfg: TrainConfig, record: dict) -> None:
         print(line, flush=True)
 
 
-def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict]]:
+def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict], list | None]:
     """Rank 0 reads the checkpoint and the broadcasts that follow give it to
-    everyone; an error is told to every rank first."""
+    everyone; an error is told to every rank first. Returns the epoch, the
+    history, and the per-rank compression states (on the other ranks an
+    empty list, for the scatter that follows) or None when there are none."""
     state, error = None, None
     if comm.Get_rank() == 0:
         try:
@@ -355,6 +362,10 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict]]:
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+            states = state.get("compression")
+            if states is not None and len(states) != comm.Get_size():
+                raise CheckpointError(f"{cfg.checkpoint} holds compression state for {len(states)} ranks; "
+                                      f"this run has {comm.Get_size()}")
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"])
@@ -365,7 +376,10 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict]]:
     error = comm.bcast(error, root=0)
     if error:
         raise CheckpointError(error)
-    info = comm.bcast((state["epoch"], state["history"]) if state else (0, []), root=0)
+    epoch, history, has_states = comm.bcast(
+        (state["epoch"], state["history"], state.get("compression") is not None) if state else (0, [], False), root=0)
     if comm.Get_rank() == 0 and state and not cfg.quiet:
-        print(f"# train: resumed from {cfg.checkpoint} after epoch {info[0]}", flush=True)
-    return info
+        print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}", flush=True)
+    if not has_states:
+        return epoch, history, None
+    return epoch, history, state["compression"] if comm.Get_rank() == 0 else []

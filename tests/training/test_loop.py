@@ -41,11 +41,15 @@ def test_training_learns_and_reports_every_epoch(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_resume_continues_to_the_same_parameters(tmp_path_factory):
-    """4 epochs straight == 2 epochs, stop, resume to 4 (deterministic mode)."""
+@pytest.mark.parametrize("compression", ["none", "topk:0.1", "randomk:0.2", "powersgd:1"])
+def test_resume_continues_to_the_same_parameters(tmp_path_factory, compression):
+    """4 epochs straight == 2 epochs, stop, resume to 4 (deterministic mode);
+    with compression the checkpoint carries every rank's error-feedback
+    residuals, the step count and PowerSGD's warm start."""
     comm = MPI.COMM_WORLD
-    d = shared_dir(tmp_path_factory, "resume")
-    kw = dict(optimizer="sgd", momentum=0.9, batch_norm=True)
+    d = shared_dir(tmp_path_factory, "resume-" + compression.replace(":", ""))
+    kw = dict(optimizer="sgd", momentum=0.9, batch_norm=True, compression=compression,
+              error_feedback=compression != "none")
     straight = train(cfg(checkpoint=f"{d}/a.pt", **kw), comm)
     train(cfg(checkpoint=f"{d}/b.pt", epochs=2, **kw), comm)
     resumed = train(cfg(checkpoint=f"{d}/b.pt", resume=True, **kw), comm)
