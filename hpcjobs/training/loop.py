@@ -301,7 +301,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                 opt.step()
                 progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
             epoch_s = time.perf_counter() - t0
-            times = np.array([epoch_s, opt.stats["comm_s"], opt.stats["wait_s"]])
+            times = np.array([epoch_s, opt.stats["comm_s"], opt.stats["wait_s"], opt.stats["sent_bytes"]])
             comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
             comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
             _average_bn_stats(model, comm)
@@ -313,6 +313,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                 "wait_s": times[2], "comm_share": times[1] / times[0], "ranks": size,
                 "global_batch": global_batch,
             }
+            if opt.counts_bytes:  # the busiest rank's bytes sent this epoch
+                record["sent_bytes"] = int(times[3])
             # plain Python numbers: the checkpoint is loaded with weights_only=True
             record = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in record.items()}
             history.append(record)

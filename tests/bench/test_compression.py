@@ -1,0 +1,36 @@
+"""``hpcjobs bench compression``: every compressor in one run, bytes as the
+payloads weigh, results identical on every rank, and the training study."""
+
+import json
+
+import pytest
+from launch import mpirun
+
+
+def test_bench_compression_tensors_and_training(tmp_path):
+    out = mpirun(2, "bench", "compression", "--elements", "3000,20K", "--iters", "2", "--train", "--epochs", "1",
+                 "--num-samples", "1000", "--seeds", "1", "--compressors", "fp16,topk:0.01,sign,powersgd:1",
+                 "--out", str(tmp_path), "--no-progress", timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.load(open(tmp_path / "results.json"))
+    rows = {(r["elements"], r["compressor"]): r for r in data["tensors"]}
+    assert len(rows) == 2 * 6 and all(r["differ"] == 0 for r in rows.values())
+    n = 20_000
+    assert rows[(n, "fp32 ring")]["wire_bytes"] == 4 * n  # 2(P-1)/P * 4n at P=2
+    assert rows[(n, "fp16")]["ratio"] == 2.0
+    assert rows[(n, "topk:0.01")]["wire_bytes"] == 8 * 200 + 16  # 200 values + indices, then the size table
+    assert rows[(n, "sign")]["wire_bytes"] == -(-n // 64) * 8 + 8 + 16  # bits, padded to 8 bytes; the scale
+    assert rows[(n, "powersgd:1")]["ratio"] > 50
+    cells = [(r["compressor"], r["error_feedback"]) for r in data["training"]]
+    assert cells[0] == ("none", False) and ("topk:0.01", True) in cells and len(cells) == 9
+    assert all(0 <= r["test_acc"] <= 1 and r["sent_bytes"] > 0 for r in data["training"])
+    assert "| topk:0.01 | yes |" in (tmp_path / "compression.md").read_text()
+
+
+@pytest.mark.parametrize("flag,value,message", [("--compressors", "zip", "unknown compression 'zip'"),
+                                                ("--compressors", "none", "baseline"),
+                                                ("--elements", "1X", "not a count"),
+                                                ("--algorithm", "shm", "invalid choice")])
+def test_bad_arguments_are_usage_errors(flag, value, message):
+    out = mpirun(2, "bench", "compression", flag, value)
+    assert out.returncode == 2 and message in out.stderr
