@@ -100,8 +100,11 @@ def _configure(p) -> None:
     g.add_argument("--num-samples", type=positive_int, default=10000, help="MNIST-1D samples (default 10000)")
     g.add_argument("--epochs", type=positive_int, default=20, help="default: %(default)s")
     g.add_argument("--batch-per-rank", type=positive_int, default=32, help="default: %(default)s")
-    g.add_argument("--lr", type=positive_float, default=0.05, help="SGD rate, momentum 0.9 (default 0.05)")
-    g.add_argument("--seeds", type=positive_int, default=2, help="seeds per cell (default 2)")
+    # 0.01 is the largest rate at which every error-feedback variant stayed
+    # stable here: random-k 1% with error feedback diverged at 0.02 and 0.05
+    # (README, "Gradient compression"); uncompressed is best near 0.05.
+    g.add_argument("--lr", type=positive_float, default=0.01, help="SGD rate, momentum 0.9 (default 0.01)")
+    g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
     p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     p.add_argument("--out", "-O", metavar="DIR", help="write results.json and compression.md here (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -203,7 +206,7 @@ def _train_rows(args, comm) -> list[dict]:
     rows = []
     t_all = time.perf_counter()
     for i, (spec, ef) in enumerate(cells):
-        accs, sent, secs = [], [], []
+        accs, sent, secs, diverged = [], [], [], 0
         for seed in range(args.seeds):
             cfg = TrainConfig(model=args.model, dataset="mnist1d", num_samples=args.num_samples,
                               batch_per_rank=args.batch_per_rank, optimizer="sgd", lr=args.lr, momentum=0.9,
@@ -213,14 +216,16 @@ def _train_rows(args, comm) -> list[dict]:
             history = train(cfg, comm)
             secs.append(time.perf_counter() - t0)
             last = history[-1]
-            accs.append(last["test_acc"] if math.isfinite(last["loss"]) else float("nan"))
+            accs.append(last["test_acc"])  # a diverged run ends at chance and counts as such
+            diverged += not math.isfinite(last["loss"])
             sent.append(sum(h["sent_bytes"] for h in history) / len(history) * args.epochs)
         rows.append(dict(compressor=spec, error_feedback=ef, test_acc=statistics.fmean(accs),
                          test_acc_sd=statistics.stdev(accs) if len(accs) > 1 else 0.0, accs=accs,
-                         sent_bytes=statistics.fmean(sent), seconds=statistics.fmean(secs)))
+                         diverged=diverged, sent_bytes=statistics.fmean(sent), seconds=statistics.fmean(secs)))
         if args.progress:
             print0(f"# train {i + 1}/{len(cells)}: {spec}{' +EF' if ef else ''}: test acc "
-                   f"{100 * rows[-1]['test_acc']:.2f}% ({time.perf_counter() - t_all:.0f}s)")
+                   f"{100 * rows[-1]['test_acc']:.2f}%{f', {diverged} diverged' if diverged else ''} "
+                   f"({time.perf_counter() - t_all:.0f}s)")
     base = rows[0]
     for r in rows:
         r["delta_points"] = 100 * (r["test_acc"] - base["test_acc"])
@@ -234,7 +239,9 @@ def _train_table(rows: list[dict]) -> str:
              "fewer bytes (x) | time vs none |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['compressor']} | {'yes' if r['error_feedback'] else 'no'} | "
-                     f"{100 * r['test_acc']:.2f} ± {100 * r['test_acc_sd']:.2f} | {r['delta_points']:+.2f} | "
+                     f"{100 * r['test_acc']:.2f} ± {100 * r['test_acc_sd']:.2f}"
+                     + (f" ({r['diverged']}/{len(r['accs'])} diverged)" if r["diverged"] else "")
+                     + f" | {r['delta_points']:+.2f} | "
                      f"{r['sent_bytes']:,.0f} | {r['fewer_bytes']:.1f} | {r['time_ratio']:.2f} |")
     return "\n".join(lines)
 

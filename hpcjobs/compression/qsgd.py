@@ -35,15 +35,16 @@ class QSGDCompressor(Compressor):
 
     def compress(self, tensor: torch.Tensor, name=None, step=0):
         check_float(self, tensor)
-        x = tensor.reshape(-1).float()
+        x = tensor.detach().reshape(-1).float()
         norm = torch.linalg.vector_norm(x).reshape(1)
         if norm.item() == 0.0 or not torch.isfinite(norm).item():
             # all zeros; or a NaN/Inf gradient, whose norm then turns every
             # decompressed entry into NaN rather than into a finite lie
             q = torch.zeros(x.numel(), dtype=self.wire_dtype)
         else:
-            level = torch.floor(x.abs() / norm * self.levels + torch.rand_like(x))
-            q = (torch.sign(x) * level).clamp_(-self.levels, self.levels).to(self.wire_dtype)
+            level = x.abs().mul_(self.levels / norm).add_(torch.rand_like(x)).floor_()
+            # an ulp over `levels` where |x_i| is the norm must not wrap around in int8
+            q = level.clamp_(max=self.levels).copysign_(x).to(self.wire_dtype)
         return (norm, q), (tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx) -> torch.Tensor:

@@ -62,3 +62,14 @@ def test_sign_odd_lengths_and_shapes_round_trip():
     back = c.decompress(*c.compress(x))
     scale = x.abs().mean()
     assert back.shape == x.shape and torch.equal(back, torch.where(x >= 0, scale, -scale))
+
+
+@pytest.mark.parametrize("levels", [127, 32767])
+def test_qsgd_a_one_hot_tensor_is_exactly_plus_or_minus_levels_never_wrapped(levels):
+    c = QSGDCompressor(levels)
+    for sign in (1.0, -1.0):
+        x = torch.zeros(7)
+        x[3] = sign * 3.7
+        (norm, q), ctx = c.compress(x)
+        assert q[3].item() == sign * levels and not q[torch.arange(7) != 3].any()
+        assert torch.allclose(c.decompress((norm, q), ctx), x)
