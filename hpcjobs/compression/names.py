@@ -63,6 +63,11 @@ def make_compressor(spec: str, seed: int = 0):
 
 
 def check_spec(spec: str) -> str:
-    """``spec`` if it names a compressor, else ValueError (for argparse types)."""
-    make_compressor(spec)
+    """``spec`` if it names a compressor (an argparse type: the error says why not)."""
+    import argparse
+
+    try:
+        make_compressor(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return spec

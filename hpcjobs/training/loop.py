@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..collectives.counting import MESSAGE_ALGORITHMS
 from ..comm import private
 from ..compression import COMPRESSIONS, make_compressor
 from . import schedule as sched
@@ -112,8 +113,12 @@ class TrainConfig:
     def validate(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-        if make_compressor(self.compression) is None and self.error_feedback:
-            raise ValueError("error feedback needs a compression")
+        if make_compressor(self.compression) is None:
+            if self.error_feedback:
+                raise ValueError("error feedback needs a compression")
+        elif self.algorithm != "auto" and self.algorithm not in MESSAGE_ALGORITHMS:
+            raise ValueError(f"compressed gradients need a message-passing algorithm (auto or "
+                             f"{', '.join(MESSAGE_ALGORITHMS)}), got {self.algorithm!r}")
         for name in ("batch_per_rank", "backward_passes_per_step", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

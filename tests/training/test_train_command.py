@@ -13,6 +13,11 @@ from launch import mpirun as _mpirun
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
     (["--dataset", "mnist"], "give data_dir"),
+    (["--compression", "zip"], "unknown compression 'zip'"),
+    (["--compression", "topk:2"], "ratio must be a number in (0, 1]"),
+    (["--compression", "sign:3"], "takes no parameter"),
+    (["--error-feedback"], "error feedback needs a compression"),
+    (["--compression", "qsgd", "--algorithm", "shm"], "need a message-passing algorithm"),
 ])
 def test_bad_train_arguments_exit_2_on_every_rank(args, words):
     out = _mpirun(2, "train", "--epochs", "1", *args)
