@@ -25,6 +25,7 @@ from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, allreduce, ring_allreduce
 from ..collectives._buffers import as_flat, finish_avg
+from ..collectives.agreement import set_checks
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
 from .baselines import BASELINES, KNOWN_BASELINES, LATE_BASELINES, available, mpi_label, shutdown
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
@@ -118,6 +119,8 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
         elif name in ALGORITHMS or name == "auto":
             impls[name] = Impl(functools.partial(_ours, algorithm=name))
+        elif name.endswith(CHECKED) and (name[:-len(CHECKED)] in ALGORITHMS or name[:-len(CHECKED)] == "auto"):
+            impls[name] = Impl(functools.partial(_ours_checked, algorithm=name[:-len(CHECKED)]))
         elif name in BASELINES:
             impls[mpi_label() if name == "mpi" else name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
         else:
@@ -127,6 +130,27 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
 
 def _ours(buf, op, comm, *, algorithm):
     return allreduce(buf, op, algorithm, comm)
+
+
+# "<algorithm>+check": the same with the cross-rank agreement check, which the
+# benchmarks otherwise turn off (unchecked_benchmarks), to show what it costs.
+CHECKED = "+check"
+
+
+def _ours_checked(buf, op, comm, *, algorithm):
+    set_checks(True)
+    try:
+        return allreduce(buf, op, algorithm, comm)
+    finally:
+        set_checks(False)
+
+
+def unchecked_benchmarks() -> None:
+    """Benchmarks compare our algorithms as algorithms, against
+    MPI_Allreduce, which checks nothing either: the agreement check
+    (:mod:`hpcjobs.collectives.agreement`) is off while they run, and
+    ``<algorithm>+check`` rows measure it."""
+    set_checks(False)
 
 
 def _ring_pipelined(buf, op, comm, *, segment_bytes):
@@ -228,7 +252,8 @@ def _configure(p) -> None:
     add_sweep_arguments(p)
     p.add_argument("--impl", default="ring,ring_pipelined",
                    help=f"comma-separated algorithms of ours, or 'all' (from: {', '.join((*ALGORITHMS, 'auto'))}; "
-                        "default %(default)s)")
+                        "add +check, e.g. ring+check, for the same with the cross-rank agreement check, "
+                        "which is otherwise off here; default %(default)s)")
     p.add_argument("--baselines", default="mpi",
                    help=f"comma-separated baselines, 'all' or 'none' (from: {', '.join(KNOWN_BASELINES)}; "
                         "default %(default)s); one that cannot run here is skipped with the reason, except "
@@ -267,6 +292,7 @@ def main(args) -> int:
     if unknown:
         raise UsageError(f"unknown baseline {unknown[0]!r}; choose from {', '.join(KNOWN_BASELINES)}, all, none")
     apply_placement(args)
+    unchecked_benchmarks()
     try:
         segs = [parse_bytes(s) for s in args.segment_bytes.split(",")] if args.segment_bytes else []
         impls = implementations(names, segs)

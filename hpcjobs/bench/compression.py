@@ -249,9 +249,11 @@ def _train_table(rows: list[dict]) -> str:
 def main(args) -> int:
     from ..comm import print0, private
     from ..training.cli import set_threads
+    from .allreduce import unchecked_benchmarks
 
     comm = private()
     size = comm.Get_size()
+    unchecked_benchmarks()
     threads = set_threads(args, comm)
     print0(f"# bench compression: {size} ranks, {threads} torch thread(s)/rank, compressors "
            f"{','.join(args.compressors)}, summable payloads by {args.algorithm}")

@@ -87,12 +87,13 @@ def main(args) -> int:
     from ..cli import UsageError
     from ..comm import print0, private
     from ..topology import detect_private
-    from .allreduce import apply_placement
+    from .allreduce import apply_placement, unchecked_benchmarks
     from .report import environment
 
     if args.min_bytes > args.max_bytes or args.factor < 2:
         raise UsageError("need --min-bytes <= --max-bytes and --factor >= 2")
     apply_placement(args)
+    unchecked_benchmarks()
     comm = private()
     topo = detect_private(comm)
     names = [a for a in ALGORITHMS if a != "shm" or is_single_node(comm)]

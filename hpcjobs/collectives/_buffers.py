@@ -129,18 +129,45 @@ def _flat_from_torch(t) -> Flat:
 
 
 def run(buf, op: str, comm, impl: Callable, **kwargs):
-    """The common frame of every public collective: validate, then run
-    ``impl(flat, op, private_comm, **kwargs)`` unless there is nothing to do
-    (one rank, or zero elements: every rank then returns at once, which is
-    safe because the count is the same on every rank). Returns ``buf``."""
-    from ..comm import private
-
-    op = check_op(op)
-    flat = as_flat(buf)
-    comm = private(comm)
+    """The common frame of every public collective: :func:`prepare` (validate,
+    check that every rank agrees), then run ``impl(flat, op, private_comm,
+    **kwargs)`` unless there is nothing to do (one rank, or zero elements:
+    every rank then returns at once, which is safe because the count is the
+    same on every rank). Returns ``buf``."""
+    fn = getattr(impl, "func", impl)
+    options = {k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
+    flat, comm = prepare(buf, op, comm, fn.__name__.lstrip("_"), options=repr(options))
     if comm.Get_size() > 1 and flat.count > 0:
         impl(flat, op, comm, **kwargs)
     return buf
+
+
+def prepare(buf, op: str, comm, what: str, **fields):
+    """Validate ``buf`` and ``op`` and, with checks on, agree across the
+    ranks of ``comm`` on count, dtype, op, ``what`` and ``fields``
+    (:mod:`hpcjobs.collectives.agreement`). Returns ``(flat, private comm)``.
+
+    Raises:
+        TypeError, ValueError: a bad buffer or op, on this rank alone when
+            checks are off; with checks on, every rank raises a
+            MismatchError naming the rank(s) and their error or values.
+    """
+    from ..comm import private
+    from .agreement import agree_or_raise, checks_enabled
+
+    comm = private(comm)
+    flat, error = None, None
+    try:
+        check_op(op)
+        flat = as_flat(buf)
+    except (TypeError, ValueError) as e:
+        error = e
+    if comm.Get_size() > 1 and checks_enabled():
+        agree_or_raise(comm, what, {"algorithm": what, "count": flat.count if flat else None,
+                                    "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
+    elif error is not None:
+        raise error
+    return flat, comm
 
 
 def check_op(op: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._buffers import as_flat, check_op
+from ._buffers import prepare
 from .select import choose, flat_algorithm
 
 __all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm"]
@@ -85,11 +85,7 @@ def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.I
     Args:
         comm: the suite's private communicator (:func:`hpcjobs.comm.private`).
     """
-    from ..comm import private
-
-    op = check_op(op)
-    flat = as_flat(buf)
-    comm = private(comm)
+    flat, comm = prepare(buf, op, comm, "counted_allreduce", algorithm=algorithm)
     if comm.Get_size() == 1 or flat.count == 0:
         return 0
     proxy = CountingComm(comm)

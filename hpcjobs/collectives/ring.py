@@ -231,11 +231,16 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
         ``out[rank]`` is a copy of this rank's own).
     """
     from ..comm import private
+    from .agreement import agree_or_raise, checks_enabled
 
     comm = private(comm)
+    parts = list(parts)
     if comm.Get_size() == 1:
         return [[np.array(p, copy=True).reshape(-1) for p in parts]]
-    return _allgatherv(list(parts), comm)
+    if checks_enabled():  # lengths may differ; the number of arrays and their dtypes may not
+        agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
+                                                 "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
+    return _allgatherv(parts, comm)
 
 
 def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,

@@ -1,6 +1,9 @@
 """``compressed_allreduce``: each compressor on the collective it needs.
 
 1. With ``memory`` (error feedback), add this tensor's residual.
+   With checks on, every rank first agrees on shape, dtype, compressor,
+   name, step and algorithm (:mod:`hpcjobs.collectives.agreement`): a
+   mismatch would otherwise hang the allgather or add up unrelated values.
 2. Compress, and move the payload:
    - summable payloads (fp16, bf16, random-k, the identity) are averaged
      by our allreduce and decompressed once;
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..collectives.agreement import agree_or_raise, checks_enabled
 from ..collectives.counting import CountingComm, counted_allreduce, message_algorithm
 from ..collectives.ring import _allgatherv
 from ..comm import private
@@ -67,13 +71,25 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
         ``(average, sent_bytes)``: the decompressed average (a new tensor,
         bitwise the same on every rank) and the bytes this rank sent.
     """
-    if memory is not None and name is None:
-        raise ValueError("error feedback keeps residuals by name: pass name= with memory=")
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     comm = private(comm)
     size = comm.Get_size()
-    message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
+    error = None
+    try:
+        if memory is not None and name is None:
+            raise ValueError("error feedback keeps residuals by name: pass name= with memory=")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
+        message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
+    except (TypeError, ValueError) as e:
+        error = e
+    if size > 1 and checks_enabled():
+        is_tensor = isinstance(tensor, torch.Tensor)
+        agree_or_raise(comm, "compressed_allreduce", {
+            "shape": str(tuple(tensor.shape)) if is_tensor else None,
+            "dtype": str(tensor.dtype) if is_tensor else None, "compressor": repr(compressor), "name": name,
+            "step": int(step), "algorithm": algorithm, "error feedback": memory is not None}, error)
+    elif error is not None:
+        raise error
     x = memory.compensate(name, tensor) if memory is not None else tensor
     sent = 0
 

@@ -1,0 +1,114 @@
+"""Every rank must call a collective with the same arguments; this module
+checks that they do, before any data moves.
+
+MPI programs that skip this hang, or worse: a rank with a shorter buffer
+receives a short message without complaint and the job returns wrong
+numbers. Horovod checks every tensor's dtype, shape and op across ranks and
+names the mismatch; so do we.
+
+How: each rank packs its call's signature -- collective, count, dtype, op,
+the algorithm's options -- into a few int64s ``v`` and a flag ``bad`` for a
+local error (unsupported dtype, read-only or non-contiguous buffer, CUDA
+tensor, ...), and one ``MPI_Allreduce`` with MIN of ``[v, -v, -bad]`` gives
+every rank the smallest and the largest value of each field and whether any
+rank failed. Equal extremes mean agreement and the data may move. Otherwise
+every rank gathers everyone's readable signature and raises the same
+:class:`MismatchError`, naming the ranks and their values.
+
+Why not skip the exchange for signatures already seen, as Horovod's response
+cache does? A per-rank cache is not safe: if one rank's signature changes,
+it alone would enter the exchange while the others, on a cache hit, went
+straight on to the data phase -- a hang. Horovod's cache still exchanges a
+bit vector every cycle for the same reason. The exchange is one 9-element
+allreduce (its cost against each algorithm is in the README); benchmarks
+and callers that have agreed on their layout once (``DistributedOptimizer``)
+turn it off with :func:`set_checks` / ``HPCJOBS_CHECKS=0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["MismatchError", "checks_enabled", "set_checks", "checking", "agree_or_raise"]
+
+
+class MismatchError(ValueError):
+    """Ranks called a collective with different arguments, or one rank's
+    arguments were invalid; raised on every rank with the same message."""
+
+
+_enabled = os.environ.get("HPCJOBS_CHECKS", "1").lower() not in ("0", "off", "false", "no")
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn the cross-rank agreement checks on or off for this process
+    (every rank must choose the same). Default: on, unless ``HPCJOBS_CHECKS=0``."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def checks_enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def checking(enabled: bool):
+    """``with checking(False): ...``: checks off (or on) inside the block."""
+    global _enabled
+    before, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def _code(value) -> int:
+    if isinstance(value, bool) or value is None:
+        return int(bool(value)) - (value is None)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return zlib.crc32(str(value).encode())
+
+
+def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseException | None = None) -> None:
+    """Check that every rank of ``comm`` has the same ``fields`` and no
+    ``error``; raise :class:`MismatchError` on every rank if not (collective).
+
+    Args:
+        what: the collective, for the message ("ring_allreduce").
+        fields: name -> int or str (or None where this rank could not tell,
+            because of its ``error``).
+        error: this rank's local validation error, if any.
+    """
+    names = list(fields)
+    v = np.array([_code(fields[k]) for k in names], dtype=np.int64)
+    local = np.concatenate([v, -v, [-int(error is not None)]])
+    out = np.empty_like(local)
+    comm.Allreduce(local, out, op=MPI.MIN)
+    n = len(v)
+    lo, hi, failed = out[:n], -out[n:2 * n], out[-1] < 0
+    if not failed and (lo == hi).all():
+        return
+    everyone = comm.allgather(({k: fields[k] for k in names},
+                               None if error is None else f"{type(error).__name__}: {error}", what))
+    problems = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(everyone) if err]
+    for i, k in enumerate(names):
+        if lo[i] != hi[i]:
+            values = {}
+            for r, (f, err, _) in enumerate(everyone):
+                if not err:
+                    values.setdefault(str(f[k]), []).append(r)
+            if len(values) > 1:
+                problems.append(f"{k} differs: " + "; ".join(f"{_ranks(rs)}: {val}" for val, rs in values.items()))
+    whats = " / ".join(dict.fromkeys(w for _, _, w in everyone))  # the same text on every rank
+    raise MismatchError(f"{whats}: the ranks of the communicator disagree or failed, so nothing was sent -- "
+                        + " | ".join(problems))
+
+
+def _ranks(rs: list[int]) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))

@@ -1,0 +1,102 @@
+"""Mismatched arguments fail on every rank, with one message, before any data
+moves; the communicator is still usable afterwards."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.collectives import allreduce, ring_allgatherv, ring_allreduce, tree_allreduce
+from hpcjobs.collectives.agreement import MismatchError, checking, checks_enabled, set_checks
+from hpcjobs.compression import TopKCompressor, compressed_allreduce
+
+
+def _raises_everywhere(call, comm, *words):
+    """call() raises MismatchError on every rank, the same message, naming ``words``."""
+    t0 = time.perf_counter()
+    with pytest.raises(MismatchError) as info:
+        call()
+    elapsed = time.perf_counter() - t0
+    messages = comm.allgather(str(info.value))
+    assert len(set(messages)) == 1, messages
+    for w in words:
+        assert w in messages[0], messages[0]
+    assert max(comm.allgather(elapsed)) < 5.0
+    # nothing was sent: the communicator still works
+    x = np.ones(5)
+    ring_allreduce(x, comm=comm)
+    assert (x == comm.Get_size()).all()
+    return messages[0]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_count_mismatch_on_one_rank_raises_on_every_rank():
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    buf = np.ones(10 + (comm.Get_rank() == last))
+    msg = _raises_everywhere(lambda: ring_allreduce(buf, comm=comm), comm, "count differs", f"rank {last}: 11")
+    assert "ring_allreduce" in msg and "nothing was sent" in msg
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_dtype_mismatch_raises_on_every_rank():
+    comm = MPI.COMM_WORLD
+    buf = np.ones(8, dtype=np.float64 if comm.Get_rank() == 0 else np.float32)
+    _raises_everywhere(lambda: allreduce(buf, algorithm="recursive_doubling", comm=comm), comm,
+                       "dtype differs", "rank 0: float64", "float32")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_op_or_algorithm_mismatch_raises_on_every_rank():
+    comm = MPI.COMM_WORLD
+    buf = np.ones(8)
+    _raises_everywhere(lambda: tree_allreduce(buf, "max" if comm.Get_rank() == 1 else "sum", comm=comm), comm,
+                       "op differs", "rank 1: max")
+    alg = "ring" if comm.Get_rank() == 0 else "tree"
+    _raises_everywhere(lambda: allreduce(buf, algorithm=alg, comm=comm), comm, "algorithm differs")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
+    comm = MPI.COMM_WORLD
+    buf = np.ones(6)
+    if comm.Get_rank() == 1:
+        buf.flags.writeable = False
+    _raises_everywhere(lambda: ring_allreduce(buf, comm=comm), comm, "rank 1: ValueError", "read-only")
+    t = torch.ones(4, 4)
+    arg = t.t()[1:] if comm.Get_rank() == 0 else t[1:]  # rank 0: not contiguous
+    _raises_everywhere(lambda: ring_allreduce(arg, comm=comm), comm, "rank 0: ValueError", "contiguous")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compressed_allreduce_and_allgatherv_check_their_arguments():
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    ratio = 0.5 if rank == 0 else 0.25
+    _raises_everywhere(lambda: compressed_allreduce(torch.ones(8), TopKCompressor(ratio), comm=comm), comm,
+                       "compressor differs", "TopKCompressor(ratio=0.5)")
+    _raises_everywhere(lambda: compressed_allreduce(torch.ones(8), TopKCompressor(0.5), comm=comm, step=rank),
+                       comm, "step differs")
+    parts = [np.ones(rank + 1, dtype=np.float32 if rank else np.float64)]
+    _raises_everywhere(lambda: ring_allgatherv(parts, comm), comm, "dtypes differs")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checks_can_be_turned_off_and_back():
+    assert checks_enabled()
+    with checking(False):
+        assert not checks_enabled()
+        x = np.ones(3)
+        ring_allreduce(x, comm=MPI.COMM_WORLD)
+        assert (x == MPI.COMM_WORLD.Get_size()).all()
+    assert checks_enabled()
+    set_checks(False)
+    set_checks(True)
+    assert checks_enabled()
+
+
+def test_with_checks_off_a_bad_buffer_is_this_ranks_own_error():
+    with checking(False), pytest.raises(TypeError, match="unsupported dtype"):
+        ring_allreduce(np.ones(3, dtype=np.complex64), comm=MPI.COMM_SELF)
