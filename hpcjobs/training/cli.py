@@ -14,7 +14,7 @@ from ..cli import (UsageError, arguments, command, nonnegative_float, nonnegativ
                    positive_int)
 from ..collectives import ALGORITHMS
 from .data import DATASETS
-from .distributed import DEFAULT_FUSION_BYTES, OVERLAPS
+from .distributed import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 from ..compression.names import COMPRESSIONS, check_spec
 from .loop import OPTIMIZERS, TrainConfig
 from .models import MODELS
@@ -74,6 +74,9 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest gradient bucket (default 1M)")
     g.add_argument("--overlap", choices=OVERLAPS, default="auto",
                    help="thread: reduce buckets during backward; none: after it (default: auto)")
+    g.add_argument("--nonfinite", choices=NONFINITE, default="ignore",
+                   help="when an averaged gradient holds NaN/Inf: ignore, skip the step (warn), or abort naming "
+                        "the parameters (default: ignore; a NaN loss still ends the run after its epoch)")
     g.add_argument("--backward-passes-per-step", type=positive_int, default=1,
                    help="micro-batches accumulated locally per step (default 1)")
 
@@ -116,6 +119,7 @@ def config_from_args(args, size: int, batch_per_rank: int | None = None) -> Trai
         momentum_correction=not args.no_momentum_correction, algorithm=getattr(args, "algorithm", "auto"),
         compression=getattr(args, "compression", "none"), error_feedback=getattr(args, "error_feedback", False),
         fusion_bytes=getattr(args, "fusion_bytes", DEFAULT_FUSION_BYTES), overlap=getattr(args, "overlap", "auto"),
+        nonfinite=getattr(args, "nonfinite", "ignore"),
         epochs=getattr(args, "epochs", 10), seed=getattr(args, "seed", 0),
         checkpoint=getattr(args, "checkpoint", None), resume=getattr(args, "resume", False),
         metrics=getattr(args, "metrics", None), progress=not getattr(args, "no_progress", False),

@@ -64,6 +64,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -78,7 +79,8 @@ from ..collectives.counting import MESSAGE_ALGORITHMS, counted_allreduce
 from ..comm import agree, private
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 
-__all__ = ["DEFAULT_FUSION_BYTES", "OVERLAPS", "DistributedOptimizer", "broadcast_parameters",
+__all__ = ["DEFAULT_FUSION_BYTES", "NONFINITE", "OVERLAPS", "DistributedOptimizer", "NonFiniteGradientError",
+           "broadcast_parameters",
            "broadcast_optimizer_state", "cores_per_rank"]
 
 # Horovod fuses up to 64 MiB and DDP starts at 25 MiB, both tuned for GPUs
@@ -86,6 +88,7 @@ __all__ = ["DEFAULT_FUSION_BYTES", "OVERLAPS", "DistributedOptimizer", "broadcas
 # amortise the per-message latency and leave several buckets to overlap.
 DEFAULT_FUSION_BYTES = 1 << 20
 OVERLAPS = ("auto", "thread", "none")
+NONFINITE = ("ignore", "skip", "abort")
 
 
 @dataclass
@@ -104,6 +107,11 @@ class _Bucket:
     buffer: torch.Tensor
     pending: set = field(default_factory=set)  # slot positions whose gradient has not arrived
     done: threading.Event = field(default_factory=threading.Event)
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """An averaged gradient holds NaN or Inf (``nonfinite="abort"``); raised
+    on every rank alike."""
 
 
 class DistributedOptimizer:
@@ -125,6 +133,12 @@ class DistributedOptimizer:
         fusion_bytes: largest bucket, in bytes (> 0).
         backward_passes_per_step: backward passes accumulated locally before
             each reduction.
+        nonfinite: what ``step()`` does when an averaged gradient holds NaN
+            or Inf: "ignore" (step anyway), "skip" (leave the parameters
+            alone this step, count it in ``stats["skipped_steps"]``, warn on
+            rank 0 naming the parameters) or "abort" (raise
+            :class:`NonFiniteGradientError` naming them). The averages are
+            bitwise the same on every rank, so every rank decides alike.
         overlap: "thread" (reduce buckets during backward on a communication
             thread), "none" (reduce in ``step()``), or "auto": the thread when
             the MPI thread level allows it and this rank may use two or more
@@ -140,7 +154,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, comm: MPI.Comm | None = None,
                  algorithm: str = "auto", compression: Compressor | None = None, error_feedback: bool = False,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, backward_passes_per_step: int = 1,
-                 overlap: str = "auto"):
+                 overlap: str = "auto", nonfinite: str = "ignore"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -151,6 +165,9 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step}")
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         if compression is not None:
             if not isinstance(compression, Compressor):
                 raise TypeError(f"compression must be an hpcjobs.compression.Compressor, "
@@ -368,9 +385,32 @@ class DistributedOptimizer:
         self.stats["steps"] += 1
 
     def step(self, closure=None):
-        """Average the gradients over the ranks, then step the wrapped optimizer."""
+        """Average the gradients over the ranks, then step the wrapped optimizer
+        (or not: see ``nonfinite``)."""
         self.synchronize()
+        if self.nonfinite != "ignore":
+            bad = self.nonfinite_parameters()
+            if bad:
+                what = (f"non-finite averaged gradient at step {self._step} in {len(bad)} parameter(s): "
+                        + ", ".join(bad[:5]) + (", ..." if len(bad) > 5 else ""))
+                if self.nonfinite == "abort":
+                    raise NonFiniteGradientError(what)
+                self.stats["skipped_steps"] += 1
+                if self.rank == 0:
+                    print(f"hpcjobs: warning: {what}; step skipped", file=sys.stderr, flush=True)
+                return None
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+
+    def nonfinite_parameters(self) -> list[str]:
+        """Names of the parameters whose averaged gradient (after
+        :meth:`synchronize`) holds a NaN or an Inf."""
+        bad = []
+        for bucket in self._buckets:
+            if torch.isfinite(bucket.buffer).all():
+                continue
+            bad += [s.name for s in bucket.slots
+                    if not torch.isfinite(bucket.buffer[s.offset:s.offset + s.numel]).all()]
+        return bad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -378,9 +418,10 @@ class DistributedOptimizer:
     def reset_stats(self) -> None:
         """Zero the counters: ``comm_s`` (time spent in allreduce, on the
         thread), ``wait_s`` (time ``step()`` spent before the optimizer ran),
-        ``steps``, ``allreduces``, ``sent_bytes`` (bytes this rank sent,
+        ``steps``, ``skipped_steps`` (non-finite gradients), ``allreduces``, ``sent_bytes`` (bytes this rank sent,
         counted with compression or a message-passing algorithm, else 0)."""
-        self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0}
+        self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0,
+                      "skipped_steps": 0}
 
     @property
     def counts_bytes(self) -> bool:

@@ -92,6 +92,7 @@ class TrainConfig:
     error_feedback: bool = False
     fusion_bytes: int = DEFAULT_FUSION_BYTES
     overlap: str = "auto"
+    nonfinite: str = "ignore"
     epochs: int = 10
     seed: int = 0
     checkpoint: str | None = None
@@ -271,7 +272,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                compression=make_compressor(cfg.compression, seed=cfg.seed),
                                error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
-                               backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap)
+                               backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap,
+                               nonfinite=cfg.nonfinite)
     if compression_states is not None:  # each rank gets back its own residuals
         opt.load_compression_state_dict(comm.scatter(compression_states or None, root=0))
     if rank == 0 and not cfg.quiet and start_epoch == 0:
@@ -318,6 +320,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                 "wait_s": times[2], "comm_share": times[1] / times[0], "ranks": size,
                 "global_batch": global_batch,
             }
+            if opt.stats["skipped_steps"]:
+                record["skipped_steps"] = opt.stats["skipped_steps"]
             if opt.counts_bytes:  # the busiest rank's bytes sent this epoch
                 record["sent_bytes"] = int(times[3])
             # plain Python numbers: the checkpoint is loaded with weights_only=True

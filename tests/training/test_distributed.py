@@ -320,3 +320,39 @@ def test_batch_norm_statistics_stay_per_worker():
         h = model[0](x)
     torch.testing.assert_close(model[1].running_mean, h.mean(0))   # this rank's batch only
     opt.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["skip", "abort"])
+def test_a_nan_gradient_on_one_rank_skips_or_aborts_on_every_rank_naming_the_parameter(mode):
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm,
+                               nonfinite=mode, overlap="none")
+    before = [p.detach().clone() for p in model.parameters()]
+    if comm.Get_rank() == comm.Get_size() - 1:  # only the last rank: the average is NaN everywhere
+        hook = model[1].weight.register_hook(lambda g: g.index_put((torch.tensor(0), torch.tensor(0)),
+                                                                   torch.tensor(float("nan"))))
+    model(torch.ones(2, 3)).sum().backward()
+    if comm.Get_rank() == comm.Get_size() - 1:
+        hook.remove()
+    if mode == "abort":
+        from hpcjobs.training.distributed import NonFiniteGradientError
+        with pytest.raises(NonFiniteGradientError, match=r"1 parameter\(s\): 1\.weight"):
+            opt.step()
+    else:
+        assert opt.step() is None and opt.stats["skipped_steps"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()  # finite again: steps
+        assert opt.stats["skipped_steps"] == 1 and not torch.equal(before[0], model[0].weight)
+    opt.close()
+
+
+def test_nonfinite_must_be_a_known_mode():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="nonfinite"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             comm=MPI.COMM_SELF, nonfinite="maybe")
