@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "benchmarked against MPI_Allreduce, torch.distributed and Horovod. "
                     "Run under mpirun/srun, e.g. `mpirun -n 4 hpcjobs bench allreduce`.",
     )
+    parser.add_argument("--timeout", type=nonnegative_float, default=None, metavar="SECONDS",
+                        help="abort the job when one collective waits longer than this for the other ranks "
+                             "(default: $HPCJOBS_TIMEOUT or 300; 0: never); a warning comes at min(60, half)")
+    parser.add_argument("--no-checks", action="store_true",
+                        help="skip the cross-rank agreement check before each collective (one small allreduce; "
+                             "also HPCJOBS_CHECKS=0); the benchmarks skip it anyway")
     groups: dict[tuple[str, ...], argparse._SubParsersAction] = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
     parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {}
     for cmd in COMMANDS:
@@ -161,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     from .slurm import bind_gpu
 
     bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
+    from .collectives.agreement import set_checks
+    from .collectives.watchdog import set_timeout
+
+    if args.timeout is not None:
+        set_timeout(args.timeout)
+    if args.no_checks:
+        set_checks(False)
     from mpi4py import MPI
 
     from .comm import expect_world_size

@@ -17,13 +17,23 @@ def clean_env():
     return env
 
 
-def mpirun(n, *args, timeout=120, env=None):
+def _mpirun_prefix(n):
     exe = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
     if exe is None:
         pytest.fail("no mpirun next to the interpreter or on PATH (scripts/test.sh installs one)")
     over = ["--oversubscribe"] if "Open MPI" in subprocess.run([exe, "--version"], capture_output=True,
                                                                text=True, env=clean_env()).stdout else []
-    return subprocess.run([exe, *over, "-n", str(n), sys.executable, "-m", "hpcjobs", *args],
+    return [exe, *over, "-n", str(n), sys.executable]
+
+
+def mpirun(n, *args, timeout=120, env=None):
+    return subprocess.run([*_mpirun_prefix(n), "-m", "hpcjobs", *args],
+                          capture_output=True, text=True, timeout=timeout, env=clean_env() | (env or {}))
+
+
+def mpirun_script(n, script, timeout=120, env=None):
+    """Run a Python ``script`` (source text) on ``n`` ranks."""
+    return subprocess.run([*_mpirun_prefix(n), "-c", script],
                           capture_output=True, text=True, timeout=timeout, env=clean_env() | (env or {}))
 
 

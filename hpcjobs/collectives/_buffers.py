@@ -133,12 +133,17 @@ def run(buf, op: str, comm, impl: Callable, **kwargs):
     check that every rank agrees), then run ``impl(flat, op, private_comm,
     **kwargs)`` unless there is nothing to do (one rank, or zero elements:
     every rank then returns at once, which is safe because the count is the
-    same on every rank). Returns ``buf``."""
+    same on every rank), all under the stall watchdog
+    (:mod:`hpcjobs.collectives.watchdog`). Returns ``buf``."""
+    from .watchdog import guard
+
     fn = getattr(impl, "func", impl)
+    what = fn.__name__.lstrip("_")
     options = {k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
-    flat, comm = prepare(buf, op, comm, fn.__name__.lstrip("_"), options=repr(options))
-    if comm.Get_size() > 1 and flat.count > 0:
-        impl(flat, op, comm, **kwargs)
+    with guard(what):
+        flat, comm = prepare(buf, op, comm, what, options=repr(options))
+        if comm.Get_size() > 1 and flat.count > 0:
+            impl(flat, op, comm, **kwargs)
     return buf
 
 

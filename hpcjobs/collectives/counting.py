@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from ._buffers import prepare
 from .select import choose, flat_algorithm
+from .watchdog import guard
 
 __all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm"]
 
@@ -85,9 +86,10 @@ def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.I
     Args:
         comm: the suite's private communicator (:func:`hpcjobs.comm.private`).
     """
-    flat, comm = prepare(buf, op, comm, "counted_allreduce", algorithm=algorithm)
-    if comm.Get_size() == 1 or flat.count == 0:
-        return 0
-    proxy = CountingComm(comm)
-    flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
-    return proxy.sent
+    with guard("counted_allreduce"):
+        flat, comm = prepare(buf, op, comm, "counted_allreduce", algorithm=algorithm)
+        if comm.Get_size() == 1 or flat.count == 0:
+            return 0
+        proxy = CountingComm(comm)
+        flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
+        return proxy.sent

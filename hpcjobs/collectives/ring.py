@@ -232,15 +232,17 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
     """
     from ..comm import private
     from .agreement import agree_or_raise, checks_enabled
+    from .watchdog import guard
 
     comm = private(comm)
     parts = list(parts)
     if comm.Get_size() == 1:
         return [[np.array(p, copy=True).reshape(-1) for p in parts]]
-    if checks_enabled():  # lengths may differ; the number of arrays and their dtypes may not
-        agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
-                                                 "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
-    return _allgatherv(parts, comm)
+    with guard("ring_allgatherv"):
+        if checks_enabled():  # lengths may differ; the number of arrays and their dtypes may not
+            agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
+                                                     "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
+        return _allgatherv(parts, comm)
 
 
 def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,

@@ -30,6 +30,7 @@ from mpi4py import MPI
 from ..collectives.agreement import agree_or_raise, checks_enabled
 from ..collectives.counting import CountingComm, counted_allreduce, message_algorithm
 from ..collectives.ring import _allgatherv
+from ..collectives.watchdog import guard
 from ..comm import private
 from .base import Compressor
 from .error_feedback import ErrorFeedback
@@ -52,7 +53,8 @@ def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
 def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: ErrorFeedback | None = None,
                          name: str | None = None, comm: MPI.Comm | None = None, algorithm: str = "auto",
                          step: int = 0) -> tuple[torch.Tensor, int]:
-    """Average ``tensor`` over the ranks of ``comm`` through ``compressor``.
+    """Average ``tensor`` over the ranks of ``comm`` through ``compressor``
+    (under the stall watchdog, :mod:`hpcjobs.collectives.watchdog`).
 
     Args:
         tensor: a floating-point CPU tensor; the same shape and dtype on
@@ -71,6 +73,11 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
         ``(average, sent_bytes)``: the decompressed average (a new tensor,
         bitwise the same on every rank) and the bytes this rank sent.
     """
+    with guard("compressed_allreduce"):
+        return _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step)
+
+
+def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step):
     comm = private(comm)
     size = comm.Get_size()
     error = None

@@ -344,6 +344,16 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                     print(f"# train: loss is {record['loss']} after epoch {epoch + 1}; stopping (diverged)",
                           flush=True)
                 break
+    except Exception:
+        # One rank failing alone would leave the others blocked in the next
+        # allreduce: end the job instead, saying which rank and why.
+        if size > 1:
+            import traceback
+
+            traceback.print_exc()
+            print(f"hpcjobs: rank {rank} failed in training; aborting the job", file=sys.stderr, flush=True)
+            comm.Abort(1)
+        raise
     finally:
         opt.close()
     return history

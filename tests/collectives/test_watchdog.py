@@ -1,0 +1,74 @@
+"""Hangs become timeouts, a dead or failing rank ends the job: real mpirun,
+one rank misbehaving, the job must end non-zero in bounded time."""
+
+import textwrap
+import time
+
+import pytest
+from launch import hpcjobs, mpirun_script
+
+TIMEOUT = 3  # seconds, the collective timeout these jobs run with
+SLACK = 10   # the bar: every rank gone within timeout + 10 s
+
+
+def _run(script, n=3, timeout=TIMEOUT, env=None):
+    t0 = time.monotonic()
+    out = mpirun_script(n, textwrap.dedent(script), timeout=120,
+                        env={"HPCJOBS_TIMEOUT": str(timeout), "HPCJOBS_STALL_WARNING": "1"} | (env or {}))
+    return out, time.monotonic() - t0
+
+
+def test_a_rank_that_never_arrives_ends_the_job_after_the_timeout():
+    out, elapsed = _run("""
+        import time
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        x = np.ones(1000)
+        allreduce(x)                      # everyone, once
+        if MPI.COMM_WORLD.rank == 2:
+            time.sleep(600)               # rank 2 never comes to the second
+        allreduce(x)
+    """)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert "did not complete within 3 s" in out.stderr and "aborting the job" in out.stderr
+    assert "warning: rank 0 has waited" in out.stderr or "warning: rank 1 has waited" in out.stderr
+    assert "rank 2:" not in out.stderr  # the missing rank is the one that does not report
+
+
+def test_a_rank_killed_mid_allreduce_ends_the_job():
+    out, elapsed = _run("""
+        import os, signal, threading
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        x = np.ones(4 << 20, dtype=np.float32)
+        if MPI.COMM_WORLD.rank == 1:
+            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        for _ in range(100000):
+            allreduce(x, op="avg", algorithm="ring")
+    """)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+
+
+def test_an_exception_on_one_rank_aborts_the_training_job():
+    out, elapsed = _run("""
+        from mpi4py import MPI
+        from hpcjobs.training.loop import TrainConfig, train
+        def fail(record):
+            if MPI.COMM_WORLD.rank == 1:
+                raise RuntimeError("injected failure on rank 1")
+        train(TrainConfig(dataset="synthetic", num_samples=512, epochs=5, quiet=True, progress=False), on_epoch=fail)
+    """, n=2)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK + 20, elapsed  # + start-up and one epoch
+    assert "injected failure on rank 1" in out.stderr and "rank 1 failed in training; aborting" in out.stderr
+
+
+@pytest.mark.parametrize("args,words", [(["--timeout", "-1", "info"], "must be >= 0"),
+                                        (["--timeout", "soon", "info"], "not a number")])
+def test_a_bad_timeout_is_a_usage_error(args, words):
+    out = hpcjobs(*args)
+    assert out.returncode == 2 and words in out.stderr
