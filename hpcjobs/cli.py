@@ -96,7 +96,7 @@ nonnegative_float = _bounded(float, "a number", lambda v: 0 <= v < float("inf"),
 # Importing one of these modules registers its commands.
 _COMMAND_MODULES = ("hpcjobs.comm", "hpcjobs.topology", "hpcjobs.bench.allreduce", "hpcjobs.bench.tune",
                     "hpcjobs.perfmodel", "hpcjobs.training.cli", "hpcjobs.training.experiment",
-                    "hpcjobs.bench.train", "hpcjobs.bench.compression", "hpcjobs.slurm")
+                    "hpcjobs.bench.train", "hpcjobs.bench.compression", "hpcjobs.soak", "hpcjobs.slurm")
 
 
 def _load_commands() -> None:
