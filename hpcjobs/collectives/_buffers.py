@@ -139,9 +139,10 @@ def run(buf, op: str, comm, impl: Callable, **kwargs):
 
     fn = getattr(impl, "func", impl)
     what = fn.__name__.lstrip("_")
-    options = {k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
+    options = repr({k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
+                   ) if kwargs else ""
     with guard(what):
-        flat, comm = prepare(buf, op, comm, what, options=repr(options))
+        flat, comm = prepare(buf, op, comm, what, options=options)
         if comm.Get_size() > 1 and flat.count > 0:
             impl(flat, op, comm, **kwargs)
     return buf
