@@ -57,9 +57,9 @@ def test_summable_payloads_equal_one_process(key):
     want = c.decompress(mean_payload.to(payloads[0][0].dtype), payloads[0][1])
     tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 1.6e-2, "randomk": 1e-6}[key]
     assert torch.allclose(got, want, rtol=tol, atol=tol)
-    wire = payloads[0][0].nbytes
-    lo, hi = 2 * (size - 1) * (wire // size), 2 * (size - 1) * (-(-wire // size))
-    assert lo <= sent <= hi  # the ring: 2(P-1)/P of the payload
+    n, item = payloads[0][0].numel(), payloads[0][0].element_size()
+    lo, hi = 2 * (size - 1) * (n // size) * item, 2 * (size - 1) * (-(-n // size)) * item
+    assert lo <= sent <= hi  # the ring: 2(P-1) chunks of the payload, chunks of whole elements
 
 
 @pytest.mark.mpi(min_size=1)
