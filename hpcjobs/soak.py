@@ -58,7 +58,7 @@ def _configure(p) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _values(rng: np.random.Generator, count: int, dtype: str, op: str, size: int) -> np.ndarray:
+def _values(rng: np.random.Generator, count: int, dtype: str, op: str) -> np.ndarray:
     if op == "prod":
         return rng.integers(1, 3, count)                 # <= 2**size: exact, no overflow at size <= 6
     hi = 4 if dtype in ("int8", "uint8") else 64         # sums stay inside int8 / uint8 / float16
@@ -127,7 +127,7 @@ def main(args) -> int:
         op = OPS[shared.integers(len(OPS))]
         count = int(math.exp(shared.uniform(0, math.log(args.max_count + 1)))) - 1
         torch_buffer = bool(shared.integers(2))
-        values = _values(mine, count, dtype, op, size)
+        values = _values(mine, count, dtype, op)
         buf = _buffer(values, dtype, torch_buffer)
         allreduce(buf, op=op, algorithm=alg, comm=comm)
         want = _expected(values, dtype, op, comm)
@@ -141,9 +141,9 @@ def main(args) -> int:
         if args.progress and rank == 0 and (i + 1) % max(1, args.ops // 10) == 0:
             print(f"# {i + 1}/{args.ops} ({time.perf_counter() - t0:.0f} s)", flush=True)
     rss_end = rss_bytes()
-    rows = comm.gather((rank, rss_start, rss_end), root=0)
+    rows = comm.allgather((rank, rss_start, rss_end))
     wrong = comm.allreduce(np.array([wrong_ops, wrong_elems]), op=MPI.SUM)
-    worst = max([0.0] + [100.0 * (e - s) / s for _, s, e in comm.allgather((rank, rss_start, rss_end)) if s])
+    worst = max([0.0] + [100.0 * (e - s) / s for _, s, e in rows if s])
     if rank == 0:
         print(f"# {args.ops} allreduces, {elements:,} elements per rank, {time.perf_counter() - t0:.1f} s; "
               f"per algorithm: " + ", ".join(f"{a} {n}" for a, n in per_alg.items()))

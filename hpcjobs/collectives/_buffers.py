@@ -20,6 +20,10 @@ from typing import Callable
 
 import numpy as np
 
+from ..comm import private
+from .agreement import agree_or_raise
+from .watchdog import guard
+
 OPS = ("sum", "avg", "min", "max", "prod")
 
 # numpy dtype name -> wire dtype of the same width
@@ -135,8 +139,6 @@ def run(buf, op: str, comm, impl: Callable, **kwargs):
     every rank then returns at once, which is safe because the count is the
     same on every rank), all under the stall watchdog
     (:mod:`hpcjobs.collectives.watchdog`). Returns ``buf``."""
-    from .watchdog import guard
-
     fn = getattr(impl, "func", impl)
     what = fn.__name__.lstrip("_")
     options = repr({k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
@@ -158,9 +160,6 @@ def prepare(buf, op: str, comm, what: str, **fields):
             checks are off; with checks on, every rank raises a
             MismatchError naming the rank(s) and their error or values.
     """
-    from ..comm import private
-    from .agreement import agree_or_raise, checks_enabled
-
     comm = private(comm)
     flat, error = None, None
     try:
@@ -168,11 +167,8 @@ def prepare(buf, op: str, comm, what: str, **fields):
         flat = as_flat(buf)
     except (TypeError, ValueError) as e:
         error = e
-    if comm.Get_size() > 1 and checks_enabled():
-        agree_or_raise(comm, what, {"algorithm": what, "count": flat.count if flat else None,
-                                    "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
-    elif error is not None:
-        raise error
+    agree_or_raise(comm, what, {"algorithm": what, "count": flat.count if flat else None,
+                                "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
     return flat, comm
 
 

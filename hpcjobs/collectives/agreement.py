@@ -89,6 +89,8 @@ def _encode(items: tuple, failed: bool) -> np.ndarray:
 def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseException | None = None) -> None:
     """Check that every rank of ``comm`` has the same ``fields`` and no
     ``error``; raise :class:`MismatchError` on every rank if not (collective).
+    With checks off, or on one rank, nothing is exchanged and ``error``, if
+    any, is raised as it is, on this rank.
 
     Args:
         what: the collective, for the message ("ring_allreduce").
@@ -96,6 +98,10 @@ def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseExce
             because of its ``error``).
         error: this rank's local validation error, if any.
     """
+    if not _enabled or comm.Get_size() == 1:
+        if error is not None:
+            raise error
+        return
     names = list(fields)
     local = _encode(tuple(fields.items()), error is not None)
     out = np.empty_like(local)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._buffers import prepare
+from ._buffers import Flat, prepare
 from .select import choose, flat_algorithm
 from .watchdog import guard
 
-__all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm"]
+__all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm", "send_counted"]
 
 MESSAGE_ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server")
 
@@ -84,12 +84,18 @@ def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.I
     and return the bytes this rank sent (collective).
 
     Args:
-        comm: the suite's private communicator (:func:`hpcjobs.comm.private`).
+        comm: intracommunicator; None for COMM_WORLD.
     """
     with guard("counted_allreduce"):
         flat, comm = prepare(buf, op, comm, "counted_allreduce", algorithm=algorithm)
-        if comm.Get_size() == 1 or flat.count == 0:
-            return 0
-        proxy = CountingComm(comm)
-        flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
-        return proxy.sent
+        return send_counted(flat, op, algorithm, comm)
+
+
+def send_counted(flat: Flat, op: str, algorithm: str, comm: MPI.Intracomm) -> int:
+    """The allreduce of :func:`counted_allreduce` on a validated Flat and a
+    private communicator whose ranks have already agreed: no check."""
+    if comm.Get_size() == 1 or flat.count == 0:
+        return 0
+    proxy = CountingComm(comm)
+    flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
+    return proxy.sent

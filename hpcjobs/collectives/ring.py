@@ -231,7 +231,7 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
         ``out[rank]`` is a copy of this rank's own).
     """
     from ..comm import private
-    from .agreement import agree_or_raise, checks_enabled
+    from .agreement import agree_or_raise
     from .watchdog import guard
 
     comm = private(comm)
@@ -239,9 +239,9 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
     if comm.Get_size() == 1:
         return [[np.array(p, copy=True).reshape(-1) for p in parts]]
     with guard("ring_allgatherv"):
-        if checks_enabled():  # lengths may differ; the number of arrays and their dtypes may not
-            agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
-                                                     "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
+        # lengths may differ; the number of arrays and their dtypes may not
+        agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
+                                                 "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
         return _allgatherv(parts, comm)
 
 

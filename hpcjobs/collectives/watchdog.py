@@ -73,6 +73,7 @@ def timeout() -> float:
 
 def _watch() -> None:
     warned: set[tuple[int, int]] = set()
+    rank = MPI.COMM_WORLD.Get_rank()
     while True:
         time.sleep(min(1.0, max(0.05, _warning / 4)) if _warning else 1.0)
         if not _timeout:
@@ -80,7 +81,6 @@ def _watch() -> None:
         now = time.monotonic()
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
-            rank = MPI.COMM_WORLD.Get_rank()
             if waited > _timeout:
                 print(f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s: "
                       "a rank never arrived or died; aborting the job", file=sys.stderr, flush=True)

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives.agreement import agree_or_raise, checks_enabled
-from ..collectives.counting import CountingComm, counted_allreduce, message_algorithm
+from ..collectives._buffers import as_flat
+from ..collectives.agreement import agree_or_raise
+from ..collectives.counting import CountingComm, message_algorithm, send_counted
 from ..collectives.ring import _allgatherv
 from ..collectives.watchdog import guard
 from ..comm import private
@@ -89,20 +90,18 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
         message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
     except (TypeError, ValueError) as e:
         error = e
-    if size > 1 and checks_enabled():
-        is_tensor = isinstance(tensor, torch.Tensor)
-        agree_or_raise(comm, "compressed_allreduce", {
-            "shape": str(tuple(tensor.shape)) if is_tensor else None,
-            "dtype": str(tensor.dtype) if is_tensor else None, "compressor": repr(compressor), "name": name,
-            "step": int(step), "algorithm": algorithm, "error feedback": memory is not None}, error)
-    elif error is not None:
-        raise error
+    is_tensor = isinstance(tensor, torch.Tensor)
+    agree_or_raise(comm, "compressed_allreduce", {
+        "shape": str(tuple(tensor.shape)) if is_tensor else None,
+        "dtype": str(tensor.dtype) if is_tensor else None, "compressor": repr(compressor), "name": name,
+        "step": int(step), "algorithm": algorithm, "error feedback": memory is not None}, error)
     x = memory.compensate(name, tensor) if memory is not None else tensor
     sent = 0
 
     def allreduce_mean(buf: torch.Tensor) -> None:
+        # the ranks agreed above: the payload's own allreduces go unchecked
         nonlocal sent
-        sent += counted_allreduce(buf, "avg", algorithm, comm)
+        sent += send_counted(as_flat(buf), "avg", algorithm, comm)
 
     reduce_mean = getattr(compressor, "reduce_mean", None)
     if reduce_mean is not None:
