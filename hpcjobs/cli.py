@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         set_checks(False)
     from mpi4py import MPI
 
-    from .comm import expect_world_size
+    from .comm import expect_world_size, world
 
     try:
         expect_world_size()
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank is alone in its own world here: each says so and fails.
         print(f"hpcjobs: error on rank {MPI.COMM_WORLD.Get_rank()}: {e}", file=sys.stderr, flush=True)
         return 1
+    world()  # collective: the private world and the stall watchdog's, so a timeout can name missing ranks
     try:
         return int(run(args) or 0)
     except UsageError as e:

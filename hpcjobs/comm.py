@@ -9,6 +9,9 @@ when the user frees their communicator.
 
 ``Comm.Dup`` is collective: the first hpcjobs collective called on a
 communicator must be called by all of its ranks, which a collective is anyway.
+The first on COMM_WORLD also makes the stall watchdog's own duplicate, on
+which ranks ask each other where they are when a collective times out
+(:mod:`hpcjobs.collectives.watchdog`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
     if dup is None:
         dup = comm.Dup()
         comm.Set_attr(_KEYVAL, dup)
+        if comm == MPI.COMM_WORLD:  # collective here anyway: one more for the stall watchdog
+            from .collectives import watchdog
+
+            watchdog.attach(comm.Dup())
     return dup
 
 

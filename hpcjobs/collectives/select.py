@@ -137,7 +137,7 @@ _DECISIONS_KEYVAL = MPI.Comm.Create_keyval()
 _decisions_generation = 0
 
 
-def _auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     decisions = comm.Get_attr(_DECISIONS_KEYVAL)
     if decisions is None or decisions.get("generation") != _decisions_generation:
         decisions = {"generation": _decisions_generation}
@@ -175,5 +175,5 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
         ValueError: unknown algorithm or op, an unreadable tuning table, or a
             bad buffer (TypeError: unsupported buffer type or dtype).
     """
-    fn = _auto if algorithm == "auto" else flat_algorithm(algorithm)
+    fn = _allreduce_auto if algorithm == "auto" else flat_algorithm(algorithm)
     return run(buf, op, comm, fn)

@@ -12,9 +12,26 @@ stall inspector warns after 60 s; we do the same and then abort:
   than the warning threshold (``HPCJOBS_STALL_WARNING``, default 60 s) gets
   one warning on stderr; past the timeout (``HPCJOBS_TIMEOUT`` or
   ``hpcjobs --timeout``, default 300 s) the rank says which collective it
-  waited in, and for how long, and calls ``MPI_Abort`` on COMM_WORLD, which
-  ends every rank with a non-zero exit. The ranks that report are the ones
-  that arrived; the ones missing from the reports are those that never did.
+  waited in, and for how long, asks every other rank where it is (below),
+  prints the answers, and calls ``MPI_Abort`` on COMM_WORLD, which ends
+  every rank with a non-zero exit.
+
+Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the
+CLI makes one at start) also duplicates COMM_WORLD for the watchdog
+(:func:`attach`). From then on every rank's watchdog thread answers, once a
+second, a query on that communicator with where its main thread is: which
+collective and call number it waits in and for how long, or that it is in
+none and which it entered last. A rank past the timeout queries all the
+others and waits up to :data:`ANSWER_WAIT` seconds, so the report reads::
+
+    hpcjobs: rank 0: allreduce (call #2) did not complete within 3 s; ranks not in allreduce: 2; aborting the job
+      rank 0: waiting 3 s in allreduce (call #2)
+      rank 1: waiting 3 s in allreduce (call #2)
+      rank 2: in no hpcjobs collective; the last it entered was allreduce (call #1)
+
+A rank that does not answer (dead, or stuck in C code that holds the GIL)
+is listed as such. Answering needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for
+it); without it the report names only the rank that timed out.
 
 mpi4py releases the GIL inside blocking MPI calls, so the thread runs while
 the main thread waits. A timeout of 0 turns the watchdog off.
@@ -22,6 +39,7 @@ the main thread waits. A timeout of 0 turns the watchdog off.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import sys
@@ -30,10 +48,12 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "set_timeout", "timeout", "guard"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "attach"]
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_WARNING = 60.0
+ANSWER_WAIT = 3.0  # seconds a timed-out rank waits for the others to say where they are
+_QUERY, _ANSWER = 1, 2  # tags on the watchdog's own communicator
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -52,9 +72,12 @@ def _env_seconds(name: str, default: float) -> float:
 _timeout = _env_seconds("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
 _warning = _env_seconds("HPCJOBS_STALL_WARNING", DEFAULT_WARNING)
 _inflight: dict[int, tuple[str, int, float]] = {}  # thread id -> (collective, call number, start)
+_last: tuple[str, int, float] | None = None  # the collective entered last, in flight or not
 _calls = itertools.count(1)
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
+_reports = None  # the watchdog's duplicate of COMM_WORLD, once attached
+_mpi_lock = threading.Lock()  # held by the thread around its MPI calls; atexit takes it for good
 
 
 def set_timeout(seconds: float, warning: float | None = None) -> None:
@@ -71,19 +94,125 @@ def timeout() -> float:
     return _timeout
 
 
+def attach(world_dup) -> None:
+    """Let the watchdog answer and ask "where are you?" on ``world_dup``, a
+    duplicate of COMM_WORLD made collectively for it (:func:`hpcjobs.comm.private`
+    does this with the first collective on COMM_WORLD). Starts the thread."""
+    global _reports
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE or _reports is not None:
+        return
+    world_dup.Set_errhandler(MPI.ERRORS_RETURN)
+    _reports = world_dup
+    _start()
+
+
+def _start() -> None:
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_watch, name="hpcjobs-watchdog", daemon=True)
+            _thread.start()
+
+
+@atexit.register
+def _stop() -> None:
+    # Runs before mpi4py finalizes MPI (atexit is last in, first out): after
+    # this the thread makes no MPI call.
+    global _reports
+    _mpi_lock.acquire()
+    _reports = None
+
+
+def _where() -> tuple:
+    """This rank's state for a query: ("in", what, call, seconds) or ("last", what, call) or ("none",)."""
+    now = time.monotonic()
+    inflight = list(_inflight.values())
+    if inflight:
+        what, call, t0 = min(inflight, key=lambda e: e[2])
+        return ("in", what, call, now - t0)
+    if _last is not None:
+        return ("last", _last[0], _last[1])
+    return ("none",)
+
+
+def _answer_queries() -> None:
+    """Answer every pending "where are you?" (under ``_mpi_lock``)."""
+    status = MPI.Status()
+    while _reports.Iprobe(MPI.ANY_SOURCE, _QUERY, status):
+        source = status.Get_source()
+        _reports.recv(source=source, tag=_QUERY)
+        _reports.send(_where(), dest=source, tag=_ANSWER)
+
+
+def _ask_everyone(rank: int) -> dict[int, tuple]:
+    """Ask every other rank where it is; wait up to ANSWER_WAIT for the answers."""
+    size = _reports.Get_size()
+    sends = [_reports.isend(None, dest=r, tag=_QUERY) for r in range(size) if r != rank]
+    pending = {r: _reports.irecv(source=r, tag=_ANSWER) for r in range(size) if r != rank}
+    answers = {rank: _where()}
+    deadline = time.monotonic() + ANSWER_WAIT
+    while pending and time.monotonic() < deadline:
+        _answer_queries()  # other timed-out ranks ask us at the same time
+        for r, req in list(pending.items()):
+            done, value = req.test()
+            if done:
+                answers[r] = value
+                del pending[r]
+        time.sleep(0.01)
+    for req in sends:
+        req.test()
+    return answers
+
+
+def _describe(state: tuple | None) -> str:
+    if state is None:
+        return f"no answer within {ANSWER_WAIT:g} s (dead, exiting, or stuck in code that holds the GIL)"
+    if state[0] == "in":
+        return f"waiting {state[3]:.0f} s in {state[1]} (call #{state[2]})"
+    if state[0] == "last":
+        return f"in no hpcjobs collective; the last it entered was {state[1]} (call #{state[2]})"
+    return "in no hpcjobs collective; it has not entered one yet"
+
+
+def report(what: str, call: int, rank: int) -> str:
+    """The timeout message, with every rank's answer where the watchdog is attached."""
+    head = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s"
+    with _mpi_lock:
+        if _reports is None:
+            return head + ": a rank never arrived or died; aborting the job"
+        size = _reports.Get_size()
+        try:
+            answers = _ask_everyone(rank)
+        except MPI.Exception as e:
+            return head + f" (could not ask the other ranks: {e}); aborting the job"
+    states = [answers.get(r) for r in range(size)]
+    missing = [r for r, s in enumerate(states) if not (s and s[0] == "in" and s[1] == what)]
+    lines = [head + (f"; ranks not in {what}: {', '.join(map(str, missing))}" if missing else "")
+             + "; aborting the job"]
+    lines += [f"  rank {r}: {_describe(s)}" for r, s in enumerate(states)]
+    return "\n".join(lines)
+
+
 def _watch() -> None:
     warned: set[tuple[int, int]] = set()
     rank = MPI.COMM_WORLD.Get_rank()
     while True:
         time.sleep(min(1.0, max(0.05, _warning / 4)) if _warning else 1.0)
+        if _reports is not None and _mpi_lock.acquire(blocking=False):
+            try:
+                if _reports is not None:
+                    _answer_queries()
+            except MPI.Exception:
+                pass  # a peer gone: the launcher or a timeout ends the job
+            finally:
+                _mpi_lock.release()
         if not _timeout:
             continue
         now = time.monotonic()
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
-                print(f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s: "
-                      "a rank never arrived or died; aborting the job", file=sys.stderr, flush=True)
+                print(report(what, call, rank), file=sys.stderr, flush=True)
                 MPI.COMM_WORLD.Abort(124)
                 os._exit(124)  # where Abort returns
             if _warning and waited > _warning and (tid, call) not in warned:
@@ -102,18 +231,15 @@ class guard:
         self.what = what
 
     def __enter__(self):
-        global _thread
+        global _last
         if not _timeout:
             self.tid = None
             return self
         if _thread is None:
-            with _lock:
-                if _thread is None:
-                    _thread = threading.Thread(target=_watch, name="hpcjobs-watchdog", daemon=True)
-                    _thread.start()
+            _start()
         self.tid = threading.get_ident()
         self.outer = _inflight.get(self.tid)  # a collective built on another one
-        _inflight[self.tid] = (self.what, next(_calls), time.monotonic())
+        _inflight[self.tid] = _last = (self.what, next(_calls), time.monotonic())
         return self
 
     def __exit__(self, *exc):

@@ -1,6 +1,7 @@
 """Hangs become timeouts, a dead or failing rank ends the job: real mpirun,
 one rank misbehaving, the job must end non-zero in bounded time."""
 
+import re
 import textwrap
 import time
 
@@ -34,7 +35,36 @@ def test_a_rank_that_never_arrives_ends_the_job_after_the_timeout():
     assert elapsed < TIMEOUT + SLACK, elapsed
     assert "did not complete within 3 s" in out.stderr and "aborting the job" in out.stderr
     assert "warning: rank 0 has waited" in out.stderr or "warning: rank 1 has waited" in out.stderr
-    assert "rank 2:" not in out.stderr  # the missing rank is the one that does not report
+    # The report names the rank that never arrived and where each rank is.
+    assert "ranks not in allreduce_auto: 2;" in out.stderr
+    assert re.search(r"rank 0: waiting \d+ s in allreduce_auto \(call #2\)", out.stderr)
+    assert "rank 2: in no hpcjobs collective; the last it entered was allreduce_auto (call #1)" in out.stderr
+    assert "rank 2: allreduce" not in out.stderr  # the missing rank itself never timed out
+
+
+def test_a_rank_in_another_collective_or_holding_the_gil_is_named():
+    out, elapsed = _run("""
+        import ctypes
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        x = np.ones(1000)
+        allreduce(x, algorithm="tree")
+        if MPI.COMM_WORLD.rank == 1:
+            ctypes.PyDLL(None).sleep(60)   # C code that keeps the GIL: its watchdog cannot answer
+        if MPI.COMM_WORLD.rank == 3:
+            allreduce(x, algorithm="recursive_doubling")  # control flow differs: a different collective
+        else:
+            allreduce(x, algorithm="ring")
+    """, n=4)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    # Whichever rank times out first reports; all four ranks are accounted for.
+    assert re.search(r"did not complete within 3 s; ranks not in (ring_allreduce: 1, 3|recursive_doubling: 0, 1, 2);",
+                     out.stderr)
+    assert "rank 1: no answer within 3 s (dead, exiting, or stuck in code that holds the GIL)" in out.stderr
+    assert re.search(r"rank 3: waiting \d+ s in recursive_doubling \(call #2\)", out.stderr)
+    assert re.search(r"rank 2: waiting \d+ s in ring_allreduce \(call #2\)", out.stderr)
 
 
 def test_a_rank_killed_mid_allreduce_ends_the_job():
