@@ -96,6 +96,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")
     g.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here after every epoch (atomic)")
+    g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
+                   help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint if it exists (start fresh if it does not)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,7 +123,8 @@ def config_from_args(args, size: int, batch_per_rank: int | None = None) -> Trai
         fusion_bytes=getattr(args, "fusion_bytes", DEFAULT_FUSION_BYTES), overlap=getattr(args, "overlap", "auto"),
         nonfinite=getattr(args, "nonfinite", "ignore"),
         epochs=getattr(args, "epochs", 10), seed=getattr(args, "seed", 0),
-        checkpoint=getattr(args, "checkpoint", None), resume=getattr(args, "resume", False),
+        checkpoint=getattr(args, "checkpoint", None), checkpoint_every=getattr(args, "checkpoint_every", None) or 0,
+        resume=getattr(args, "resume", False),
         metrics=getattr(args, "metrics", None), progress=not getattr(args, "no_progress", False),
         quiet=getattr(args, "quiet", False))
 
@@ -146,6 +149,8 @@ def main(args) -> int:
     comm = MPI.COMM_WORLD
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
+    if args.checkpoint_every and not args.checkpoint:
+        raise UsageError("--checkpoint-every needs --checkpoint PATH")
     cfg = config_from_args(args, comm.Get_size())
     try:
         cfg.validate()

@@ -22,6 +22,14 @@ Per epoch:
 4. rank 0 writes one JSON line of metrics and, with ``checkpoint``, an
    atomic checkpoint (temp file, fsync, rename) that ``resume`` continues
    from, with the same data order and schedule position.
+
+With ``checkpoint_every=N`` a checkpoint is also written after every N-th
+step inside an epoch, so a job killed mid-epoch loses at most N steps. Each
+checkpoint holds, besides rank 0's model and optimizer, every rank's own
+state: its torch RNG, its buffers (BatchNorm statistics are per rank until
+the epoch ends), its error-feedback residuals, and mid-epoch its share of the
+epoch's loss and accuracy sums, counters and elapsed time -- so the resumed
+run ends with the same parameters and the same epoch metrics.
 """
 
 from __future__ import annotations
@@ -96,6 +104,7 @@ class TrainConfig:
     epochs: int = 10
     seed: int = 0
     checkpoint: str | None = None
+    checkpoint_every: int = 0
     resume: bool = False
     metrics: str | None = None
     progress: bool = True
@@ -125,6 +134,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.resume and not self.checkpoint:
             raise ValueError("resume needs a checkpoint path")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 steps, got {self.checkpoint_every}")
+        if self.checkpoint_every and not self.checkpoint:
+            raise ValueError("checkpoint_every needs a checkpoint path")
         self.schedule(1)  # validates the schedule fields
 
 
@@ -264,11 +277,19 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm)
     inner = _make_optimizer(cfg, model)
     history: list[dict] = []
-    start_epoch, compression_states = 0, None
+    start_epoch, start_step, compression_states, rank_states = 0, 0, None, None
     if cfg.resume:  # validate() made sure there is a checkpoint path
-        start_epoch, history, compression_states = _resume(cfg, model, inner, comm)
+        start_epoch, start_step, history, compression_states, rank_states = _resume(cfg, model, inner, comm)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
+    partial = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
+    if rank_states is not None:
+        mine = comm.scatter(rank_states or None, root=0)
+        torch.set_rng_state(mine["torch_rng"])
+        with torch.no_grad():
+            for name, buf in model.named_buffers():
+                buf.copy_(mine["buffers"][name])
+        partial = mine.get("partial")
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                compression=make_compressor(cfg.compression, seed=cfg.seed),
                                error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
@@ -292,10 +313,14 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             xs = torch.from_numpy(xs).reshape(spe, passes, micro, *ds.input_shape)
             ys = torch.from_numpy(ys).reshape(spe, passes, micro)
             opt.reset_stats()
-            sums = np.zeros(3)
+            sums, first, elapsed = np.zeros(3), 0, 0.0
+            if partial is not None and epoch == start_epoch:
+                first, elapsed = start_step, partial["elapsed"]
+                sums[:] = partial["sums"]
+                opt.stats.update(partial["stats"])
             comm.Barrier()
             t0 = time.perf_counter()
-            for s in range(spe):
+            for s in range(first, spe):
                 step = epoch * spe + s
                 lr = sched.lr_at(step, spe, scfg)
                 sched.set_lr(inner, lr, momentum_correction=cfg.momentum_correction)
@@ -307,7 +332,11 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                     sums += [float(loss.detach()) * micro, float((out.argmax(1) == ys[s, k]).sum()), micro]
                 opt.step()
                 progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
-            epoch_s = time.perf_counter() - t0
+                if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
+                    _checkpoint(cfg, comm, model, inner, opt, history, epoch, s + 1, {
+                        "sums": sums.tolist(), "stats": dict(opt.stats),
+                        "elapsed": elapsed + time.perf_counter() - t0})
+            epoch_s = elapsed + time.perf_counter() - t0
             times = np.array([epoch_s, opt.stats["comm_s"], opt.stats["wait_s"], opt.stats["sent_bytes"]])
             comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
             comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
@@ -327,16 +356,10 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             # plain Python numbers: the checkpoint is loaded with weights_only=True
             record = {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in record.items()}
             history.append(record)
-            # error-feedback residuals differ by rank: the checkpoint keeps them all
-            compression = (comm.gather(opt.compression_state_dict(), root=0)
-                           if cfg.checkpoint and opt.compression is not None else None)
             if rank == 0:
                 _report(cfg, record)
-                if cfg.checkpoint:
-                    save_checkpoint(cfg.checkpoint, {
-                        "version": CHECKPOINT_VERSION, "epoch": epoch + 1, "config": _config_dict(cfg),
-                        "model": model.state_dict(), "optimizer": inner.state_dict(),
-                        "torch_rng": torch.get_rng_state(), "history": history, "compression": compression})
+            if cfg.checkpoint:
+                _checkpoint(cfg, comm, model, inner, opt, history, epoch + 1, 0, None)
             if on_epoch is not None:
                 on_epoch(record)
             if not math.isfinite(record["loss"]):
@@ -359,6 +382,24 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     return history
 
 
+def _checkpoint(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch: int, step: int,
+                partial: dict | None) -> None:
+    """Write a checkpoint after ``epoch`` whole epochs and ``step`` steps of
+    the next (collective: every rank's own state goes to rank 0)."""
+    mine = {"torch_rng": torch.get_rng_state(),
+            "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
+    if partial is not None:
+        mine["partial"] = partial
+    ranks = comm.gather(mine, root=0)
+    # error-feedback residuals differ by rank: the checkpoint keeps them all
+    compression = comm.gather(opt.compression_state_dict(), root=0) if opt.compression is not None else None
+    if comm.Get_rank() == 0:
+        save_checkpoint(cfg.checkpoint, {
+            "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
+            "model": model.state_dict(), "optimizer": inner.state_dict(), "torch_rng": torch.get_rng_state(),
+            "history": history, "compression": compression, "ranks": ranks})
+
+
 def _report(cfg: TrainConfig, record: dict) -> None:
     line = json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()})
     if cfg.metrics:
@@ -369,11 +410,12 @@ def _report(cfg: TrainConfig, record: dict) -> None:
         print(line, flush=True)
 
 
-def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict], list | None]:
+def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], list | None, list | None]:
     """Rank 0 reads the checkpoint and the broadcasts that follow give it to
     everyone; an error is told to every rank first. Returns the epoch, the
-    history, and the per-rank compression states (on the other ranks an
-    empty list, for the scatter that follows) or None when there are none."""
+    step within it, the history, and the per-rank compression states and
+    per-rank states (each a list on rank 0, an empty list on the others,
+    for the scatters that follow; None when the checkpoint has none)."""
     state, error = None, None
     if comm.Get_rank() == 0:
         try:
@@ -383,10 +425,11 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict], list
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-            states = state.get("compression")
-            if states is not None and len(states) != comm.Get_size():
-                raise CheckpointError(f"{cfg.checkpoint} holds compression state for {len(states)} ranks; "
-                                      f"this run has {comm.Get_size()}")
+            for key in ("compression", "ranks"):
+                states = state.get(key)
+                if states is not None and len(states) != comm.Get_size():
+                    raise CheckpointError(f"{cfg.checkpoint} holds {key} state for {len(states)} ranks; "
+                                          f"this run has {comm.Get_size()}")
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"])
@@ -397,10 +440,13 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, list[dict], list
     error = comm.bcast(error, root=0)
     if error:
         raise CheckpointError(error)
-    epoch, history, has_states = comm.bcast(
-        (state["epoch"], state["history"], state.get("compression") is not None) if state else (0, [], False), root=0)
+    epoch, step, history, has = comm.bcast(
+        (state["epoch"], state.get("step", 0), state["history"],
+         [state.get(key) is not None for key in ("compression", "ranks")]) if state else (0, 0, [], [False, False]),
+        root=0)
     if comm.Get_rank() == 0 and state and not cfg.quiet:
-        print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}", flush=True)
-    if not has_states:
-        return epoch, history, None
-    return epoch, history, state["compression"] if comm.Get_rank() == 0 else []
+        where = f", step {step} of epoch {epoch + 1}" if step else ""
+        print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
+    states = [(state[key] if comm.Get_rank() == 0 else []) if present else None
+              for key, present in zip(("compression", "ranks"), has)]
+    return epoch, step, history, *states

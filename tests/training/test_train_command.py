@@ -5,11 +5,14 @@ import json
 import pytest
 
 from launch import mpirun as _mpirun
+from launch import mpirun_script
 
 
 @pytest.mark.parametrize("args,words", [
     (["--global-batch", "33"], "--global-batch 33 does not divide by 2 ranks x 1 passes"),
     (["--resume"], "--resume needs --checkpoint"),
+    (["--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint"),
+    (["--checkpoint-every", "0", "--checkpoint", "/tmp/x.pt"], "must be positive"),
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
     (["--dataset", "mnist"], "give data_dir"),
@@ -42,9 +45,10 @@ def test_train_writes_metrics_and_a_checkpoint_then_resumes(tmp_path):
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_one(tmp_path):
-    """SIGKILL the whole job during epoch 3 or later, resume from the last
-    checkpoint: the final parameters equal a run that was never stopped
-    (and error-feedback residuals are restored, with top-k compression)."""
+    """SIGKILL the whole job in the middle of epoch 3, after a mid-epoch
+    checkpoint (--checkpoint-every), resume: the final parameters, BatchNorm
+    statistics and every epoch's metrics equal a run that was never stopped
+    (error-feedback residuals restored too, with top-k compression)."""
     import os
     import signal
     import subprocess
@@ -53,31 +57,95 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
     import torch
     from launch import _mpirun_prefix, clean_env
 
-    from hpcjobs.training.loop import load_checkpoint
+    from hpcjobs.training.loop import CheckpointError, load_checkpoint
 
-    common = ["-m", "hpcjobs", "train", "--dataset", "synthetic", "--num-samples", "32768", "--width", "32",
-              "-b", "16", "--epochs", "5", "--seed", "3", "--algorithm", "ring", "--compression", "topk:0.1",
-              "--error-feedback", "--no-progress", "-q"]
+    common = ["-m", "hpcjobs", "train", "--dataset", "synthetic", "--num-samples", "16384", "--width", "32",
+              "-b", "16", "--epochs", "4", "--seed", "3", "--algorithm", "ring", "--compression", "topk:0.1",
+              "--error-feedback", "--batch-norm", "--no-progress", "-q", "--checkpoint-every", "40"]
     prefix = _mpirun_prefix(2)
-    straight = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt")], capture_output=True,
-                              text=True, timeout=300, env=clean_env())
+    straight = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"),
+                               "--metrics", str(tmp_path / "a.jsonl")],
+                              capture_output=True, text=True, timeout=300, env=clean_env())
     assert straight.returncode == 0, straight.stderr
-    metrics = tmp_path / "m.jsonl"
-    job = subprocess.Popen([*prefix, *common, "--checkpoint", str(tmp_path / "b.pt"), "--metrics", str(metrics)],
+    metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
+    job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(),
                            start_new_session=True)
+
+    def where():
+        try:
+            state = load_checkpoint(ckpt)
+            return state["epoch"], state["step"]
+        except (FileNotFoundError, CheckpointError):
+            return 0, 0
+
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert job.poll() is None and time.monotonic() < deadline, "the job ended before epoch 2"
-        time.sleep(0.05)
-    time.sleep(0.3)  # into epoch 3
+    while where() < (2, 80):  # 2 epochs and 80 of epoch 3's 512 steps
+        assert job.poll() is None and time.monotonic() < deadline, f"the job ended at {where()}"
+        time.sleep(0.02)
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
-    assert load_checkpoint(tmp_path / "b.pt")["epoch"] < 5  # it really was cut short
-    resumed = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "b.pt"), "--resume"],
-                             capture_output=True, text=True, timeout=300, env=clean_env())
+    epoch, step = where()
+    assert epoch == 2 and step > 0, (epoch, step)  # killed mid-epoch, after a mid-epoch checkpoint
+    resumed = subprocess.run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics),
+                              "--resume"], capture_output=True, text=True, timeout=300, env=clean_env())
     assert resumed.returncode == 0, resumed.stderr
-    a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(tmp_path / "b.pt")
-    assert a["epoch"] == b["epoch"] == 5
+    a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
+    assert a["epoch"] == b["epoch"] == 4
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+    for ra, rb in zip(a["ranks"], b["ranks"]):  # each rank's own state
+        for k in ra["buffers"]:
+            assert torch.equal(ra["buffers"][k], rb["buffers"][k]), k
+    keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc", "sent_bytes")
+    lines = [[{k: json.loads(line)[k] for k in keep} for line in open(f)] for f in (tmp_path / "a.jsonl", metrics)]
+    assert lines[0] == lines[1] and len(lines[0]) == 4
+
+
+def test_each_ranks_own_state_comes_back_from_a_mid_epoch_checkpoint(tmp_path):
+    """Rank 0 SIGKILLs itself right after the last mid-epoch checkpoint of
+    epoch 2, a few steps before the epoch ends, when the ranks' BatchNorm
+    statistics still differ (they are averaged at the epoch's end) and
+    their loss sums are half-counted: the resumed run must restore each
+    rank's own, or the statistics and the epoch's metrics come out different."""
+    import torch
+
+    from hpcjobs.training.loop import load_checkpoint
+
+    args = ["train", "--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "16",
+            "--epochs", "3", "--seed", "5", "--batch-norm", "--no-progress", "-q", "--checkpoint-every", "40"]
+
+    def run(name, kill=None, resume=False):
+        extra = ["--checkpoint", str(tmp_path / f"{name}.pt"), "--metrics", str(tmp_path / f"{name}.jsonl")]
+        return mpirun_script(2, f"""
+import os, signal, sys
+from hpcjobs.cli import main
+from hpcjobs.training import loop
+save = loop._checkpoint
+def checkpoint_then_die(cfg, comm, model, inner, opt, history, epoch, step, partial):
+    save(cfg, comm, model, inner, opt, history, epoch, step, partial)
+    if comm.Get_rank() == 0 and (epoch, step) == {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
+loop._checkpoint = checkpoint_then_die
+sys.exit(main({args + extra + (["--resume"] if resume else [])!r}))
+""", timeout=300)
+
+    straight = run("a")
+    assert straight.returncode == 0, straight.stderr
+    spe = json.loads(open(tmp_path / "a.jsonl").readline())["step"]
+    last = max(k for k in range(1, spe) if (spe + k) % 40 == 0)  # epoch 2's last mid-epoch checkpoint
+    assert spe - last < 40
+    killed = run("b", kill=(1, last))
+    assert killed.returncode != 0
+    state = load_checkpoint(tmp_path / "b.pt")
+    assert (state["epoch"], state["step"]) == (1, last)
+    bn = [k for k in state["ranks"][0]["buffers"] if k.endswith("running_mean")]
+    assert bn and not all(torch.equal(state["ranks"][0]["buffers"][k], state["ranks"][1]["buffers"][k]) for k in bn)
+    resumed = run("b", resume=True)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(tmp_path / "b.pt")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc")
+    lines = [[{k: json.loads(line)[k] for k in keep} for line in open(tmp_path / f)] for f in ("a.jsonl", "b.jsonl")]
+    assert lines[0] == lines[1] and len(lines[0]) == 3
