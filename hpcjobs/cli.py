@@ -15,6 +15,7 @@ ranks waiting in a collective forever.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import traceback
@@ -131,14 +132,60 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[prefix] = sub.add_subparsers(dest=f"command_{depth}", metavar="COMMAND")
         p = groups[cmd.path[:-1]].add_parser(cmd.path[-1], help=cmd.help, description=cmd.help)
         cmd.configure(p)
-        p.set_defaults(_run=cmd.run)
+        p.set_defaults(_run=cmd.run, _path=cmd.path)
         parsers[cmd.path] = p
     parser._hpcjobs_groups = parsers  # for help on incomplete commands
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_error(argv: list[str]) -> str | None:
+    """The usage error ``hpcjobs ARGV`` would exit 2 with (argparse's
+    checks: flags, types, choices), or None when it parses. For job scripts,
+    to refuse a command line before a job is submitted or its ranks start."""
+    import contextlib
+    import io
+
     parser = build_parser()
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
+            args = parser.parse_args(argv)
+    except SystemExit as e:
+        if not e.code:
+            return None  # --help
+        errors = [line for line in out.getvalue().splitlines() if ": error: " in line]
+        return errors[-1] if errors else out.getvalue().strip()
+    if getattr(args, "_run", None) is None:
+        return f"hpcjobs {' '.join(argv)}: not a command (see hpcjobs --help)"
+    return None
+
+
+def _check_environment(command: tuple[str, ...]) -> None:
+    """The job parameters read from the environment, checked before anything
+    runs (a bad one would otherwise surface as a traceback mid-job).
+
+    Raises:
+        ValueError: naming the variable and the rule.
+    """
+    from .topology import _ranks_per_node
+
+    _ranks_per_node(None)  # HPCJOBS_RANKS_PER_NODE
+    tuning = os.environ.get("HPCJOBS_TUNING")
+    if tuning and command != ("tune",):  # tune writes tables, it does not read this one
+        from .collectives.select import load_tuning
+
+        try:
+            load_tuning(tuning)
+        except ValueError as e:
+            raise ValueError(f"HPCJOBS_TUNING: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+    except ValueError as e:  # a bad HPCJOBS_* setting read at import (HPCJOBS_TIMEOUT, ...)
+        print(f"hpcjobs: error: {e}", file=sys.stderr, flush=True)
+        return 2
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first "--" is handed to the command untouched (the
     # job's arguments for `slurm render/submit/launch`), not parsed here.
@@ -154,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parsers = parser._hpcjobs_groups
         (parsers.get(given[:1]) or parser).print_help(sys.stderr)
         return 2
-    prog = f"hpcjobs {' '.join(a for a in argv[:2] if not a.startswith('-'))}"
+    prog = f"hpcjobs {' '.join(args._path)}"
     if passthrough and not getattr(run, "takes_passthrough", False):
         print(f"{prog}: error: unexpected arguments after --: {' '.join(passthrough)}", file=sys.stderr)
         return 2
@@ -164,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
             return 2
+    try:
+        _check_environment(args._path)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
     from .slurm import bind_gpu
 
     bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks

@@ -43,7 +43,7 @@ __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "bind_gpu", 
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
+_TIME = re.compile(r"^(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})$")
 _SBATCH = re.compile(r"^#SBATCH --(?P<key>[a-z-]+)=(?P<value>\S+)(?P<rest>.*)$")
 
 
@@ -64,9 +64,17 @@ def template_path(name: str) -> Path:
 
 
 def _time(text: str) -> str:
-    """Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    if not _TIME.match(text):
+    """Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS,
+    with minutes and seconds after the first field below 60 and hours after
+    a day count below 24; or UNLIMITED / INFINITE."""
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return text
+    m = _TIME.match(text)
+    if not m:
         raise UsageError(f"--time {text!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS)")
+    later = [int(f) for f in m["rest"].split(":")[1:]]
+    if any(v >= 60 for v in later) or (m["days"] is not None and int(m["first"]) >= 24):
+        raise UsageError(f"--time {text!r}: minutes and seconds must be below 60, and hours below 24 after days")
     return text
 
 
@@ -107,15 +115,51 @@ class RenderOptions:
             _name("--account", self.account)
 
 
+def job_commands(template: str) -> list[tuple[str, ...]]:
+    """The hpcjobs commands a template runs with the job's arguments
+    (``hpcjobs slurm launch -- COMMAND ... "${JOB_ARGS[@]}"``)."""
+    commands = []
+    for line in template.replace("\\\n", " ").splitlines():
+        m = re.search(r"hpcjobs slurm launch -- (.*)", line)
+        if m and '"${JOB_ARGS[@]}"' in line:
+            words = []
+            for word in m.group(1).split():
+                if not re.fullmatch(r"[a-z][a-z-]*", word):
+                    break
+                words.append(word)
+            commands.append(tuple(words))
+    return commands
+
+
+def check_job_args(template: str, job_args: tuple[str, ...]) -> None:
+    """Refuse job arguments that no command of the template accepts (a
+    template may run one of several, e.g. train or large-batch), before
+    anything is submitted.
+
+    Raises:
+        UsageError: naming the command and argparse's complaint.
+    """
+    commands = job_commands(template)
+    if not job_args or not commands:
+        return
+    from .cli import parse_error
+
+    errors = [parse_error([*cmd, *job_args]) for cmd in commands]
+    if all(errors):
+        raise UsageError(f"the job's arguments after -- would fail in the job: {errors[0]}")
+
+
 def render(template: str, opts: RenderOptions) -> str:
     """The template's text with the user's values in its ``#SBATCH`` lines,
     its ``JOB_ARGS=()`` filled (shell-quoted) and, with ``cpu``, CPU mode on
     by default and no GPU request.
 
     Raises:
-        UsageError: an invalid value, or a template without the lines to fill.
+        UsageError: an invalid value, job arguments the template's command
+            does not take, or a template without the lines to fill.
     """
     opts.validate()
+    check_job_args(template, opts.job_args)
     values = {"nodes": opts.nodes, "ntasks-per-node": opts.ntasks_per_node, "gpus-per-node": opts.gpus_per_node,
               "cpus-per-task": opts.cpus_per_task, "time": opts.time, "job-name": opts.job_name}
     cpu = opts.cpu or opts.gpus_per_node == 0
@@ -302,6 +346,11 @@ def launch_main(args) -> int:
         raise UsageError("not inside a Slurm job (no SLURM_JOB_ID): submit the template with sbatch")
     if not args.passthrough:
         raise UsageError("give the command the ranks run after --, e.g. launch -- bench allreduce")
+    from .cli import parse_error
+
+    error = parse_error(list(args.passthrough))
+    if error:  # before srun starts a rank
+        raise UsageError(f"the ranks' command would fail: {error}")
     cmd, env = launch_command(dict(os.environ), list(args.passthrough))
     env.setdefault("MASTER_ADDR", master_address(os.environ.get("SLURM_JOB_NODELIST", "")))
     Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)

@@ -61,16 +61,17 @@ class Topology:
 
 
 def _ranks_per_node(value) -> int | None:
+    name = "ranks_per_node"
     if value is None:
-        value = os.environ.get("HPCJOBS_RANKS_PER_NODE", "").strip() or None
+        name, value = "HPCJOBS_RANKS_PER_NODE", os.environ.get("HPCJOBS_RANKS_PER_NODE", "").strip() or None
         if value is None:
             return None
     try:
         n = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"ranks_per_node must be a positive integer, got {value!r}") from None
+        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
     if n <= 0 or n != float(value):
-        raise ValueError(f"ranks_per_node must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return n
 
 

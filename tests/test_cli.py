@@ -53,6 +53,20 @@ def test_bench_under_mpirun_prints_the_table_and_writes_json(tmp_path):
     assert data["environment"]["ranks"] == 3 and len(data["records"]) == 12
 
 
+@pytest.mark.parametrize("env,words", [
+    ({"HPCJOBS_TIMEOUT": "soon"}, "hpcjobs: error: HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
+    ({"HPCJOBS_STALL_WARNING": "-1"}, "hpcjobs: error: HPCJOBS_STALL_WARNING must be >= 0 seconds"),
+    ({"HPCJOBS_RANKS_PER_NODE": "0"}, "hpcjobs bench allreduce: error: HPCJOBS_RANKS_PER_NODE must be a positive"),
+    ({"HPCJOBS_TUNING": "/no/such/tuning.json"},
+     "hpcjobs bench allreduce: error: HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json"),
+])
+def test_a_bad_job_parameter_in_the_environment_is_a_usage_error_before_anything_runs(env, words):
+    out = _mpirun(2, "bench", "allreduce", "-e", "64", env=env)
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "Traceback" not in out.stderr
+    assert "size(B)" not in out.stdout  # nothing was measured
+
+
 def test_expected_world_size_mismatch_aborts_the_job():
     out = _mpirun(2, "info", env={"HPCJOBS_EXPECT_WORLD_SIZE": "5"}, timeout=60)
     assert out.returncode != 0

@@ -61,5 +61,5 @@ def test_bad_ranks_per_node_is_refused(bad, monkeypatch):
     with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
         detect(ranks_per_node=bad)
     monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", str(bad))
-    with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
+    with pytest.raises(ValueError, match="HPCJOBS_RANKS_PER_NODE must be a positive integer"):
         detect()

@@ -1,6 +1,7 @@
 """`hpcjobs slurm render` against golden files (as submitit tests its
 scripts), its validation and quoting, and `launch`'s command line."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,12 +15,16 @@ from hpcjobs.slurm import TEMPLATES, RenderOptions, bind_gpu, launch_command, re
 GOLDEN = Path(__file__).parent / "golden"
 OPTIONS = RenderOptions(nodes=4, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=6, time="1-02:00:00",
                         job_name="golden", partition="gpu", account="proj.42",
-                        job_args=("--max-bytes", "1G", "--label", "two words; $(not run)"))
+                        job_args=("--max-bytes", "1G", "--json", "two words; $(not run).json"))
+# Job arguments each template's command takes, with a path the shell must not split or run.
+JOB_ARGS = {"allreduce": OPTIONS.job_args, "horovod": OPTIONS.job_args, "nccl": OPTIONS.job_args,
+            "tune": ("--max-bytes", "1G", "--out", "two words; $(not run).json"),
+            "train": ("--epochs", "2", "--metrics", "two words; $(not run).jsonl")}
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_rendered_templates_match_their_golden_files(name):
-    got = render(template_path(name).read_text(), OPTIONS)
+    got = render(template_path(name).read_text(), dataclasses.replace(OPTIONS, job_args=JOB_ARGS[name]))
     path = GOLDEN / f"{name}.sbatch"
     if os.environ.get("HPCJOBS_UPDATE_GOLDEN") == "1":
         path.write_text(got)
@@ -58,6 +63,10 @@ def test_job_args_survive_the_shell_exactly(tmp_path):
 
 @pytest.mark.parametrize("kwargs,words", [
     (dict(time="90 minutes"), "not a Slurm time"), (dict(time="1:2:3:4"), "not a Slurm time"),
+    (dict(time="25:99"), "below 60"), (dict(time="1:60:00"), "below 60"), (dict(time="2-24"), "below 24"),
+    (dict(job_args=("--algorithm", "bogus")), "hpcjobs train: error: argument --algorithm: invalid choice"),
+    (dict(job_args=("--epochs", "0")), "hpcjobs train: error: argument --epochs: must be positive"),
+    (dict(job_args=("--no-such-flag",)), "unrecognized arguments: --no-such-flag"),
     (dict(job_name="x; rm -rf /"), "--job-name"), (dict(partition="-p"), "--partition"),
     (dict(account="a b"), "--account"), (dict(nodes=0), "--nodes must be a positive integer"),
     (dict(gpus_per_node=-1), "--gpus-per-node"),
@@ -67,9 +76,28 @@ def test_bad_values_are_refused(kwargs, words):
         render(template_path("train").read_text(), RenderOptions(**kwargs))
 
 
-@pytest.mark.parametrize("time", ["30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:00"])
+@pytest.mark.parametrize("time", ["30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:00", "59:59", "0",
+                                  "UNLIMITED"])
 def test_slurm_time_formats_are_accepted(time):
     assert f"#SBATCH --time={time} " in render(template_path("tune").read_text(), RenderOptions(time=time))
+
+
+@pytest.mark.parametrize("template,args", [
+    ("train", ("--epochs", "2")),             # hpcjobs train
+    ("train", ("--min-batch", "64")),         # experiment large-batch, the template's other job
+    ("allreduce", ("--max-bytes", "1M")), ("tune", ("--factor", "4")), ("nccl", ("--iters", "5")),
+])
+def test_job_arguments_that_a_templates_command_takes_are_accepted(template, args):
+    assert "JOB_ARGS=(" + " ".join(args) + ")" in render(template_path(template).read_text(),
+                                                         RenderOptions(job_args=args))
+
+
+def test_each_template_runs_a_command_with_the_job_arguments():
+    from hpcjobs.slurm import job_commands
+
+    assert {t: job_commands(template_path(t).read_text()) for t in TEMPLATES} == {
+        "allreduce": [("bench", "allreduce")], "train": [("train",), ("experiment", "large-batch")],
+        "tune": [("tune",)], "horovod": [("bench", "allreduce")], "nccl": [("bench", "allreduce")]}
 
 
 def test_unknown_template_is_a_usage_error():
@@ -98,6 +126,9 @@ def test_templates_and_launch_refuse_to_run_outside_slurm():
     assert out.returncode == 2 and "submit it with sbatch" in out.stderr
     out = _hpcjobs("slurm", "launch", "--", "info")
     assert out.returncode == 2 and "not inside a Slurm job" in out.stderr
+    out = _hpcjobs("slurm", "launch", "--", "bench", "allreduce", "--iters", "0", env={"SLURM_JOB_ID": "1"})
+    assert out.returncode == 2 and "the ranks' command would fail: hpcjobs bench allreduce: error: argument " \
+        "--iters/-n: must be positive" in out.stderr, out.stderr
 
 
 def test_other_commands_refuse_arguments_after_double_dash():
