@@ -352,24 +352,28 @@ def main(args) -> int:
 
 
 def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:
-    """Measure the late implementations (Horovod) after everything else, with
-    MPI_Allreduce re-measured beside them as an anchor: the anchor's ratio to
-    its first-pass time says how far conditions drifted between the passes."""
+    """Measure the late implementations (Horovod) after everything else, each
+    in a pass of its own (LATE_BASELINES order) with MPI_Allreduce re-measured
+    beside it as an anchor: the anchor's ratio to its first-pass time says
+    how far conditions drifted between the passes."""
     from ..comm import print0
     from .report import row
 
-    print0(f"# {', '.join(late)}: measured after the others, beside MPI_Allreduce as an anchor "
-           "(Horovod's background thread keeps ~half a core busy on rank 0 once initialised)")
-    anchor = {"mpi (anchor)": Impl(*BASELINES["mpi"])}
-    recs = run(comm, sizes, {**late, **anchor}, args.dtype, args.op, args.iters, args.warmup, args.framework,
-               on_record=lambda r: print0(row(r)) if r.impl in late else None)
+    print0(f"# {', '.join(late)}: measured after the others, each in its own pass beside MPI_Allreduce as an "
+           "anchor (Horovod's background thread keeps ~half a core busy on rank 0 once initialised)")
     first_mpi = {r.size_bytes: r.time_us for r in first_records if r.impl == mpi_label()}
-    drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
-                   if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
-    if drift:
-        print0(f"# anchor: MPI_Allreduce in the late pass took {drift[len(drift) // 2]:.2f}x its first-pass "
-               f"time (median over sizes; range {drift[0]:.2f}-{drift[-1]:.2f}x)")
-    return [r for r in recs if r.impl in late]
+    out = []
+    for label in sorted(late, key=LATE_BASELINES.index):
+        anchor = {"mpi (anchor)": Impl(*BASELINES["mpi"])}
+        recs = run(comm, sizes, {label: late[label], **anchor}, args.dtype, args.op, args.iters, args.warmup,
+                   args.framework, on_record=lambda r: print0(row(r)) if r.impl in late else None)
+        drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
+                       if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
+        if drift:
+            print0(f"# anchor beside {label}: MPI_Allreduce took {drift[len(drift) // 2]:.2f}x its first-pass "
+                   f"time (median over sizes; range {drift[0]:.2f}-{drift[-1]:.2f}x)")
+        out += [r for r in recs if r.impl in late]
+    return out
 
 
 def apply_placement(args) -> None:

@@ -9,6 +9,13 @@ same buffer, so the table compares like with like:
   device-resident buffer, so it is listed only where CUDA is available.
 - ``horovod``: ``horovod.torch.allreduce_`` with Horovod's MPI controller
   (``scripts/install_horovod.sh`` builds it).
+- ``horovod-gloo``: the same with Horovod's Gloo controller and Gloo CPU
+  operations, as ``horovodrun --gloo`` runs it: rank 0 starts Horovod's own
+  HTTP rendezvous server inside the MPI job and every rank gets the slot
+  variables ``horovodrun`` would set (rank, local and cross rank by node).
+  Horovod 0.28.1 cannot switch a process from its MPI controller to Gloo
+  (the Gloo context would be rebuilt from the freed MPI communicator), so
+  horovod-gloo is measured before horovod.
 
 ``avg`` is a sum followed by one local division wherever the library has no
 average of its own, as Horovod does over MPI. Libraries without a dtype (no
@@ -19,6 +26,7 @@ out rather than faked.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import socket
 import sys
@@ -151,25 +159,91 @@ def gloo_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
 
 
 _hvd = None
+_hvd_controller: str | None = None  # "mpi" or "gloo" while Horovod runs
+_hvd_used_mpi = False  # once Horovod has run its MPI controller, Gloo cannot follow
+_rendezvous_server = None
+_hvd_env: list[str] = []  # the HOROVOD_* variables we set for Gloo, removed at shutdown
 
 
-def _horovod(comm: MPI.Intracomm):
-    global _hvd
-    if _hvd is None:
-        try:
-            import horovod.torch as hvd
-        except ImportError as e:
-            raise BaselineUnavailable(f"Horovod is not installed ({e}); run scripts/install_horovod.sh") from None
-        if comm.Compare(MPI.COMM_WORLD) == MPI.UNEQUAL:
-            raise BaselineUnavailable("the horovod baseline runs on COMM_WORLD only")
+def _horovod(comm: MPI.Intracomm, controller: str = "mpi"):
+    global _hvd, _hvd_controller, _hvd_used_mpi
+    if _hvd is not None and _hvd_controller == controller:
+        return _hvd
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:
+        raise BaselineUnavailable(f"Horovod is not installed ({e}); run scripts/install_horovod.sh") from None
+    if comm.Compare(MPI.COMM_WORLD) == MPI.UNEQUAL:
+        raise BaselineUnavailable("the horovod baselines run on COMM_WORLD only")
+    if controller == "gloo" and _hvd_used_mpi:
+        raise BaselineUnavailable("Horovod ran its MPI controller in this process already; horovod-gloo must come "
+                                  "first (Horovod 0.28.1 rebuilds Gloo from the freed MPI communicator)")
+    if _hvd is not None:
+        _shutdown_horovod()
+    if controller == "gloo":
+        _gloo_rendezvous(comm)
+        hvd.init()
+    else:
         os.environ.setdefault("HOROVOD_CONTROLLER", "mpi")
         os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
         hvd.init(comm=MPI.COMM_WORLD)
-        atexit.register(shutdown)
-        if hvd.size() != comm.Get_size():
-            raise BaselineUnavailable(f"Horovod sees {hvd.size()} ranks, MPI {comm.Get_size()}")
-        _hvd = hvd
+        _hvd_used_mpi = True
+    _hvd, _hvd_controller = hvd, controller
+    atexit.register(shutdown)
+    if hvd.size() != comm.Get_size():
+        raise BaselineUnavailable(f"Horovod sees {hvd.size()} ranks, MPI {comm.Get_size()}")
     return _hvd
+
+
+def _gloo_rendezvous(comm: MPI.Intracomm) -> None:
+    """What ``horovodrun --gloo`` does before it starts the workers: a
+    rendezvous server on rank 0 with every rank's slot, and the slot's
+    variables in each rank's environment. Nodes come from hpcjobs.topology
+    (SLURM_NODEID, or shared memory), so fake Slurm nodes are told apart."""
+    global _rendezvous_server
+    from ..topology import detect_private
+
+    topo = detect_private(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    cross_size = sum(1 for n in topo.local_sizes if n > topo.local_rank)
+    slot = dict(hostname=f"node{topo.node_id}", rank=rank, local_rank=topo.local_rank, cross_rank=topo.node_id,
+                size=size, local_size=topo.local_size, cross_size=cross_size)
+    slots = comm.allgather(slot)
+    iface = os.environ.get("HOROVOD_GLOO_IFACE") or ("lo" if topo.num_nodes == 1 else None)
+    port, error = None, None
+    if rank == 0:
+        try:
+            from horovod.runner.common.util.hosts import SlotInfo
+            from horovod.runner.http.http_server import RendezvousServer
+
+            _rendezvous_server = RendezvousServer(0)
+            port = _rendezvous_server.start()
+            _rendezvous_server.init([SlotInfo(**s) for s in slots])
+        except Exception as e:  # the reason goes to every rank
+            error = f"Horovod's rendezvous server did not start: {type(e).__name__}: {e}"
+    port, error = comm.bcast((port, error), root=0)
+    if error:
+        raise BaselineUnavailable(error)
+    addr = "127.0.0.1" if topo.num_nodes == 1 else comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
+    env = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
+           "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+           "HOROVOD_HOSTNAME": slot["hostname"],
+           **{f"HOROVOD_{k.upper()}": str(slot[k]) for k in ("rank", "size", "local_rank", "local_size",
+                                                             "cross_rank", "cross_size")}}
+    os.environ.update(env)
+    _hvd_env[:] = env
+
+
+def _shutdown_horovod() -> None:
+    global _hvd, _hvd_controller, _rendezvous_server
+    _hvd.shutdown()
+    _hvd, _hvd_controller = None, None
+    for key in _hvd_env:  # the next init (Horovod's MPI controller) must not see them
+        os.environ.pop(key, None)
+    _hvd_env.clear()
+    if _rendezvous_server is not None:
+        _rendezvous_server.stop()
+        _rendezvous_server = None
 
 
 def horovod_supports(dtype: str) -> bool:
@@ -177,12 +251,12 @@ def horovod_supports(dtype: str) -> bool:
     return dtype in ("float16", "float32", "float64", "int32", "int64")
 
 
-def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
-    """``horovod.torch.allreduce_`` (MPI controller), in place on the same memory."""
+def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, controller: str = "mpi"):
+    """``horovod.torch.allreduce_`` (MPI or Gloo controller), in place on the same memory."""
     check_op(op)
     flat = as_flat(buf)
     comm = private(comm)
-    hvd = _horovod(comm)
+    hvd = _horovod(comm, controller)
     red = {"sum": hvd.Sum, "avg": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "prod": hvd.Product}[op]
     hvd.allreduce_(_torch_view(flat), op=red, name=f"hpcjobs.{flat.count}.{flat.dtype}")
     if op == "avg":
@@ -193,10 +267,9 @@ def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
 def shutdown() -> None:
     """Tear down the torch.distributed process group and Horovod, if started,
     so a long-lived process (a test session) stops paying for their threads."""
-    global _torch_dist_backend, _hvd
+    global _torch_dist_backend
     if _hvd is not None:
-        _hvd.shutdown()
-        _hvd = None
+        _shutdown_horovod()
     if _torch_dist_backend is not None:
         import torch.distributed as dist
 
@@ -209,12 +282,14 @@ BASELINES: dict[str, tuple[Callable, Callable[[str], bool]]] = {
     "mpi": (mpi_allreduce, mpi_supports),
     "gloo": (gloo_allreduce, gloo_supports),
     "horovod": (horovod_allreduce, horovod_supports),
+    "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports),
 }
-KNOWN_BASELINES = ("mpi", "gloo", "nccl", "horovod")
-# Measured after everything else: Horovod's coordinator thread burns about
-# half a core on rank 0 from hvd.init() on (measured: 1.06 CPU-s in a 2 s
-# sleep), which on a small node slows whatever is measured after it.
-LATE_BASELINES = ("horovod",)
+KNOWN_BASELINES = ("mpi", "gloo", "nccl", "horovod-gloo", "horovod")
+# Measured after everything else, each in a pass of its own, in this order:
+# Horovod's coordinator thread burns about half a core on rank 0 from
+# hvd.init() on (measured: 1.06 CPU-s in a 2 s sleep), which on a small node
+# slows whatever is measured beside it; and Gloo cannot follow MPI (above).
+LATE_BASELINES = ("horovod-gloo", "horovod")
 
 
 def available(name: str, comm: MPI.Intracomm) -> str | None:
@@ -236,10 +311,20 @@ def available(name: str, comm: MPI.Intracomm) -> str | None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             reason = "GPU found, but device-resident buffers are not wired into this benchmark yet"
-    elif name == "horovod":
+    elif name in ("horovod", "horovod-gloo"):
         try:
-            import horovod.torch  # noqa: F401
+            import horovod.torch as hvd
         except ImportError as e:
             reason = f"Horovod is not installed ({e}); run scripts/install_horovod.sh"
+        else:
+            if name == "horovod-gloo":
+                from ..topology import detect_private
+
+                if not hvd.gloo_built():
+                    reason = "this Horovod was built without Gloo"
+                elif _hvd_used_mpi:
+                    reason = "Horovod's MPI controller ran in this process already; horovod-gloo must come first"
+                elif detect_private(comm).num_nodes > 1 and not os.environ.get("HOROVOD_GLOO_IFACE"):
+                    reason = "several nodes: set HOROVOD_GLOO_IFACE to the network interface between them"
     reasons = comm.allgather(reason)
     return next((r for r in reasons if r), None)

@@ -7,6 +7,7 @@ HPCJOBS_REQUIRE_HOROVOD=1 (CI sets it).
 
 import os
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -56,6 +57,37 @@ def test_horovod_gives_the_exact_result_in_place(dtype, op):
     buf = make_buffer(inputs[rank], dtype, "numpy")
     assert horovod_allreduce(buf, op) is buf
     assert_close(buf, inputs, op, dtype)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_horovod_gloo_after_horovods_mpi_controller_is_refused_with_the_reason():
+    _require_horovod()
+    buf = np.ones(8, dtype=np.float32)
+    horovod_allreduce(buf)  # the MPI controller runs in this process
+    assert "must come first" in available("horovod-gloo", MPI.COMM_WORLD)
+    with pytest.raises(baselines.BaselineUnavailable, match="horovod-gloo must come first"):
+        horovod_allreduce(buf, controller="gloo")
+
+
+@pytest.mark.parametrize("order", ["horovod,horovod-gloo", "horovod-gloo,mpi"])
+def test_horovod_with_gloo_and_with_mpi_in_one_table_exact(order, tmp_path):
+    """Both Horovod controllers, as `--baselines all` runs them: Gloo's pass
+    first whatever the order asked, each exact on crafted inputs (#wrong)."""
+    from launch import mpirun
+
+    _require_horovod()
+    out = mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64K", "-f", "32", "--iters", "2", "--impl", "ring",
+                 "--baselines", order, "--op", "avg", "--json", str(tmp_path / "r.json"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [l.split() for l in out.stdout.splitlines() if l and not l.startswith("#")]
+    impls = [r[4] for r in rows]
+    for name in order.split(","):
+        assert impls.count(name) == 3, out.stdout  # 8, 256, 8K
+    assert all(r[-1] == "0" for r in rows)
+    if "horovod" in impls:
+        assert impls.index("horovod-gloo") < impls.index("horovod")
+    if "mpi" in impls:  # the anchor's drift is against the first pass's MPI rows
+        assert "# anchor beside horovod-gloo: MPI_Allreduce took" in out.stdout
 
 
 def test_horovod_does_not_claim_bfloat16():
