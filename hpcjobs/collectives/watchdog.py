@@ -24,10 +24,10 @@ collective and call number it waits in and for how long, or that it is in
 none and which it entered last. A rank past the timeout queries all the
 others and waits up to :data:`ANSWER_WAIT` seconds, so the report reads::
 
-    hpcjobs: rank 0: allreduce (call #2) did not complete within 3 s; ranks not in allreduce: 2; aborting the job
-      rank 0: waiting 3 s in allreduce (call #2)
-      rank 1: waiting 3 s in allreduce (call #2)
-      rank 2: in no hpcjobs collective; the last it entered was allreduce (call #1)
+    hpcjobs: rank 0: ring_allreduce (call #2) did not complete within 3 s; ranks not in ring_allreduce: 2; aborting the job
+      rank 0: waiting 3 s in ring_allreduce (call #2)
+      rank 1: waiting 3 s in ring_allreduce (call #2)
+      rank 2: in no hpcjobs collective; the last it entered was ring_allreduce (call #1)
 
 A rank that does not answer (dead, or stuck in C code that holds the GIL)
 is listed as such. Answering needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for
@@ -174,7 +174,7 @@ def _describe(state: tuple | None) -> str:
     return "in no hpcjobs collective; it has not entered one yet"
 
 
-def report(what: str, call: int, rank: int) -> str:
+def _report(what: str, call: int, rank: int) -> str:
     """The timeout message, with every rank's answer where the watchdog is attached."""
     head = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s"
     with _mpi_lock:
@@ -212,7 +212,7 @@ def _watch() -> None:
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
-                print(report(what, call, rank), file=sys.stderr, flush=True)
+                print(_report(what, call, rank), file=sys.stderr, flush=True)
                 MPI.COMM_WORLD.Abort(124)
                 os._exit(124)  # where Abort returns
             if _warning and waited > _warning and (tid, call) not in warned:
