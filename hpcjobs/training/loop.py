@@ -60,7 +60,7 @@ __all__ = ["OPTIMIZERS", "COMPRESSIONS", "TrainConfig", "train", "save_checkpoin
            "CheckpointError", "make_compressor"]
 
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # A resumed run must be the same experiment: these fields may not change.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
                 "backward_passes_per_step", "optimizer", "compression", "error_feedback")
@@ -196,8 +196,11 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         state = torch.load(path, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION or "model" not in state:
+    if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("version"), int):
         raise CheckpointError(f"{path} is not an hpcjobs training checkpoint (version {CHECKPOINT_VERSION})")
+    if state["version"] != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} is a version {state['version']} checkpoint; this hpcjobs reads version "
+                              f"{CHECKPOINT_VERSION} (resume with the hpcjobs that wrote it, or start afresh)")
     return state
 
 
@@ -277,26 +280,26 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm)
     inner = _make_optimizer(cfg, model)
     history: list[dict] = []
-    start_epoch, start_step, compression_states, rank_states = 0, 0, None, None
+    start_epoch, start_step, mine = 0, 0, {}
     if cfg.resume:  # validate() made sure there is a checkpoint path
-        start_epoch, start_step, history, compression_states, rank_states = _resume(cfg, model, inner, comm)
+        start_epoch, start_step, history, rank_states = _resume(cfg, model, inner, comm)
+        if rank_states is not None:  # each rank gets back its own state
+            mine = comm.scatter(rank_states or None, root=0)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     broadcast_optimizer_state(inner, root_rank=0, comm=comm)
-    partial = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
-    if rank_states is not None:
-        mine = comm.scatter(rank_states or None, root=0)
+    if mine:
         torch.set_rng_state(mine["torch_rng"])
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 buf.copy_(mine["buffers"][name])
-        partial = mine.get("partial")
+    partial = mine.get("partial")  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
     opt = DistributedOptimizer(inner, model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                compression=make_compressor(cfg.compression, seed=cfg.seed),
                                error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap,
                                nonfinite=cfg.nonfinite)
-    if compression_states is not None:  # each rank gets back its own residuals
-        opt.load_compression_state_dict(comm.scatter(compression_states or None, root=0))
+    if "compression" in mine:  # this rank's residuals, step count, PowerSGD's Q
+        opt.load_compression_state_dict(mine["compression"])
     if rank == 0 and not cfg.quiet and start_epoch == 0:
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(ds.train)} train / {len(ds.test)} test), "
               f"{size} ranks x {cfg.batch_per_rank} x {cfg.backward_passes_per_step} passes = global batch "
@@ -390,14 +393,13 @@ def _checkpoint(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], 
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
     if partial is not None:
         mine["partial"] = partial
+    if opt.compression is not None:  # error-feedback residuals differ by rank
+        mine["compression"] = opt.compression_state_dict()
     ranks = comm.gather(mine, root=0)
-    # error-feedback residuals differ by rank: the checkpoint keeps them all
-    compression = comm.gather(opt.compression_state_dict(), root=0) if opt.compression is not None else None
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
             "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
-            "model": model.state_dict(), "optimizer": inner.state_dict(), "torch_rng": torch.get_rng_state(),
-            "history": history, "compression": compression, "ranks": ranks})
+            "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks})
 
 
 def _report(cfg: TrainConfig, record: dict) -> None:
@@ -410,12 +412,12 @@ def _report(cfg: TrainConfig, record: dict) -> None:
         print(line, flush=True)
 
 
-def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], list | None, list | None]:
+def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], list | None]:
     """Rank 0 reads the checkpoint and the broadcasts that follow give it to
     everyone; an error is told to every rank first. Returns the epoch, the
-    step within it, the history, and the per-rank compression states and
-    per-rank states (each a list on rank 0, an empty list on the others,
-    for the scatters that follow; None when the checkpoint has none)."""
+    step within it, the history, and the per-rank states (a list on rank 0,
+    an empty list on the others, for the scatter that follows; None when
+    there is no checkpoint)."""
     state, error = None, None
     if comm.Get_rank() == 0:
         try:
@@ -425,14 +427,11 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict],
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-            for key in ("compression", "ranks"):
-                states = state.get(key)
-                if states is not None and len(states) != comm.Get_size():
-                    raise CheckpointError(f"{cfg.checkpoint} holds {key} state for {len(states)} ranks; "
-                                          f"this run has {comm.Get_size()}")
+            if len(state["ranks"]) != comm.Get_size():
+                raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
+                                      f"this run has {comm.Get_size()}")
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["torch_rng"])
         except FileNotFoundError:
             state = None  # nothing to resume: start from scratch
         except Exception as e:
@@ -440,13 +439,11 @@ def _resume(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict],
     error = comm.bcast(error, root=0)
     if error:
         raise CheckpointError(error)
-    epoch, step, history, has = comm.bcast(
-        (state["epoch"], state.get("step", 0), state["history"],
-         [state.get(key) is not None for key in ("compression", "ranks")]) if state else (0, 0, [], [False, False]),
-        root=0)
-    if comm.Get_rank() == 0 and state and not cfg.quiet:
+    epoch, step, history, found = comm.bcast(
+        (state["epoch"], state["step"], state["history"], True) if state else (0, 0, [], False), root=0)
+    if not found:
+        return 0, 0, [], None
+    if comm.Get_rank() == 0 and not cfg.quiet:
         where = f", step {step} of epoch {epoch + 1}" if step else ""
         print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
-    states = [(state[key] if comm.Get_rank() == 0 else []) if present else None
-              for key, present in zip(("compression", "ranks"), has)]
-    return epoch, step, history, *states
+    return epoch, step, history, state["ranks"] if comm.Get_rank() == 0 else []

@@ -7,7 +7,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcjobs.training.loop import CheckpointError, TrainConfig, load_checkpoint, save_checkpoint, train
+from hpcjobs.training.loop import (CHECKPOINT_VERSION, CheckpointError, TrainConfig, load_checkpoint, save_checkpoint,
+                                   train)
 
 torch.set_num_threads(1)
 
@@ -95,11 +96,14 @@ def test_resume_without_a_checkpoint_file_starts_fresh(tmp_path_factory):
 
 def test_checkpoint_writes_are_atomic_and_loads_are_checked(tmp_path):
     path = tmp_path / "x.pt"
-    save_checkpoint(path, {"version": 1, "model": {"w": torch.ones(2)}})
+    save_checkpoint(path, {"version": CHECKPOINT_VERSION, "model": {"w": torch.ones(2)}})
     assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]   # no temp file left behind
     assert load_checkpoint(path)["model"]["w"].sum() == 2
     torch.save({"something": "else"}, path)
     with pytest.raises(CheckpointError, match="not an hpcjobs training checkpoint"):
+        load_checkpoint(path)
+    save_checkpoint(path, {"version": 1, "model": {"w": torch.ones(2)}})
+    with pytest.raises(CheckpointError, match="a version 1 checkpoint; this hpcjobs reads version 2"):
         load_checkpoint(path)
     with pytest.raises(FileNotFoundError):
         load_checkpoint(tmp_path / "missing.pt")
