@@ -8,6 +8,11 @@ for ``prod``), so every partial result is a small integer, exact in every
 dtype and in any reduction order, and the expected output depends only on
 ``i % 6``. ``#wrong`` counts elements that differ from it, summed over ranks.
 
+Baselines that reduce device memory (nccl) work on a copy of the buffer in
+their GPU instead: the input is uploaded before each call and the result
+read back after the last, both untimed, so their rows time the collective
+alone, as training on GPUs would see it.
+
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time and
 busbw = algbw · 2(P-1)/P, the per-link rate a ring would need, comparable
 across P.
@@ -95,6 +100,9 @@ class Impl:
 
     fn: Callable
     supports: Callable[[str], bool] = lambda dtype: True
+    # stage(host_buf, comm) -> DeviceStage: fn reduces that copy (on a GPU)
+    # instead of the host buffer; filled before and read after, untimed.
+    stage: Callable | None = None
     # Measured in a pass of its own after the others: once initialised it
     # keeps costing CPU that every other implementation would pay for.
     late: bool = False
@@ -230,11 +238,24 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         pristine = make_input(count, dtype, op, rank)
         want = expected_output(count, dtype, op, size)
         n_iters = iters or auto_iters(count * itemsize)
-        runs = {label: functools.partial(fn, buf, op, comm) for label, fn in impls.items()
-                if not isinstance(fn, Impl) or fn.supports(dtype)}
-        times, wrong = time_interleaved(runs, lambda: np.copyto(flat.data, pristine),
-                                        lambda: int(np.count_nonzero(flat.data != want)),
-                                        comm, n_iters, warmup)
+        chosen = {label: fn for label, fn in impls.items() if not isinstance(fn, Impl) or fn.supports(dtype)}
+        stages = {label: fn.stage(buf, comm) for label, fn in chosen.items()
+                  if isinstance(fn, Impl) and fn.stage is not None}
+        runs = {label: functools.partial(fn, stages[label].buf if label in stages else buf, op, comm)
+                for label, fn in chosen.items()}
+
+        def reset(label):
+            np.copyto(flat.data, pristine)
+            if label in stages:
+                stages[label].upload()
+
+        def check(label) -> int:
+            if label in stages:
+                stages[label].download()
+            return int(np.count_nonzero(flat.data != want))
+
+        times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
+        stages.clear()  # frees the device copies before the next size
         for label in runs:
             t = max_of_medians(times[label], comm)
             algbw = count * itemsize / t / 1e9
@@ -291,6 +312,9 @@ def main(args) -> int:
     unknown = [n for n in base if n not in KNOWN_BASELINES]
     if unknown:
         raise UsageError(f"unknown baseline {unknown[0]!r}; choose from {', '.join(KNOWN_BASELINES)}, all, none")
+    # A baseline named in --impl goes through the same availability check.
+    base += [n for n in names if n in KNOWN_BASELINES and n not in base]
+    names = [n for n in names if n not in KNOWN_BASELINES]
     apply_placement(args)
     unchecked_benchmarks()
     try:

@@ -5,8 +5,12 @@ same buffer, so the table compares like with like:
 
 - ``mpi``: the MPI library's ``MPI_Allreduce`` (``MPI_IN_PLACE``).
 - ``gloo``: ``torch.distributed.all_reduce`` with the Gloo backend (CPU).
-- ``nccl``: ``torch.distributed`` with NCCL; needs a GPU per rank and a
-  device-resident buffer, so it is listed only where CUDA is available.
+- ``nccl``: ``torch.distributed.all_reduce`` with NCCL on a copy of the
+  buffer in the rank's GPU (one GPU per rank, picked by local rank). The
+  benchmark uploads the input before each call and reads the result back
+  after the last, both untimed (:class:`DeviceStage`), so the row measures
+  what training would see: a device-resident reduction, waited for
+  (``torch.cuda.synchronize``). It runs where CUDA and NCCL are available.
 - ``horovod``: ``horovod.torch.allreduce_`` with Horovod's MPI controller
   (``scripts/install_horovod.sh`` builds it).
 - ``horovod-gloo``: the same with Horovod's Gloo controller and Gloo CPU
@@ -29,7 +33,6 @@ import atexit
 import functools
 import os
 import socket
-import sys
 from typing import Callable
 
 import numpy as np
@@ -110,23 +113,27 @@ def _rendezvous(comm: MPI.Intracomm) -> tuple[str, int]:
 _torch_dist_backend: str | None = None
 
 
-def _ensure_process_group(backend: str, comm: MPI.Intracomm) -> None:
+def _process_group_backend() -> str:
+    """Gloo for CPU tensors, and NCCL for CUDA tensors where there is CUDA:
+    one default group serves the gloo and the nccl rows of one table."""
+    import torch
+    import torch.distributed as dist
+
+    nccl = torch.cuda.is_available() and dist.is_nccl_available()
+    return "cpu:gloo,cuda:nccl" if nccl else "cpu:gloo"
+
+
+def _ensure_process_group(comm: MPI.Intracomm) -> None:
     global _torch_dist_backend
     try:
         import torch.distributed as dist
     except ImportError as e:
         raise BaselineUnavailable(f"torch.distributed is not importable: {e}") from None
-    if _torch_dist_backend == backend:
-        return
     if _torch_dist_backend is not None:
-        raise BaselineUnavailable(f"torch.distributed already runs {_torch_dist_backend}; one backend per process")
+        return
     if comm.Compare(MPI.COMM_WORLD) == MPI.UNEQUAL:
-        raise BaselineUnavailable(f"the {backend} baseline runs on COMM_WORLD only")
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BaselineUnavailable("nccl needs a CUDA GPU per rank; none is visible here")
+        raise BaselineUnavailable("the torch.distributed baselines run on COMM_WORLD only")
+    backend = _process_group_backend()
     addr, port = _rendezvous(comm)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
                             rank=comm.Get_rank(), world_size=comm.Get_size())
@@ -136,6 +143,13 @@ def _ensure_process_group(backend: str, comm: MPI.Intracomm) -> None:
     # and abort the process ("terminate called without an active exception",
     # seen here). atexit runs before mpi4py's MPI_Finalize (last in, first out).
     atexit.register(shutdown)
+
+
+def _dist_op(op: str):
+    import torch.distributed as dist
+
+    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+            "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
 
 
 def gloo_supports(dtype: str) -> bool:
@@ -149,13 +163,83 @@ def gloo_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     check_op(op)
     flat = as_flat(buf)
     comm = private(comm)
-    _ensure_process_group("gloo", comm)
-    red = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-           "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
-    dist.all_reduce(_torch_view(flat), op=red)
+    _ensure_process_group(comm)
+    dist.all_reduce(_torch_view(flat), op=_dist_op(op))
     if op == "avg":
         finish_avg(flat.data, flat.dtype, comm.Get_size())
     return buf
+
+
+def nccl_supports(dtype: str) -> bool:
+    # NCCL has every dtype the benchmark offers (ncclFloat16 ... ncclBfloat16).
+    return dtype in ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+
+
+def tensor_allreduce(tensor, op: str = "sum", comm: MPI.Comm | None = None):
+    """``torch.distributed.all_reduce`` of a torch tensor wherever it lives
+    (the process group's NCCL for CUDA tensors, Gloo for CPU ones), in place
+    and waited for: CUDA collectives return before the GPU is done, so the
+    call synchronises the tensor's device. ``avg`` is a sum, then a division
+    on the device (floor division for integers, as :func:`finish_avg`)."""
+    import torch
+    import torch.distributed as dist
+
+    check_op(op)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch tensor, got {type(tensor).__name__}")
+    comm = private(comm)
+    _ensure_process_group(comm)
+    dist.all_reduce(tensor, op=_dist_op(op))
+    size = comm.Get_size()
+    if op == "avg" and size > 1:
+        if tensor.is_floating_point():
+            tensor.div_(size)
+        else:
+            tensor.div_(size, rounding_mode="floor")
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return tensor
+
+
+class DeviceStage:
+    """A benchmark buffer's copy on a device, for baselines that reduce
+    device memory (nccl): ``buf`` is the copy, ``upload`` fills it from the
+    host buffer and ``download`` writes it back, both waited for, neither
+    timed. ``device`` "cpu" gives a plain second copy (the tests use it to
+    run the same path through Gloo)."""
+
+    def __init__(self, host, device: str):
+        import torch
+
+        flat = as_flat(host)
+        self.host = _torch_view(flat)
+        self.buf = torch.empty_like(self.host, device=device)
+
+    def _sync(self) -> None:
+        if self.buf.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(self.buf.device)
+
+    def upload(self) -> None:
+        self.buf.copy_(self.host)
+        self._sync()
+
+    def download(self) -> None:
+        self.host.copy_(self.buf)
+        self._sync()
+
+
+def cuda_stage(host, comm: MPI.Intracomm) -> DeviceStage:
+    """The copy on this rank's GPU: local rank modulo the node's GPU count,
+    made the current device first, as NCCL's communicator is built there."""
+    import torch
+
+    from ..topology import detect_private
+
+    index = detect_private(comm).local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return DeviceStage(host, f"cuda:{index}")
 
 
 _hvd = None
@@ -277,12 +361,14 @@ def shutdown() -> None:
         _torch_dist_backend = None
 
 
-# name -> (fn, supports(dtype)); "nccl" is known but has no CPU-buffer adapter.
-BASELINES: dict[str, tuple[Callable, Callable[[str], bool]]] = {
-    "mpi": (mpi_allreduce, mpi_supports),
-    "gloo": (gloo_allreduce, gloo_supports),
-    "horovod": (horovod_allreduce, horovod_supports),
-    "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports),
+# name -> (fn, supports(dtype), stage): stage(host_buf, comm) gives the
+# DeviceStage fn works on, or None for the host buffer itself.
+BASELINES: dict[str, tuple[Callable, Callable[[str], bool], Callable | None]] = {
+    "mpi": (mpi_allreduce, mpi_supports, None),
+    "gloo": (gloo_allreduce, gloo_supports, None),
+    "nccl": (tensor_allreduce, nccl_supports, cuda_stage),
+    "horovod": (horovod_allreduce, horovod_supports, None),
+    "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports, None),
 }
 KNOWN_BASELINES = ("mpi", "gloo", "nccl", "horovod-gloo", "horovod")
 # Measured after everything else, each in a pass of its own, in this order:
@@ -290,6 +376,27 @@ KNOWN_BASELINES = ("mpi", "gloo", "nccl", "horovod-gloo", "horovod")
 # hvd.init() on (measured: 1.06 CPU-s in a 2 s sleep), which on a small node
 # slows whatever is measured beside it; and Gloo cannot follow MPI (above).
 LATE_BASELINES = ("horovod-gloo", "horovod")
+
+
+def _nccl_unavailable(comm: MPI.Intracomm) -> str | None:
+    """Why this rank cannot run the nccl baseline, or None. Collective (the
+    node layout): NCCL wants a GPU of its own for every rank of a node."""
+    from ..topology import detect_private
+
+    local_size = detect_private(comm).local_size
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        return f"torch is not importable: {e}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible here (nccl reduces GPU memory)"
+    if not dist.is_nccl_available():
+        return "this torch was built without NCCL"
+    if torch.cuda.device_count() < local_size:
+        return (f"{torch.cuda.device_count()} GPU(s) on a node for {local_size} ranks; "
+                "nccl needs one GPU per rank")
+    return None
 
 
 def available(name: str, comm: MPI.Intracomm) -> str | None:
@@ -307,10 +414,7 @@ def available(name: str, comm: MPI.Intracomm) -> str | None:
         except ImportError as e:
             reason = f"torch is not importable: {e}"
     elif name == "nccl":
-        reason = "the nccl baseline needs CUDA buffers; this suite measures CPU buffers here"
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            reason = "GPU found, but device-resident buffers are not wired into this benchmark yet"
+        reason = _nccl_unavailable(comm)
     elif name in ("horovod", "horovod-gloo"):
         try:
             import horovod.torch as hvd

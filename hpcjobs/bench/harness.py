@@ -18,13 +18,13 @@ def auto_iters(nbytes: int) -> int:
     return max(10, min(200, (1 << 26) // max(nbytes, 1)))
 
 
-def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], object],
-                     check: Callable[[], int], comm: MPI.Intracomm, iters: int, warmup: int
+def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str], object],
+                     check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int
                      ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Time several implementations of one operation, round-robin.
 
     Each of the ``warmup + iters`` rounds runs every implementation once:
-    ``reset(); barrier; run()``, timing only ``run``. Interleaving matters on
+    ``reset(label); barrier; run()``, timing only ``run``. Interleaving matters on
     a shared machine: load that comes and goes then hits every implementation
     alike instead of whichever ran its block of iterations at the time. The
     order is a fresh permutation every round (seeded, so every rank agrees),
@@ -32,8 +32,10 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     rendezvous sends slowed whatever followed by ~10% here, and the shared-
     memory algorithm ran 3-4x faster or slower depending on its predecessor.
     Merely rotating a fixed order keeps the same neighbours.
-    ``check()`` (untimed) counts this rank's wrong elements right after each
-    implementation's final run.
+    ``check(label)`` (untimed) counts this rank's wrong elements right after
+    each implementation's final run. Both get the label, so an implementation
+    that works on its own copy of the buffer (on a GPU, say) can be given its
+    input and have its output read back outside the timed call.
 
     Returns:
         (label -> this rank's ``iters`` durations in seconds,
@@ -45,7 +47,7 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
     for i in range(warmup + iters):
         random.Random(i).shuffle(order)
         for label, run in order:
-            reset()
+            reset(label)
             comm.Barrier()
             t0 = MPI.Wtime()
             run()
@@ -53,7 +55,7 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[], 
             if i >= warmup:
                 times[label].append(t1 - t0)
             if i == warmup + iters - 1:
-                wrong[label] = check()
+                wrong[label] = check(label)
     return times, wrong
 
 

@@ -109,7 +109,7 @@ def _build(name: str, args, comm, seed_state, x, y):
 
         from .baselines import _ensure_process_group
 
-        _ensure_process_group("gloo", comm)
+        _ensure_process_group(comm)
         ddp = DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
 

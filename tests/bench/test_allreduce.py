@@ -82,6 +82,41 @@ def test_a_wrong_implementation_is_counted():
     assert records[0].wrong > 0
 
 
+def _cpu_stage(host, comm):
+    from hpcjobs.bench.baselines import DeviceStage
+
+    return DeviceStage(host, "cpu")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bfloat16"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_a_staged_implementation_is_fed_and_read_back_outside_the_timed_call(dtype, op):
+    """The nccl row's path with a CPU copy in place of the GPU: the input
+    reaches the copy before every call, the checked result is the copy's,
+    and the host buffer the others share is left alone meanwhile."""
+    from hpcjobs.bench.allreduce import Impl
+    from hpcjobs.bench.baselines import nccl_supports, tensor_allreduce
+
+    comm = MPI.COMM_WORLD
+    seen = []
+
+    def staged(buf, op, comm):
+        seen.append(buf)
+        return tensor_allreduce(buf, op, comm)
+
+    def forgets_the_copy(buf, op, comm):  # reduces nothing: the copy keeps the input
+        return buf
+
+    impls = {"staged": Impl(staged, nccl_supports, stage=_cpu_stage),
+             "idle": Impl(forgets_the_copy, stage=_cpu_stage), "ring": implementations(["ring"])["ring"]}
+    records = {r.impl: r for r in run(comm, [64, 4096], impls, dtype, op, iters=3, warmup=1)}
+    assert records["staged"].wrong == 0 and records["ring"].wrong == 0
+    assert records["idle"].wrong > 0  # the check reads the copy, not the host buffer
+    host_types = {type(b).__name__ for b in seen}
+    assert host_types == {"Tensor"} and len({id(b) for b in seen}) == 2  # one copy per size
+
+
 @pytest.mark.mpi(min_size=1)
 def test_json_report_holds_records_and_environment(tmp_path_factory):
     from hpcjobs.bench.report import environment, write_json

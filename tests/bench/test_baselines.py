@@ -103,9 +103,55 @@ def test_mpi_baseline_refuses_a_dtype_it_lacks():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_nccl_is_reported_unavailable_with_a_reason_on_cpu_buffers():
-    reason = available("nccl", MPI.COMM_WORLD)
-    assert reason is not None and "CUDA" in reason
+def test_nccl_is_reported_unavailable_with_the_reason_where_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert available("nccl", MPI.COMM_WORLD) == "no CUDA GPU is visible here (nccl reduces GPU memory)"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16", "bfloat16"])
+def test_the_nccl_adapter_is_exact_on_a_device_copy(dtype, op):
+    """tensor_allreduce on a DeviceStage, as the nccl row runs it; here the
+    device is the CPU, so the process group's Gloo does the reduction (on a
+    GPU it is NCCL). The host buffer only changes on download."""
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    inputs = [rank_input(r, 1001, dtype, op) for r in range(size)]
+    buf = make_buffer(inputs[rank], dtype, "torch")
+    untouched = buf.clone()
+    stage = baselines.DeviceStage(buf, "cpu")
+    stage.upload()
+    assert baselines.tensor_allreduce(stage.buf, op) is stage.buf
+    assert_close(stage.buf, inputs, op, dtype)
+    assert bool((buf == untouched).all())
+    stage.download()
+    assert_close(buf, inputs, op, dtype)
+
+
+def test_nccl_named_in_impl_is_checked_and_skipped_with_the_reason():
+    """--impl nccl goes through the same availability check as --baselines:
+    without a GPU the row is skipped with the reason, the rest still runs."""
+    import torch
+
+    from launch import mpirun
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    out = mpirun(2, "bench", "allreduce", "-b", "8", "-e", "8", "--iters", "2", "--impl", "ring,nccl",
+                 "--baselines", "none", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "# nccl: skipped: no CUDA GPU is visible here (nccl reduces GPU memory)" in out.stdout
+    rows = [l.split() for l in out.stdout.splitlines() if l and not l.startswith("#")]
+    assert [r[4] for r in rows] == ["ring"] and rows[0][-1] == "0"
+
+
+def test_the_nccl_adapter_wants_a_tensor():
+    with pytest.raises(TypeError, match="expected a torch tensor, got ndarray"):
+        baselines.tensor_allreduce(np.zeros(4, dtype=np.float32))
 
 
 def test_unknown_baseline_is_refused():
