@@ -53,7 +53,20 @@ def best_rows(records: list[Record]) -> list[dict]:
             rows.append({"max_bytes": size, "algorithm": best.impl, "measured": [_measure(size, best, second)]})
     if rows:
         rows[-1]["max_bytes"] = None
+    for row in rows:
+        row["candidates"] = _candidates(row)
     return rows
+
+
+# auto times a row's candidates where it runs (hpcjobs.collectives.select):
+# the winner and the runner-ups seen most often in its range.
+MAX_CANDIDATES = 3
+
+
+def _candidates(row: dict) -> list[str]:
+    seen = [m["runner_up"] for m in row["measured"] if m["runner_up"] != row["algorithm"]]
+    ranked = sorted(dict.fromkeys(seen), key=lambda name: -seen.count(name))  # stable: first seen wins ties
+    return [row["algorithm"], *ranked[:MAX_CANDIDATES - 1]]
 
 
 def _measure(size: int, best: Record, second: Record) -> dict:

@@ -1,11 +1,14 @@
 """``allreduce(buf, algorithm=...)``: one entry point over every algorithm,
-and ``algorithm="auto"``, which picks one from a measured tuning table.
+and ``algorithm="auto"``, which picks one from a measured tuning table and
+keeps measuring.
 
 The tuning table (written by ``hpcjobs tune``) lists, for a number of ranks
-and nodes, the fastest algorithm up to each message size::
+and nodes, the fastest algorithm up to each message size, and the
+contenders that came close there::
 
     {"version": 1, "tables": [{"ranks": 2, "nodes": 1,
-        "rows": [{"max_bytes": 4096, "algorithm": "recursive_doubling"},
+        "rows": [{"max_bytes": 4096, "algorithm": "recursive_doubling",
+                  "candidates": ["recursive_doubling", "tree"]},
                  {"max_bytes": null, "algorithm": "shm"}]}]}
 
 ``auto`` reads the file named by ``HPCJOBS_TUNING`` (or :func:`set_tuning`),
@@ -14,6 +17,20 @@ nearest ranks, else the nearest overall, and falls back on
 :data:`DEFAULT_TABLE` when there is no file. It reads the node layout
 (``hpcjobs.topology``, ``HPCJOBS_RANKS_PER_NODE``) once per communicator and
 caches each decision on it per size, so a call costs a dictionary lookup.
+
+Where a row lists several candidates, ``auto`` also times them in place: on
+a shared node the fastest algorithm at a size changes with the load beside
+it (the shared-memory one most: it relies on the last-level cache, which
+neighbours share), so a table measured a minute ago can be wrong by 3x now.
+The first calls at a size run each candidate in turn, ``rounds`` times;
+then one small ``MPI_Allreduce`` (maximum over ranks) of those times gives
+every rank the same numbers, and every rank keeps the candidate with the
+lowest time. It measures again every :data:`REMEASURE_EVERY` calls at that
+size. Horovod's autotuner times its own settings online the same way.
+Only candidates that give bitwise the same result are compared (every
+algorithm does for min and max, for integers, and at two ranks), so which
+one wins never changes a run's numbers; floating-point sums over three or
+more ranks follow the table alone.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import json
 import os
 from typing import Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from ._buffers import Flat, run
@@ -35,7 +53,8 @@ from .ring import DEFAULT_SEGMENT_BYTES, _ring_allreduce
 from .shm import _shm_allreduce, is_single_node
 from .tree import _tree
 
-__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "allreduce", "choose", "flat_algorithm", "load_tuning", "set_tuning"]
+__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "allreduce", "candidates", "choose", "flat_algorithm",
+           "load_tuning", "same_bits", "set_tuning"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by choose().
 _INTERNAL: dict[str, Callable] = {
@@ -54,16 +73,24 @@ ALGORITHMS = tuple(_INTERNAL)
 # machine (README, "Tuning"), generalised: the latency-optimal algorithm for
 # small messages, shared memory on one node for large ones, and the
 # two-level algorithm across nodes.
+# The candidates are the algorithms that won or came second in that range
+# across several `hpcjobs tune` runs here, in the host's calm and busy spells.
 DEFAULT_TABLE = {
     "version": 1,
     "tables": [
-        {"ranks": 2, "nodes": 1, "rows": [{"max_bytes": 32 << 10, "algorithm": "recursive_doubling"},
-                                          {"max_bytes": 512 << 10, "algorithm": "ring"},
-                                          {"max_bytes": None, "algorithm": "shm"}]},
-        {"ranks": 16, "nodes": 2, "rows": [{"max_bytes": 16 << 10, "algorithm": "recursive_doubling"},
-                                           {"max_bytes": None, "algorithm": "hierarchical"}]},
+        {"ranks": 2, "nodes": 1, "rows": [
+            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
+             "candidates": ["recursive_doubling", "parameter_server", "tree"]},
+            {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
+            {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
+        {"ranks": 16, "nodes": 2, "rows": [
+            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
+             "candidates": ["recursive_doubling", "tree"]},
+            {"max_bytes": None, "algorithm": "hierarchical", "candidates": ["hierarchical", "ring_pipelined"]}]},
     ],
 }
+# Calls at one message size between two measurements of its candidates.
+REMEASURE_EVERY = 1000
 
 
 def flat_algorithm(name: str) -> Callable:
@@ -107,8 +134,9 @@ def load_tuning(path: str | None) -> dict:
         raise ValueError(f"tuning table {path} has no 'tables'")
     for t in tables:
         for row in t.get("rows", []):
-            if row.get("algorithm") not in _INTERNAL:
-                raise ValueError(f"tuning table {path}: unknown algorithm {row.get('algorithm')!r}")
+            for name in [row.get("algorithm"), *row.get("candidates", [])]:
+                if name not in _INTERNAL:
+                    raise ValueError(f"tuning table {path}: unknown algorithm {name!r}")
         if not t.get("rows") or t["rows"][-1].get("max_bytes") is not None:
             raise ValueError(f"tuning table {path}: each table's last row needs max_bytes null (no upper bound)")
     return data
@@ -121,41 +149,114 @@ def _pick_table(data: dict, ranks: int, nodes: int) -> dict:
     return min(data["tables"], key=distance)
 
 
-def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> str:
-    """The algorithm ``auto`` picks for ``nbytes`` over ``ranks`` ranks on ``nodes`` nodes."""
+def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None) -> dict:
     table = _pick_table(tuning or load_tuning(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None), ranks, nodes)
     rows = table["rows"]
     bounds = [r["max_bytes"] for r in rows[:-1]]
-    name = rows[bisect.bisect_left(bounds, nbytes)]["algorithm"]
-    if name == "shm" and nodes > 1:
-        name = "hierarchical"
-    return name
+    return rows[bisect.bisect_left(bounds, nbytes)]
 
 
-# Decisions live on the communicator (MPI attribute), so they go with it.
+def _placed(name: str, nodes: int) -> str:
+    return "hierarchical" if name == "shm" and nodes > 1 else name
+
+
+def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> str:
+    """The algorithm the table gives ``auto`` for ``nbytes`` over ``ranks``
+    ranks on ``nodes`` nodes (what it runs until it has timed the others)."""
+    return _placed(_row(nbytes, ranks, nodes, tuning)["algorithm"], nodes)
+
+
+def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> list[str]:
+    """The table's choice first, then the row's other contenders: its
+    ``candidates``, or for a table without them (an older ``hpcjobs tune``)
+    the runner-ups it measured."""
+    row = _row(nbytes, ranks, nodes, tuning)
+    names = row.get("candidates") or [row["algorithm"], *(m["runner_up"] for m in row.get("measured", []))]
+    return list(dict.fromkeys(_placed(n, nodes) for n in [row["algorithm"], *names]))
+
+
+def same_bits(dtype: str, op: str, ranks: int) -> bool:
+    """Whether every algorithm gives bitwise the same result: min and max,
+    integers (wrap-around sums and products do not depend on order), and any
+    op at two ranks (a + b, once). Floating-point sums over three or more
+    ranks round differently in different orders."""
+    return op in ("min", "max") or ranks <= 2 or not (dtype == "bfloat16" or dtype.startswith("float"))
+
+
+class _Timing:
+    """``auto``'s decision at one message size, and its measurement: the
+    candidates take turns for ``rounds`` rounds, each call timed; after the
+    last one the times are maxed over ranks and the candidate with the
+    lowest median kept, until
+    :data:`REMEASURE_EVERY` calls after the measurement began."""
+
+    def __init__(self, names: list[str], nbytes: int):
+        self.names = names
+        self.fn = _INTERNAL[names[0]]
+        # Small messages take microseconds, where one sample is mostly noise.
+        self.rounds = max(3, min(6, (32 << 10) // max(nbytes, 1)))
+        self.times = np.zeros((self.rounds, len(names)))
+        self.calls = 0
+        self.until = 0 if len(names) > 1 else float("inf")  # calls that run self.fn before measuring
+
+    def __call__(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+        self.calls += 1
+        if self.calls <= self.until:
+            self.fn(flat, op, comm)
+            return
+        n = len(self.names)
+        k = self.calls - self.until - 1
+        t0 = MPI.Wtime()
+        _INTERNAL[self.names[k % n]](flat, op, comm)
+        self.times[k // n, k % n] = MPI.Wtime() - t0
+        if k == self.rounds * n - 1:  # the last turn: agree on the fastest
+            comm.Allreduce(MPI.IN_PLACE, self.times, op=MPI.MAX)
+            # The median, not the best round: the shared-memory algorithm
+            # swings between fast and 3x slower calls in a busy spell, and
+            # its best call would hide that.
+            self.fn = _INTERNAL[self.names[int(np.argmin(np.median(self.times, axis=0)))]]
+            self.until += REMEASURE_EVERY
+
+
+# Decisions live on the communicator (MPI attribute), so they go with it;
+# the latest communicator's are also kept here, which skips MPI_Comm_get_attr
+# (half a microsecond) on the usual run of calls on one communicator.
 _DECISIONS_KEYVAL = MPI.Comm.Create_keyval()
 _decisions_generation = 0
+_last: tuple = (None, {"generation": -1})
 
 
-def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def _decisions(comm: MPI.Intracomm) -> dict:
     decisions = comm.Get_attr(_DECISIONS_KEYVAL)
     if decisions is None or decisions.get("generation") != _decisions_generation:
         decisions = {"generation": _decisions_generation}
         comm.Set_attr(_DECISIONS_KEYVAL, decisions)
-    key = flat.nbytes
-    fn = decisions.get(key)
-    if fn is None:
-        from ..topology import detect_private
+    return decisions
 
-        topo = decisions.get("topology")
-        if topo is None:  # the layout, read once per communicator (and set_tuning)
-            topo = decisions["topology"] = detect_private(comm)
-        name = choose(flat.nbytes, comm.Get_size(), topo.num_nodes)
-        if name == "shm" and not is_single_node(comm):
-            name = "hierarchical"
-        fn = _INTERNAL[name]
-        decisions[key] = fn
-    fn(flat, op, comm)
+
+def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict) -> _Timing:
+    from ..topology import detect_private
+
+    topo = decisions.get("topology")
+    if topo is None:  # the layout, read once per communicator (and set_tuning)
+        topo = decisions["topology"] = detect_private(comm)
+    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
+    if not is_single_node(comm):
+        names = list(dict.fromkeys("hierarchical" if n == "shm" else n for n in names))
+    if not same_bits(flat.dtype, op, comm.Get_size()):
+        names = names[:1]
+    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, flat.nbytes)
+    return timing
+
+
+def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    global _last
+    last_comm, decisions = _last
+    if last_comm is not comm or decisions["generation"] != _decisions_generation:
+        decisions = _decisions(comm)
+        _last = (comm, decisions)
+    timing = decisions.get((flat.data.nbytes, flat.dtype, op)) or _timing(flat, op, comm, decisions)
+    timing(flat, op, comm)
 
 
 def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | None = None):

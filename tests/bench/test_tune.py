@@ -27,6 +27,15 @@ def test_a_near_tie_does_not_switch_algorithms():
     assert rows[0]["measured"][1]["runner_up"] == "ring"
 
 
+def test_each_row_lists_its_winner_and_the_most_frequent_runner_ups_as_candidates():
+    records = [_rec(8, "rd", 5), _rec(8, "tree", 6), _rec(8, "shm", 7),
+               _rec(64, "rd", 5), _rec(64, "shm", 6), _rec(64, "tree", 7),
+               _rec(512, "rd", 5), _rec(512, "shm", 6), _rec(512, "ring", 9),
+               _rec(4096, "ring", 5), _rec(4096, "rd", 50)]
+    rows = best_rows(records)
+    assert [r["candidates"] for r in rows] == [["rd", "shm", "tree"], ["ring", "rd"]]
+
+
 def test_merge_replaces_only_the_same_shape(tmp_path):
     path = tmp_path / "t.json"
     old = {"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "tree"}]},

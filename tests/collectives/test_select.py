@@ -7,7 +7,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcjobs.collectives import ALGORITHMS, allreduce
-from hpcjobs.collectives.select import DEFAULT_TABLE, choose, load_tuning, set_tuning
+from hpcjobs.collectives import select
+from hpcjobs.collectives.select import DEFAULT_TABLE, candidates, choose, load_tuning, same_bits, set_tuning
 
 TABLE = {"version": 1, "tables": [
     {"ranks": 2, "nodes": 1, "rows": [{"max_bytes": 1024, "algorithm": "recursive_doubling"},
@@ -50,7 +51,29 @@ def test_shm_never_chosen_across_nodes():
 def test_built_in_table_names_only_real_algorithms():
     for t in DEFAULT_TABLE["tables"]:
         assert {r["algorithm"] for r in t["rows"]} <= set(ALGORITHMS)
+        assert all(r["candidates"][0] == r["algorithm"] and set(r["candidates"]) <= set(ALGORITHMS)
+                   for r in t["rows"])
         assert t["rows"][-1]["max_bytes"] is None
+
+
+def test_candidates_put_the_tables_choice_first_and_place_shm():
+    table = {"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [
+        {"max_bytes": 64, "algorithm": "tree", "candidates": ["tree", "shm", "ring"]},
+        {"max_bytes": None, "algorithm": "ring",  # an older tune file: its runner-ups, in order, once each
+         "measured": [{"runner_up": "shm"}, {"runner_up": "rabenseifner"}, {"runner_up": "shm"}]}]}]}
+    assert candidates(8, 2, 1, tuning=table) == ["tree", "shm", "ring"]
+    assert candidates(8, 2, 2, tuning=table) == ["tree", "hierarchical", "ring"]  # shm cannot span nodes
+    assert candidates(1 << 20, 2, 1, tuning=table) == ["ring", "shm", "rabenseifner"]
+    assert candidates(1 << 20, 2, 1, tuning=TABLE) == ["shm"]  # no contenders listed: the choice alone
+
+
+@pytest.mark.parametrize("dtype,op,ranks,same", [
+    ("float32", "sum", 2, True), ("float32", "sum", 3, False), ("bfloat16", "avg", 5, False),
+    ("float64", "prod", 4, False), ("float16", "max", 5, True), ("float32", "min", 3, True),
+    ("int32", "sum", 5, True), ("int64", "avg", 3, True), ("int64", "prod", 4, True),
+])
+def test_only_algorithms_with_bitwise_equal_results_are_compared(dtype, op, ranks, same):
+    assert same_bits(dtype, op, ranks) is same
 
 
 def test_unknown_algorithm_names_the_choices():
@@ -69,6 +92,9 @@ def test_unknown_op_is_refused():
      "unknown algorithm 'warp'"),
     (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": 8, "algorithm": "ring"}]}]}),
      "max_bytes null"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "ring",
+                                                              "candidates": ["ring", "warp"]}]}]}),
+     "unknown algorithm 'warp'"),
 ])
 def test_bad_tuning_files_are_refused_clearly(tmp_path, content, words):
     path = tmp_path / "t.json"
@@ -98,3 +124,83 @@ def test_auto_follows_the_tuning_file(tmp_path_factory):
     finally:
         select._INTERNAL["tree"] = real
         set_tuning(None)
+
+
+@pytest.fixture
+def timed_table(tmp_path_factory, monkeypatch):
+    """auto with tree then ring as candidates for every size, and a hook to
+    make either slow on one rank: ``slow[name] = seconds`` sleeps that long
+    after the real algorithm, on this rank only."""
+    comm = MPI.COMM_WORLD
+    path = tmp_path_factory.mktemp(f"timed{comm.Get_rank()}") / "t.json"
+    path.write_text(json.dumps({"version": 1, "tables": [{"ranks": comm.Get_size(), "nodes": 1, "rows": [
+        {"max_bytes": None, "algorithm": "tree", "candidates": ["tree", "ring"]}]}]}))
+    slow, calls = {}, []
+    for name in ("tree", "ring"):
+        real = select._INTERNAL[name]
+
+        def hooked(*a, _real=real, _name=name, **k):
+            import time
+
+            calls.append(_name)
+            _real(*a, **k)
+            time.sleep(slow.get(_name, 0))
+        monkeypatch.setitem(select._INTERNAL, name, hooked)
+    set_tuning(str(path))
+    yield slow, calls
+    set_tuning(None)
+
+
+def _reduce(comm, n=1000, dtype=np.float32):
+    buf = np.full(n, comm.Get_rank() + 1, dtype=dtype)
+    allreduce(buf, "sum", "auto", comm)
+    assert (buf == comm.Get_size() * (comm.Get_size() + 1) // 2).all()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_times_its_candidates_and_every_rank_keeps_the_same_one(timed_table):
+    """Each rank alone would pick a different one (rank 0 finds ring slow,
+    the others tree): the maximum over ranks gives all ring, the one whose
+    slowest rank is faster. Different picks would pair a tree with a ring.
+    Integers, so that any number of ranks compares (same bits)."""
+    slow, calls = timed_table
+    comm = MPI.COMM_WORLD
+    slow["ring" if comm.Get_rank() == 0 else "tree"] = 0.002 if comm.Get_rank() == 0 else 0.02
+    rounds = 6  # 1000 int32 = 4 KB: small, so the most rounds
+    for _ in range(2 * rounds + 5):
+        _reduce(comm, dtype=np.int32)
+    assert calls[:2 * rounds] == ["tree", "ring"] * rounds
+    assert calls[2 * rounds:] == ["ring"] * 5
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
+    slow, calls = timed_table
+    comm = MPI.COMM_WORLD
+    monkeypatch.setattr(select, "REMEASURE_EVERY", 40)
+    big = 1 << 16  # int32 elements: 256 KB, the fewest rounds (three)
+    slow["ring"] = 0.01
+    for _ in range(40):
+        _reduce(comm, big, np.int32)
+    assert calls[:6] == ["tree", "ring"] * 3 and calls[6:40] == ["tree"] * 34
+    del slow["ring"]
+    slow["tree"] = 0.01
+    calls.clear()
+    for _ in range(10):
+        _reduce(comm, big, np.int32)
+    assert calls == ["tree", "ring"] * 3 + ["ring"] * 4
+
+
+@pytest.mark.mpi(min_size=3)
+def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_table):
+    """Their bits depend on the algorithm: the table decides, timing never."""
+    slow, calls = timed_table
+    comm = MPI.COMM_WORLD
+    slow["tree"] = 0.005
+    for _ in range(20):
+        _reduce(comm)
+    assert calls == ["tree"] * 20
+    calls.clear()
+    for _ in range(20):  # integers: any algorithm gives the same bits, so it is timed
+        _reduce(comm, dtype=np.int32)
+    assert calls[:12] == ["tree", "ring"] * 6 and calls[12:] == ["ring"] * 8  # 4 KB: six rounds
