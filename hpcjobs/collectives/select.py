@@ -171,7 +171,8 @@ def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = No
     ``candidates``, or for a table without them (an older ``hpcjobs tune``)
     the runner-ups it measured."""
     row = _row(nbytes, ranks, nodes, tuning)
-    names = row.get("candidates") or [row["algorithm"], *(m["runner_up"] for m in row.get("measured", []))]
+    names = row.get("candidates") or [row["algorithm"], *(m.get("runner_up") for m in row.get("measured", []))]
+    names = [n for n in names if n in _INTERNAL]  # a hand-edited table's "measured" may name anything
     return list(dict.fromkeys(_placed(n, nodes) for n in [row["algorithm"], *names]))
 
 

@@ -60,7 +60,8 @@ def test_candidates_put_the_tables_choice_first_and_place_shm():
     table = {"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [
         {"max_bytes": 64, "algorithm": "tree", "candidates": ["tree", "shm", "ring"]},
         {"max_bytes": None, "algorithm": "ring",  # an older tune file: its runner-ups, in order, once each
-         "measured": [{"runner_up": "shm"}, {"runner_up": "rabenseifner"}, {"runner_up": "shm"}]}]}]}
+         "measured": [{"runner_up": "shm"}, {"runner_up": "rabenseifner"}, {"runner_up": "shm"}, {"runner_up": "mpi"},
+                      {"size_bytes": 8}]}]}]}
     assert candidates(8, 2, 1, tuning=table) == ["tree", "shm", "ring"]
     assert candidates(8, 2, 2, tuning=table) == ["tree", "hierarchical", "ring"]  # shm cannot span nodes
     assert candidates(1 << 20, 2, 1, tuning=table) == ["ring", "shm", "rabenseifner"]
