@@ -37,7 +37,10 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import private
 from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, run, scratch
+from .agreement import agree_or_raise
+from .watchdog import guard
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -230,10 +233,6 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
         ``out[q][i]``: rank q's array i (views into one receive buffer;
         ``out[rank]`` is a copy of this rank's own).
     """
-    from ..comm import private
-    from .agreement import agree_or_raise
-    from .watchdog import guard
-
     comm = private(comm)
     parts = list(parts)
     if comm.Get_size() == 1:

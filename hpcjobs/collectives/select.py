@@ -25,7 +25,7 @@ neighbours share), so a table measured a minute ago can be wrong by 3x now.
 The first calls at a size run each candidate in turn, ``rounds`` times;
 then one small ``MPI_Allreduce`` (maximum over ranks) of those times gives
 every rank the same numbers, and every rank keeps the candidate with the
-lowest time. It measures again every :data:`REMEASURE_EVERY` calls at that
+lowest median time. It measures again every :data:`REMEASURE_EVERY` calls at that
 size. Horovod's autotuner times its own settings online the same way.
 Only candidates that give bitwise the same result are compared (every
 algorithm does for min and max, for integers, and at two ranks), so which
@@ -56,7 +56,7 @@ from .tree import _tree
 __all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "allreduce", "candidates", "choose", "flat_algorithm",
            "load_tuning", "same_bits", "set_tuning"]
 
-# name -> internal fn(flat, op, private_comm); "auto" is resolved by choose().
+# name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
     "ring": _ring_allreduce,
     "ring_pipelined": functools.partial(_ring_allreduce, segment_bytes=DEFAULT_SEGMENT_BYTES),
@@ -156,14 +156,14 @@ def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None) -> dict:
     return rows[bisect.bisect_left(bounds, nbytes)]
 
 
-def _placed(name: str, nodes: int) -> str:
-    return "hierarchical" if name == "shm" and nodes > 1 else name
+def _placed(name: str, one_node: bool) -> str:
+    return name if name != "shm" or one_node else "hierarchical"
 
 
 def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> str:
     """The algorithm the table gives ``auto`` for ``nbytes`` over ``ranks``
     ranks on ``nodes`` nodes (what it runs until it has timed the others)."""
-    return _placed(_row(nbytes, ranks, nodes, tuning)["algorithm"], nodes)
+    return _placed(_row(nbytes, ranks, nodes, tuning)["algorithm"], nodes == 1)
 
 
 def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> list[str]:
@@ -173,7 +173,7 @@ def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = No
     row = _row(nbytes, ranks, nodes, tuning)
     names = row.get("candidates") or [row["algorithm"], *(m.get("runner_up") for m in row.get("measured", []))]
     names = [n for n in names if n in _INTERNAL]  # a hand-edited table's "measured" may name anything
-    return list(dict.fromkeys(_placed(n, nodes) for n in [row["algorithm"], *names]))
+    return list(dict.fromkeys(_placed(n, nodes == 1) for n in [row["algorithm"], *names]))
 
 
 def same_bits(dtype: str, op: str, ranks: int) -> bool:
@@ -188,8 +188,8 @@ class _Timing:
     """``auto``'s decision at one message size, and its measurement: the
     candidates take turns for ``rounds`` rounds, each call timed; after the
     last one the times are maxed over ranks and the candidate with the
-    lowest median kept, until
-    :data:`REMEASURE_EVERY` calls after the measurement began."""
+    lowest median kept, until :data:`REMEASURE_EVERY` calls after the
+    measurement began."""
 
     def __init__(self, names: list[str], nbytes: int):
         self.names = names
@@ -242,8 +242,8 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict) -> _Timin
     if topo is None:  # the layout, read once per communicator (and set_tuning)
         topo = decisions["topology"] = detect_private(comm)
     names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
-    if not is_single_node(comm):
-        names = list(dict.fromkeys("hierarchical" if n == "shm" else n for n in names))
+    # One simulated node may still span hosts: shm needs real shared memory.
+    names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, flat.nbytes)
