@@ -8,6 +8,11 @@ for ``prod``), so every partial result is a small integer, exact in every
 dtype and in any reduction order, and the expected output depends only on
 ``i % 6``. ``#wrong`` counts elements that differ from it, summed over ranks.
 
+``auto`` times its candidates on its first calls at a size
+(:mod:`hpcjobs.collectives.select`); those calls run untimed before the
+warmup, so its row shows the algorithm it settles on, as a training job
+sees it between two measurements.
+
 Baselines that reduce device memory (nccl) work on a copy of the buffer in
 their GPU instead: the input is uploaded before each call and the result
 read back after the last, both untimed, so their rows time the collective
@@ -28,7 +33,7 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, allreduce, ring_allreduce
+from ..collectives import ALGORITHMS, allreduce, ring_allreduce, select
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.agreement import set_checks
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
@@ -106,6 +111,10 @@ class Impl:
     # Measured in a pass of its own after the others: once initialised it
     # keeps costing CPU that every other implementation would pay for.
     late: bool = False
+    # settled(buf, op, comm) -> bool, the same on every rank: False while its
+    # first calls at a size are still measuring (auto), which run untimed
+    # before the table's warmup, so that its row times what it settles on.
+    settled: Callable | None = None
 
     def __call__(self, buf, op, comm):
         return self.fn(buf, op, comm)
@@ -126,9 +135,11 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
         elif name in ALGORITHMS or name == "auto":
-            impls[name] = Impl(functools.partial(_ours, algorithm=name))
+            impls[name] = Impl(functools.partial(_ours, algorithm=name),
+                               settled=select.settled if name == "auto" else None)
         elif name.endswith(CHECKED) and (name[:-len(CHECKED)] in ALGORITHMS or name[:-len(CHECKED)] == "auto"):
-            impls[name] = Impl(functools.partial(_ours_checked, algorithm=name[:-len(CHECKED)]))
+            impls[name] = Impl(functools.partial(_ours_checked, algorithm=name[:-len(CHECKED)]),
+                               settled=select.settled if name == "auto" + CHECKED else None)
         elif name in BASELINES:
             impls[mpi_label() if name == "mpi" else name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
         else:
@@ -254,6 +265,10 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 stages[label].download()
             return int(np.count_nonzero(flat.data != want))
 
+        for label, fn in chosen.items():  # auto's measuring calls, untimed
+            while isinstance(fn, Impl) and fn.settled is not None and not fn.settled(buf, op, comm):
+                reset(label)
+                runs[label]()
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
         stages.clear()  # frees the device copies before the next size
         for label in runs:

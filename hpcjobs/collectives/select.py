@@ -22,11 +22,13 @@ Where a row lists several candidates, ``auto`` also times them in place: on
 a shared node the fastest algorithm at a size changes with the load beside
 it (the shared-memory one most: it relies on the last-level cache, which
 neighbours share), so a table measured a minute ago can be wrong by 3x now.
-The first calls at a size run each candidate in turn, ``rounds`` times;
-then one small ``MPI_Allreduce`` (maximum over ranks) of those times gives
-every rank the same numbers, and every rank keeps the candidate with the
-lowest median time. It measures again every :data:`REMEASURE_EVERY` calls at that
-size. Horovod's autotuner times its own settings online the same way.
+The first calls at a size run each candidate in turn: twice untimed (the
+first calls on a buffer pay for allocation and cold caches), then
+:data:`TIMED_ROUNDS` times, each call timed from a barrier; then one small ``MPI_Allreduce`` (maximum over
+ranks) of those times gives every rank the same numbers, and every rank
+keeps the candidate with the lowest median time. It measures again every
+:data:`REMEASURE_EVERY` calls at that size. Horovod's autotuner times its
+own settings online the same way.
 Only candidates that give bitwise the same result are compared (every
 algorithm does for min and max, for integers, and at two ranks), so which
 one wins never changes a run's numbers; floating-point sums over three or
@@ -53,8 +55,8 @@ from .ring import DEFAULT_SEGMENT_BYTES, _ring_allreduce
 from .shm import _shm_allreduce, is_single_node
 from .tree import _tree
 
-__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "allreduce", "candidates", "choose", "flat_algorithm",
-           "load_tuning", "same_bits", "set_tuning"]
+__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "TIMED_ROUNDS", "UNTIMED_TURNS", "allreduce", "candidates", "choose", "flat_algorithm",
+           "load_tuning", "same_bits", "set_tuning", "settled"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
@@ -81,6 +83,9 @@ DEFAULT_TABLE = {
         {"ranks": 2, "nodes": 1, "rows": [
             {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
              "candidates": ["recursive_doubling", "parameter_server", "tree"]},
+            # Where latency gives way to bandwidth: here each of the three won some runs.
+            {"max_bytes": 64 << 10, "algorithm": "shm",
+             "candidates": ["shm", "recursive_doubling", "parameter_server"]},
             {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
             {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
         {"ranks": 16, "nodes": 2, "rows": [
@@ -91,6 +96,16 @@ DEFAULT_TABLE = {
 }
 # Calls at one message size between two measurements of its candidates.
 REMEASURE_EVERY = 1000
+# Untimed turns of every candidate before a measurement's timed rounds. On a
+# fresh buffer the shared-memory algorithm's first two calls here took 1.5-2x
+# its steady time (the others' about 1.3x); one turn left its first timed
+# round in that, enough to lose a 1 MB measurement it wins by 1.3x.
+UNTIMED_TURNS = 2
+# Timed calls of each candidate per measurement, of which the median counts:
+# in a busy spell here one call in three or four of the shared-memory
+# algorithm's is 2-3x slow, which a median of five rides over. A measurement
+# is then (2 + 5) calls per candidate, 2% of the calls between measurements.
+TIMED_ROUNDS = 5
 
 
 def flat_algorithm(name: str) -> Callable:
@@ -185,38 +200,54 @@ def same_bits(dtype: str, op: str, ranks: int) -> bool:
 
 
 class _Timing:
-    """``auto``'s decision at one message size, and its measurement: the
-    candidates take turns for ``rounds`` rounds, each call timed; after the
-    last one the times are maxed over ranks and the candidate with the
-    lowest median kept, until :data:`REMEASURE_EVERY` calls after the
-    measurement began."""
+    """``auto``'s decision at one message size, and its measurement.
 
-    def __init__(self, names: list[str], nbytes: int):
+    A measurement is :data:`UNTIMED_TURNS` untimed turns of every candidate
+    (the first calls on a buffer are slow: allocation, cold caches, and on
+    this VM fresh pages stay slow for a few passes), then
+    :data:`TIMED_ROUNDS` rounds of one timed call each, every call started
+    together (barrier) so that a rank still finishing the previous call does
+    not count against the next.
+    After the last one the times are maxed over ranks and the candidate with
+    the lowest median kept, until :data:`REMEASURE_EVERY` calls after the
+    measurement began. ``left`` counts the calls to go before the next one.
+    """
+
+    __slots__ = ("names", "fns", "fn", "times", "left", "turn")
+
+    def __init__(self, names: list[str]):
         self.names = names
-        self.fn = _INTERNAL[names[0]]
-        # Small messages take microseconds, where one sample is mostly noise.
-        self.rounds = max(3, min(6, (32 << 10) // max(nbytes, 1)))
-        self.times = np.zeros((self.rounds, len(names)))
-        self.calls = 0
-        self.until = 0 if len(names) > 1 else float("inf")  # calls that run self.fn before measuring
+        self.fns = [_INTERNAL[n] for n in names]
+        self.fn = self.fns[0]
+        self.times = np.zeros((TIMED_ROUNDS, len(names)))
+        self.left = 0 if len(names) > 1 else float("inf")
+        self.turn = 0
 
-    def __call__(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
-        self.calls += 1
-        if self.calls <= self.until:
-            self.fn(flat, op, comm)
+    @property
+    def measure_calls(self) -> int:
+        """Calls one measurement takes (0: a single candidate, nothing to time)."""
+        return (TIMED_ROUNDS + UNTIMED_TURNS) * len(self.names) if len(self.names) > 1 else 0
+
+    def measure(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+        """One call of the measurement, in the candidates' turn order."""
+        n, k = len(self.fns), self.turn
+        self.turn += 1
+        if k < UNTIMED_TURNS * n:
+            self.fns[k % n](flat, op, comm)
             return
-        n = len(self.names)
-        k = self.calls - self.until - 1
+        k -= UNTIMED_TURNS * n
+        comm.Barrier()
         t0 = MPI.Wtime()
-        _INTERNAL[self.names[k % n]](flat, op, comm)
+        self.fns[k % n](flat, op, comm)
         self.times[k // n, k % n] = MPI.Wtime() - t0
-        if k == self.rounds * n - 1:  # the last turn: agree on the fastest
+        if k == TIMED_ROUNDS * n - 1:  # the last turn: agree on the fastest
             comm.Allreduce(MPI.IN_PLACE, self.times, op=MPI.MAX)
             # The median, not the best round: the shared-memory algorithm
             # swings between fast and 3x slower calls in a busy spell, and
             # its best call would hide that.
-            self.fn = _INTERNAL[self.names[int(np.argmin(np.median(self.times, axis=0)))]]
-            self.until += REMEASURE_EVERY
+            self.fn = self.fns[int(np.argmin(np.median(self.times, axis=0)))]
+            self.turn = 0
+            self.left = max(0, REMEASURE_EVERY - self.measure_calls)
 
 
 # Decisions live on the communicator (MPI attribute), so they go with it;
@@ -246,7 +277,7 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict) -> _Timin
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
-    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, flat.nbytes)
+    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names)
     return timing
 
 
@@ -257,7 +288,28 @@ def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         decisions = _decisions(comm)
         _last = (comm, decisions)
     timing = decisions.get((flat.data.nbytes, flat.dtype, op)) or _timing(flat, op, comm, decisions)
-    timing(flat, op, comm)
+    if timing.left:  # the usual call: the kept algorithm, no method call in between
+        timing.left -= 1
+        timing.fn(flat, op, comm)
+    else:
+        timing.measure(flat, op, comm)
+
+
+def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
+    """Whether ``auto`` has done measuring for ``buf``'s size and dtype and
+    ``op`` on ``comm``: its next such call runs the algorithm it kept (until
+    the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
+    first call. The same on every rank, so ranks may loop on it, as
+    ``hpcjobs bench`` does to time what ``auto`` settles on."""
+    from ..comm import private
+    from ._buffers import as_flat
+
+    flat = as_flat(buf)
+    decisions = private(comm).Get_attr(_DECISIONS_KEYVAL)
+    if decisions is None or decisions.get("generation") != _decisions_generation:
+        return False
+    timing = decisions.get((flat.data.nbytes, flat.dtype, op))
+    return timing is not None and timing.left > 0
 
 
 def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | None = None):

@@ -167,11 +167,17 @@ def test_auto_times_its_candidates_and_every_rank_keeps_the_same_one(timed_table
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
     slow["ring" if comm.Get_rank() == 0 else "tree"] = 0.002 if comm.Get_rank() == 0 else 0.02
-    rounds = 6  # 1000 int32 = 4 KB: small, so the most rounds
-    for _ in range(2 * rounds + 5):
+    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    buf = np.zeros(1000, np.int32)
+    for _ in range(2 * turns):
+        assert not select.settled(buf, "sum", comm)
         _reduce(comm, dtype=np.int32)
-    assert calls[:2 * rounds] == ["tree", "ring"] * rounds
-    assert calls[2 * rounds:] == ["ring"] * 5
+    assert select.settled(buf, "sum", comm)
+    assert not select.settled(buf, "max", comm) and not select.settled(buf[:10], "sum", comm)
+    for _ in range(5):
+        _reduce(comm, dtype=np.int32)
+    assert calls[:2 * turns] == ["tree", "ring"] * turns
+    assert calls[2 * turns:] == ["ring"] * 5
 
 
 @pytest.mark.mpi(min_size=2)
@@ -179,17 +185,17 @@ def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
     monkeypatch.setattr(select, "REMEASURE_EVERY", 40)
-    big = 1 << 16  # int32 elements: 256 KB, the fewest rounds (three)
+    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
     slow["ring"] = 0.01
     for _ in range(40):
-        _reduce(comm, big, np.int32)
-    assert calls[:6] == ["tree", "ring"] * 3 and calls[6:40] == ["tree"] * 34
+        _reduce(comm, dtype=np.int32)
+    assert calls[:2 * turns] == ["tree", "ring"] * turns and calls[2 * turns:40] == ["tree"] * (40 - 2 * turns)
     del slow["ring"]
     slow["tree"] = 0.01
     calls.clear()
-    for _ in range(10):
-        _reduce(comm, big, np.int32)
-    assert calls == ["tree", "ring"] * 3 + ["ring"] * 4
+    for _ in range(2 * turns + 2):
+        _reduce(comm, dtype=np.int32)
+    assert calls == ["tree", "ring"] * turns + ["ring"] * 2
 
 
 @pytest.mark.mpi(min_size=3)
@@ -204,4 +210,20 @@ def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_tabl
     calls.clear()
     for _ in range(20):  # integers: any algorithm gives the same bits, so it is timed
         _reduce(comm, dtype=np.int32)
-    assert calls[:12] == ["tree", "ring"] * 6 and calls[12:] == ["ring"] * 8  # 4 KB: six rounds
+    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    assert calls[:2 * turns] == ["tree", "ring"] * turns and calls[2 * turns:] == ["ring"] * (20 - 2 * turns)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_times_what_auto_settles_on_not_its_measuring_calls(timed_table):
+    """`hpcjobs bench allreduce` runs auto's measuring calls before the
+    warmup, untimed: the timed calls are all the kept algorithm."""
+    from hpcjobs.bench.allreduce import implementations, run
+
+    slow, calls = timed_table
+    slow["tree"] = 0.003
+    comm = MPI.COMM_WORLD
+    (record,) = run(comm, [4096], implementations(["auto"]), dtype="int32", iters=5, warmup=1)
+    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    assert calls == ["tree", "ring"] * turns + ["ring"] * 6  # then warmup + iters
+    assert record.wrong == 0 and record.iters == 5
