@@ -54,19 +54,28 @@ def best_rows(records: list[Record]) -> list[dict]:
     if rows:
         rows[-1]["max_bytes"] = None
     for row in rows:
-        row["candidates"] = _candidates(row)
+        row["candidates"] = _candidates(row, [(size, best.impl) for size, best, _ in winners])
     return rows
 
 
 # auto times a row's candidates where it runs (hpcjobs.collectives.select):
-# the winner and the runner-ups seen most often in its range.
-MAX_CANDIDATES = 3
+# the winner, the algorithms that won sizes near the row, then the runner-ups
+# seen most often in it. Nearby winners come first because a crossover moves
+# between runs here: in one run shm won 16 MB and lost 32-64 MB to the
+# rings, and in the bench that followed it was 1.4x ahead at 32 and 64 MB.
+MAX_CANDIDATES = 4
+# "Near": sizes from a quarter of the row's smallest to 4x its largest.
+NEAR = 4
 
 
-def _candidates(row: dict) -> list[str]:
-    seen = [m["runner_up"] for m in row["measured"] if m["runner_up"] != row["algorithm"]]
-    ranked = sorted(dict.fromkeys(seen), key=lambda name: -seen.count(name))  # stable: first seen wins ties
-    return [row["algorithm"], *ranked[:MAX_CANDIDATES - 1]]
+def _candidates(row: dict, winners: list[tuple[int, str]]) -> list[str]:
+    sizes = [m["size_bytes"] for m in row["measured"]]
+    near = [name for size, name in winners if min(sizes) / NEAR <= size <= max(sizes) * NEAR]
+    runner_ups = [m["runner_up"] for m in row["measured"]]
+    names = [row["algorithm"]]
+    for seen in (near, runner_ups):  # each by count; stable, so the first seen wins ties
+        names += sorted(dict.fromkeys(n for n in seen if n not in names), key=lambda n: -seen.count(n))
+    return names[:MAX_CANDIDATES]
 
 
 def _measure(size: int, best: Record, second: Record) -> dict:

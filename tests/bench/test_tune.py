@@ -46,3 +46,20 @@ def test_merge_replaces_only_the_same_shape(tmp_path):
     assert [(t["ranks"], t["nodes"], t["rows"][0]["algorithm"]) for t in data["tables"]] == [
         (2, 1, "shm"), (4, 2, "ring")]
     assert choose(1 << 20, 2, 1, tuning=data) == "shm"
+
+
+def test_winners_of_nearby_sizes_are_candidates_before_runner_ups():
+    """A crossover moves between runs: the algorithm that won the sizes next
+    to a row is timed there too, ahead of the row's own runner-ups."""
+    mb = 1 << 20
+    records = [_rec(4 * mb, "ring", 5), _rec(4 * mb, "tree", 6), _rec(4 * mb, "shm", 9),
+               _rec(16 * mb, "shm", 5), _rec(16 * mb, "ring", 6),
+               _rec(32 * mb, "ring", 5), _rec(32 * mb, "raben", 6), _rec(32 * mb, "shm", 9),
+               _rec(64 * mb, "pipe", 5), _rec(64 * mb, "hier", 6), _rec(64 * mb, "shm", 9),
+               _rec(1024 * mb, "raben", 5), _rec(1024 * mb, "pipe", 6)]
+    rows = best_rows(records)
+    assert [r["algorithm"] for r in rows] == ["ring", "shm", "ring", "pipe", "raben"]
+    assert rows[2]["candidates"] == ["ring", "shm", "pipe", "raben"]  # 8-128 MB won by shm, pipe; then raben
+    assert rows[3]["candidates"] == ["pipe", "shm", "ring", "hier"]  # 16-256 MB: shm, ring (first seen), pipe
+    assert rows[4]["candidates"] == ["raben", "pipe"]  # nothing else won 256 MB-4 GB
+    assert rows[0]["candidates"] == ["ring", "shm", "tree"]
