@@ -19,7 +19,7 @@ shard. Per block, on rank r of L:
 
 The stages alternate between blocks, so a stage is rewritten only after
 every rank has passed a barrier that follows its last read: two barriers per
-block suffice, also across calls. Blocks are small enough (2 MiB by default)
+block suffice, also across calls. Blocks are small enough (512 KiB by default)
 that the stages stay in the shared last-level cache: main memory sees each
 user buffer read once and written once, and all cross-rank traffic is cache
 to cache. That is why this beats message passing on one node, where every
@@ -46,10 +46,12 @@ from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "shm_allreduce", "shm_reduce_scatter", "shm_allgather", "is_single_node"]
 
-# Measured at 2 ranks on the CI machine (README, "Shared memory"): 1-2 MiB
-# blocks were best at 16 and 64 MB; 4 MiB blocks no longer stay in cache
-# (4 stages of 4 MiB across 2 ranks, beside the buffers, in a 32 MB L3).
-DEFAULT_BLOCK_BYTES = 2 << 20
+# Measured at 2 ranks on the CI machine (README, "All algorithms"), blocks of
+# 256 KiB to 2 MiB side by side, 12 runs: 512 KiB was 7-30% ahead of 2 MiB at
+# 2-16 MB (a rank's piece, stage and peer's piece then fit its 1 MiB L2), level
+# at 64 MB, and 5-10% behind at 1 MB (two blocks' barriers instead of one);
+# 256 KiB pays too many barriers. 4 MiB blocks no longer stay in cache at all.
+DEFAULT_BLOCK_BYTES = 512 << 10
 
 
 @dataclass
