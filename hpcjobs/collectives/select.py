@@ -24,9 +24,10 @@ it (the shared-memory one most: it relies on the last-level cache, which
 neighbours share), so a table measured a minute ago can be wrong by 3x now.
 The first calls at a size run each candidate in turn: twice untimed (the
 first calls on a buffer pay for allocation and cold caches), then
-:data:`TIMED_ROUNDS` times, each call timed from a barrier; then one small ``MPI_Allreduce`` (maximum over
-ranks) of those times gives every rank the same numbers, and every rank
-keeps the candidate with the lowest median time. It measures again every
+:func:`timed_rounds` times (5, or 15 for small messages), each call timed
+from a barrier; then one small ``MPI_Allreduce`` (maximum over ranks) of
+those times gives every rank the same numbers, and every rank keeps the
+candidate with the lowest median time. It measures again every
 :data:`REMEASURE_EVERY` calls at that size. Horovod's autotuner times its
 own settings online the same way.
 Only candidates that give bitwise the same result are compared (every
@@ -55,8 +56,8 @@ from .ring import DEFAULT_SEGMENT_BYTES, _ring_allreduce
 from .shm import _shm_allreduce, is_single_node
 from .tree import _tree
 
-__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "TIMED_ROUNDS", "UNTIMED_TURNS", "allreduce", "candidates", "choose", "flat_algorithm",
-           "load_tuning", "same_bits", "set_tuning", "settled"]
+__all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose",
+           "flat_algorithm", "load_tuning", "same_bits", "set_tuning", "settled", "timed_rounds"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
@@ -106,6 +107,15 @@ UNTIMED_TURNS = 2
 # algorithm's is 2-3x slow, which a median of five rides over. A measurement
 # is then (2 + 5) calls per candidate, 2% of the calls between measurements.
 TIMED_ROUNDS = 5
+# Up to SMALL_BYTES a call takes ~10 us here, and one call's noise (about
+# 1 us) is larger than the gaps between the latency-bound algorithms; the
+# median of 15 halves the error of a median of 5, for half a millisecond.
+SMALL_TIMED_ROUNDS, SMALL_BYTES = 15, 16 << 10
+
+
+def timed_rounds(nbytes: int) -> int:
+    """Timed calls of each candidate in one measurement at ``nbytes``."""
+    return SMALL_TIMED_ROUNDS if nbytes <= SMALL_BYTES else TIMED_ROUNDS
 
 
 def flat_algorithm(name: str) -> Callable:
@@ -205,7 +215,7 @@ class _Timing:
     A measurement is :data:`UNTIMED_TURNS` untimed turns of every candidate
     (the first calls on a buffer are slow: allocation, cold caches, and on
     this VM fresh pages stay slow for a few passes), then
-    :data:`TIMED_ROUNDS` rounds of one timed call each, every call started
+    :func:`timed_rounds` rounds of one timed call each, every call started
     together (barrier) so that a rank still finishing the previous call does
     not count against the next.
     After the last one the times are maxed over ranks and the candidate with
@@ -213,20 +223,21 @@ class _Timing:
     measurement began. ``left`` counts the calls to go before the next one.
     """
 
-    __slots__ = ("names", "fns", "fn", "times", "left", "turn")
+    __slots__ = ("names", "fns", "fn", "rounds", "times", "left", "turn")
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], nbytes: int):
         self.names = names
         self.fns = [_INTERNAL[n] for n in names]
         self.fn = self.fns[0]
-        self.times = np.zeros((TIMED_ROUNDS, len(names)))
+        self.rounds = timed_rounds(nbytes)
+        self.times = np.zeros((self.rounds, len(names)))
         self.left = 0 if len(names) > 1 else float("inf")
         self.turn = 0
 
     @property
     def measure_calls(self) -> int:
         """Calls one measurement takes (0: a single candidate, nothing to time)."""
-        return (TIMED_ROUNDS + UNTIMED_TURNS) * len(self.names) if len(self.names) > 1 else 0
+        return (self.rounds + UNTIMED_TURNS) * len(self.names) if len(self.names) > 1 else 0
 
     def measure(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         """One call of the measurement, in the candidates' turn order."""
@@ -240,7 +251,7 @@ class _Timing:
         t0 = MPI.Wtime()
         self.fns[k % n](flat, op, comm)
         self.times[k // n, k % n] = MPI.Wtime() - t0
-        if k == TIMED_ROUNDS * n - 1:  # the last turn: agree on the fastest
+        if k == self.rounds * n - 1:  # the last turn: agree on the fastest
             comm.Allreduce(MPI.IN_PLACE, self.times, op=MPI.MAX)
             # The median, not the best round: the shared-memory algorithm
             # swings between fast and 3x slower calls in a busy spell, and
@@ -277,7 +288,7 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict) -> _Timin
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
-    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names)
+    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, flat.nbytes)
     return timing
 
 

@@ -167,7 +167,7 @@ def test_auto_times_its_candidates_and_every_rank_keeps_the_same_one(timed_table
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
     slow["ring" if comm.Get_rank() == 0 else "tree"] = 0.002 if comm.Get_rank() == 0 else 0.02
-    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     buf = np.zeros(1000, np.int32)
     for _ in range(2 * turns):
         assert not select.settled(buf, "sum", comm)
@@ -185,7 +185,8 @@ def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
     monkeypatch.setattr(select, "REMEASURE_EVERY", 40)
-    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    monkeypatch.setattr(select, "SMALL_TIMED_ROUNDS", 5)  # so that 40 calls hold a measurement
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     slow["ring"] = 0.01
     for _ in range(40):
         _reduce(comm, dtype=np.int32)
@@ -208,10 +209,10 @@ def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_tabl
         _reduce(comm)
     assert calls == ["tree"] * 20
     calls.clear()
-    for _ in range(20):  # integers: any algorithm gives the same bits, so it is timed
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
+    for _ in range(2 * turns + 6):  # integers: any algorithm gives the same bits, so it is timed
         _reduce(comm, dtype=np.int32)
-    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
-    assert calls[:2 * turns] == ["tree", "ring"] * turns and calls[2 * turns:] == ["ring"] * (20 - 2 * turns)
+    assert calls == ["tree", "ring"] * turns + ["ring"] * 6
 
 
 @pytest.mark.mpi(min_size=2)
@@ -224,6 +225,6 @@ def test_bench_times_what_auto_settles_on_not_its_measuring_calls(timed_table):
     slow["tree"] = 0.003
     comm = MPI.COMM_WORLD
     (record,) = run(comm, [4096], implementations(["auto"]), dtype="int32", iters=5, warmup=1)
-    turns = select.UNTIMED_TURNS + select.TIMED_ROUNDS
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     assert calls == ["tree", "ring"] * turns + ["ring"] * 6  # then warmup + iters
     assert record.wrong == 0 and record.iters == 5
