@@ -5,6 +5,7 @@ import json
 import pytest
 
 from launch import hpcjobs as _hpcjobs, mpirun as _mpirun
+from hpcjobs.collectives import ALGORITHMS
 
 
 def test_help_lists_the_commands():
@@ -109,6 +110,11 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     used = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64K", "-f", "8", "--iters", "2",
                    "--impl", "auto", "--tuning", str(table))
     assert used.returncode == 0, used.stderr
+    # What auto ran, per run of sizes, covering the sweep: "8-512 recursive_doubling, 4K-32K shm".
+    (summary,) = [l.removeprefix("# auto kept: ") for l in used.stdout.splitlines() if l.startswith("# auto kept: ")]
+    spans = [part.split(" ") for part in summary.split(", ")]
+    assert all(name in ALGORITHMS for _, name in spans), summary
+    assert spans[0][0].startswith("8") and spans[-1][0].endswith("32K"), summary
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
     bad = _mpirun(2, "bench", "allreduce", "--impl", "auto", "--tuning", str(broken))

@@ -372,6 +372,9 @@ def main(args) -> int:
             records += _late_pass(comm, sizes, late, records, args)
     finally:
         shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
+    for label in impls:
+        if label == "auto" or label == "auto" + CHECKED:
+            print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:
@@ -388,6 +391,21 @@ def main(args) -> int:
             paths = write_report(args.out, records, env, f"hpcjobs bench allreduce, {comm.Get_size()} ranks", command)
             print0(f"# report written to {paths[0]}")
     return 1 if wrong else 0
+
+
+def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:
+    """What ``auto`` ran in its timed calls, per run of sizes, e.g.
+    "8-16K recursive_doubling, 32K-64M shm"."""
+    runs: list[list] = []  # [first size, last size, algorithm]
+    for r in records:
+        if r.impl == label:
+            name = select.kept(r.size_bytes, dtype, op, comm) or "?"
+            if runs and runs[-1][2] == name:
+                runs[-1][1] = r.size_bytes
+            else:
+                runs.append([r.size_bytes, r.size_bytes, name])
+    return ", ".join(f"{format_bytes(lo)}{'' if lo == hi else '-' + format_bytes(hi)} {name}"
+                     for lo, hi, name in runs)
 
 
 def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:

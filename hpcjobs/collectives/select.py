@@ -57,7 +57,7 @@ from .shm import _shm_allreduce, is_single_node
 from .tree import _tree
 
 __all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose",
-           "flat_algorithm", "load_tuning", "same_bits", "set_tuning", "settled", "timed_rounds"]
+           "flat_algorithm", "kept", "load_tuning", "same_bits", "set_tuning", "settled", "timed_rounds"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
@@ -306,21 +306,35 @@ def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         timing.measure(flat, op, comm)
 
 
+def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None) -> _Timing | None:
+    from ..comm import private
+
+    decisions = private(comm).Get_attr(_DECISIONS_KEYVAL)
+    if decisions is None or decisions.get("generation") != _decisions_generation:
+        return None
+    return decisions.get((nbytes, dtype, op))
+
+
 def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
     """Whether ``auto`` has done measuring for ``buf``'s size and dtype and
     ``op`` on ``comm``: its next such call runs the algorithm it kept (until
     the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
     first call. The same on every rank, so ranks may loop on it, as
     ``hpcjobs bench`` does to time what ``auto`` settles on."""
-    from ..comm import private
     from ._buffers import as_flat
 
     flat = as_flat(buf)
-    decisions = private(comm).Get_attr(_DECISIONS_KEYVAL)
-    if decisions is None or decisions.get("generation") != _decisions_generation:
-        return False
-    timing = decisions.get((flat.data.nbytes, flat.dtype, op))
+    timing = _decision(flat.data.nbytes, flat.dtype, op, comm)
     return timing is not None and timing.left > 0
+
+
+def kept(nbytes: int, dtype: str, op: str = "sum", comm: MPI.Comm | None = None) -> str | None:
+    """The algorithm ``auto`` runs now for ``nbytes`` of ``dtype`` (its name,
+    e.g. "float32" or "bfloat16") and ``op`` on ``comm``: the table's choice
+    until its contenders are timed, then the fastest. None before its first
+    call there."""
+    timing = _decision(nbytes, dtype, op, comm)
+    return None if timing is None else timing.names[timing.fns.index(timing.fn)]
 
 
 def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | None = None):
