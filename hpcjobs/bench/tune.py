@@ -14,8 +14,10 @@ table and keeps the others.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import statistics
 
 
 from ..collectives import ALGORITHMS
@@ -29,10 +31,7 @@ from .allreduce import Record, format_bytes, implementations, run, size_sweep
 STICKY = 1.05
 
 
-def best_rows(records: list[Record]) -> list[dict]:
-    """Collapse per-size winners into rows: each algorithm up to the largest
-    size it won (or stayed within ``STICKY`` of the winner) before the next
-    one took over; the last row is unbounded."""
+def _winners(records: list[Record]) -> tuple[dict[int, list[Record]], list[tuple[int, Record, Record]]]:
     by_size: dict[int, list[Record]] = {}
     for r in records:
         by_size.setdefault(r.size_bytes, []).append(r)
@@ -40,6 +39,27 @@ def best_rows(records: list[Record]) -> list[dict]:
     for size in sorted(by_size):
         ranked = sorted(by_size[size], key=lambda r: r.time_us)
         winners.append((size, ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]))
+    return by_size, winners
+
+
+def _median_pass(passes: tuple[list[Record], ...]) -> list[Record]:
+    """One record per (size, algorithm): the median time over the passes."""
+    times: dict[tuple[int, str], list[Record]] = {}
+    for records in passes:
+        for r in records:
+            times.setdefault((r.size_bytes, r.impl), []).append(r)
+    return [dataclasses.replace(recs[0], time_us=statistics.median(r.time_us for r in recs))
+            for recs in times.values()]
+
+
+def best_rows(*passes: list[Record]) -> list[dict]:
+    """Collapse per-size winners into rows: each algorithm up to the largest
+    size it won (or stayed within ``STICKY`` of the winner) before the next
+    one took over; the last row is unbounded. With several passes of the
+    same sweep, a size's times are the medians over the passes, and a row's
+    contenders include what won nearby in any single pass."""
+    by_size, winners = _winners(_median_pass(passes) if len(passes) > 1 else passes[0])
+    near = [(size, best.impl) for records in passes for size, best, _ in _winners(records)[1]]
     rows: list[dict] = []
     for size, best, second in winners:
         if rows and rows[-1]["algorithm"] != best.impl:
@@ -54,7 +74,7 @@ def best_rows(records: list[Record]) -> list[dict]:
     if rows:
         rows[-1]["max_bytes"] = None
     for row in rows:
-        row["candidates"] = _candidates(row, [(size, best.impl) for size, best, _ in winners])
+        row["candidates"] = _candidates(row, [(size, best.impl) for size, best, _ in winners] + near)
     return rows
 
 
@@ -97,11 +117,21 @@ def merge(path: str, table: dict, environment: dict) -> dict:
     return data
 
 
+# Sweeps per `hpcjobs tune`. Two runs here 15 s apart disagreed at 16 MB (shm
+# 1.59x ahead of the ring in one, behind in the next); three passes give a
+# median and three looks at which algorithms win near each size.
+PASSES = 3
+
+
 def _configure(p) -> None:
+    from ..cli import positive_int
     from .allreduce import add_sweep_arguments
 
     p.add_argument("--out", "-O", default="tuning.json", metavar="PATH",
                    help="tuning file to write or update (default tuning.json)")
+    p.add_argument("--passes", type=positive_int, default=PASSES,
+                   help=f"sweeps to run, one after the other; a size's time is the median over them "
+                        f"(default {PASSES}: here the fastest algorithm at a size can change within seconds)")
     add_sweep_arguments(p)
 
 
@@ -121,20 +151,23 @@ def main(args) -> int:
     names = [a for a in ALGORITHMS if a != "shm" or is_single_node(comm)]
     sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
-           f"{len(names)} algorithms x {len(sizes)} sizes")
+           f"{len(names)} algorithms x {len(sizes)} sizes x {args.passes} passes")
     done = [0]
 
     def progress(rec):
         done[0] += 1
         if done[0] % len(names) == 0:
-            print0(f"#   {format_bytes(rec.size_bytes):>6} done ({done[0] // len(names)}/{len(sizes)})")
+            n = done[0] // len(names)
+            print0(f"#   pass {(n - 1) // len(sizes) + 1}: {format_bytes(rec.size_bytes):>6} done "
+                   f"({n}/{len(sizes) * args.passes})")
 
-    records = run(comm, sizes, implementations(names), iters=args.iters, on_record=progress)
-    wrong = sum(r.wrong for r in records)
+    passes = [run(comm, sizes, implementations(names), iters=args.iters, on_record=progress)
+              for _ in range(args.passes)]
+    wrong = sum(r.wrong for records in passes for r in records)
     if wrong:
         print0(f"# {wrong} wrong elements: not writing a tuning table from a broken run")
         return 1
-    table = {"ranks": comm.Get_size(), "nodes": topo.num_nodes, "rows": best_rows(records)}
+    table = {"ranks": comm.Get_size(), "nodes": topo.num_nodes, "passes": args.passes, "rows": best_rows(*passes)}
     if comm.Get_rank() == 0:
         data = merge(args.out, table, environment(comm))
         tmp = f"{args.out}.tmp"
@@ -142,12 +175,14 @@ def main(args) -> int:
             json.dump(data, f, indent=1)
             f.write("\n")
         os.replace(tmp, args.out)
-        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)", flush=True)
+        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)           "
+              "also timed by auto", flush=True)
         for row in table["rows"]:
             last = row["measured"][-1]
             bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
-            print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  "
-                  f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)", flush=True)
+            runner_up = f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)"
+            print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  {runner_up:<30}  "
+                  f"{', '.join(row['candidates'][1:]) or '-'}", flush=True)
         print(f"# written to {args.out}; use it with HPCJOBS_TUNING={os.path.abspath(args.out)}", flush=True)
     return 0
 

@@ -63,3 +63,18 @@ def test_winners_of_nearby_sizes_are_candidates_before_runner_ups():
     assert rows[3]["candidates"] == ["pipe", "shm", "ring", "hier"]  # 16-256 MB: shm, ring (first seen), pipe
     assert rows[4]["candidates"] == ["raben", "pipe"]  # nothing else won 256 MB-4 GB
     assert rows[0]["candidates"] == ["ring", "shm", "tree"]
+
+
+def test_several_passes_rank_by_median_and_pool_nearby_winners():
+    """Pass 2 is a slow spell for rd: the median keeps rd the winner at 64 B,
+    and ring, which won 64 B in that pass alone, is timed there too."""
+    one = [_rec(8, "rd", 5), _rec(8, "tree", 6), _rec(64, "rd", 5), _rec(64, "tree", 6), _rec(64, "ring", 9)]
+    two = [_rec(8, "rd", 5), _rec(8, "tree", 6), _rec(64, "rd", 20), _rec(64, "tree", 6), _rec(64, "ring", 5.9)]
+    three = [_rec(8, "rd", 5), _rec(8, "tree", 6), _rec(64, "rd", 5.5), _rec(64, "tree", 6), _rec(64, "ring", 8)]
+    (row,) = best_rows(one, two, three)
+    assert row["algorithm"] == "rd" and row["measured"][1] == {
+        "size_bytes": 64, "time_us": 5.5, "runner_up": "tree", "runner_up_ratio": round(6 / 5.5, 3)}
+    assert row["candidates"] == ["rd", "ring", "tree"]
+    (alone,) = best_rows(one)
+    assert alone["candidates"] == ["rd", "tree"]
+    assert best_rows(one, one, one) == best_rows(one)
