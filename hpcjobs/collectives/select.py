@@ -217,10 +217,11 @@ class _Timing:
     this VM fresh pages stay slow for a few passes), then
     :func:`timed_rounds` rounds of one timed call each, every call started
     together (barrier) so that a rank still finishing the previous call does
-    not count against the next.
-    After the last one the times are maxed over ranks and the candidate with
-    the lowest median kept, until :data:`REMEASURE_EVERY` calls after the
-    measurement began. ``left`` counts the calls to go before the next one.
+    not count against the next. After the last one the times are maxed over
+    ranks and the candidate with the lowest median kept, until
+    :data:`REMEASURE_EVERY` calls after the measurement began (at least one
+    call: :func:`settled` must become true). ``left`` counts the calls to go
+    before the next measurement.
     """
 
     __slots__ = ("names", "fns", "fn", "rounds", "times", "left", "turn")
@@ -258,7 +259,7 @@ class _Timing:
             # its best call would hide that.
             self.fn = self.fns[int(np.argmin(np.median(self.times, axis=0)))]
             self.turn = 0
-            self.left = max(0, REMEASURE_EVERY - self.measure_calls)
+            self.left = max(1, REMEASURE_EVERY - self.measure_calls)
 
 
 # Decisions live on the communicator (MPI attribute), so they go with it;
