@@ -132,10 +132,11 @@ _tuning_path: str | None = None
 def set_tuning(path: str | None) -> None:
     """Use this tuning file for ``auto`` from now on (None: ``HPCJOBS_TUNING``
     or the built-in default). Clears cached decisions."""
-    global _tuning_path, _decisions_generation
+    global _tuning_path, _decisions_generation, _last
     _tuning_path = path
     load_tuning.cache_clear()
     _decisions_generation += 1
+    _last = (None, None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -267,7 +268,7 @@ class _Timing:
 # (half a microsecond) on the usual run of calls on one communicator.
 _DECISIONS_KEYVAL = MPI.Comm.Create_keyval()
 _decisions_generation = 0
-_last: tuple = (None, {"generation": -1})
+_last: tuple = (None, None)
 
 
 def _decisions(comm: MPI.Intracomm) -> dict:
@@ -296,7 +297,7 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict) -> _Timin
 def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     global _last
     last_comm, decisions = _last
-    if last_comm is not comm or decisions["generation"] != _decisions_generation:
+    if last_comm is not comm:  # (set_tuning clears _last)
         decisions = _decisions(comm)
         _last = (comm, decisions)
     timing = decisions.get((flat.data.nbytes, flat.dtype, op)) or _timing(flat, op, comm, decisions)
