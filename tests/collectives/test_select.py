@@ -127,11 +127,17 @@ def test_auto_follows_the_tuning_file(tmp_path_factory):
         set_tuning(None)
 
 
+SLOW = 0.1  # seconds
+
+
 @pytest.fixture
 def timed_table(tmp_path_factory, monkeypatch):
     """auto with tree then ring as candidates for every size, and a hook to
     make either slow on one rank: ``slow[name] = seconds`` sleeps that long
-    after the real algorithm, on this rank only."""
+    after the real algorithm, on this rank only. The slow one loses by 80 ms
+    or more: CI runs 5 ranks on 2 cores, where a ring's call alone took up
+    to 32 ms under load. Five timed rounds at every size keep the
+    measurement short."""
     comm = MPI.COMM_WORLD
     path = tmp_path_factory.mktemp(f"timed{comm.Get_rank()}") / "t.json"
     path.write_text(json.dumps({"version": 1, "tables": [{"ranks": comm.Get_size(), "nodes": 1, "rows": [
@@ -147,6 +153,7 @@ def timed_table(tmp_path_factory, monkeypatch):
             _real(*a, **k)
             time.sleep(slow.get(_name, 0))
         monkeypatch.setitem(select._INTERNAL, name, hooked)
+    monkeypatch.setattr(select, "SMALL_TIMED_ROUNDS", select.TIMED_ROUNDS)
     set_tuning(str(path))
     yield slow, calls
     set_tuning(None)
@@ -166,7 +173,7 @@ def test_auto_times_its_candidates_and_every_rank_keeps_the_same_one(timed_table
     Integers, so that any number of ranks compares (same bits)."""
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
-    slow["ring" if comm.Get_rank() == 0 else "tree"] = 0.002 if comm.Get_rank() == 0 else 0.02
+    slow["ring" if comm.Get_rank() == 0 else "tree"] = SLOW / 5 if comm.Get_rank() == 0 else SLOW
     turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     buf = np.zeros(1000, np.int32)
     for _ in range(2 * turns):
@@ -185,14 +192,13 @@ def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
     monkeypatch.setattr(select, "REMEASURE_EVERY", 40)
-    monkeypatch.setattr(select, "SMALL_TIMED_ROUNDS", 5)  # so that 40 calls hold a measurement
     turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
-    slow["ring"] = 0.01
+    slow["ring"] = SLOW
     for _ in range(40):
         _reduce(comm, dtype=np.int32)
     assert calls[:2 * turns] == ["tree", "ring"] * turns and calls[2 * turns:40] == ["tree"] * (40 - 2 * turns)
     del slow["ring"]
-    slow["tree"] = 0.01
+    slow["tree"] = SLOW
     calls.clear()
     for _ in range(2 * turns + 2):
         _reduce(comm, dtype=np.int32)
@@ -204,10 +210,10 @@ def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_tabl
     """Their bits depend on the algorithm: the table decides, timing never."""
     slow, calls = timed_table
     comm = MPI.COMM_WORLD
-    slow["tree"] = 0.005
-    for _ in range(20):
+    slow["tree"] = SLOW
+    for _ in range(8):
         _reduce(comm)
-    assert calls == ["tree"] * 20
+    assert calls == ["tree"] * 8
     calls.clear()
     turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     for _ in range(2 * turns + 6):  # integers: any algorithm gives the same bits, so it is timed
@@ -222,7 +228,7 @@ def test_bench_times_what_auto_settles_on_not_its_measuring_calls(timed_table):
     from hpcjobs.bench.allreduce import implementations, run
 
     slow, calls = timed_table
-    slow["tree"] = 0.003
+    slow["tree"] = SLOW
     comm = MPI.COMM_WORLD
     (record,) = run(comm, [4096], implementations(["auto"]), dtype="int32", iters=5, warmup=1)
     turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
