@@ -1,6 +1,7 @@
 """The command line as a user runs it: real mpirun, real exit codes."""
 
 import json
+import re
 
 import pytest
 
@@ -108,8 +109,10 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     (t,) = data["tables"]
     assert (t["ranks"], t["nodes"]) == (2, 1) and t["rows"][-1]["max_bytes"] is None
     used = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64K", "-f", "8", "--iters", "2",
-                   "--impl", "auto", "--tuning", str(table))
+                   "--impl", "auto,recursive_doubling,tree", "--tuning", str(table))
     assert used.returncode == 0, used.stderr
+    assert re.search(r"^# auto vs the best of ours: within 10% at [0-5] of 5 sizes; worst \d+\.\d\dx at \w+ "
+                     r"\((recursive_doubling|tree)\)$", used.stdout, re.M), used.stdout
     # What auto ran, per run of sizes, covering the sweep: "8-512 recursive_doubling, 4K-32K shm".
     (summary,) = [l.removeprefix("# auto kept: ") for l in used.stdout.splitlines() if l.startswith("# auto kept: ")]
     spans = [part.split(" ") for part in summary.split(", ")]

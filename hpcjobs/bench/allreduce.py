@@ -375,6 +375,10 @@ def main(args) -> int:
     for label in impls:
         if label == "auto" or label == "auto" + CHECKED:
             print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
+    if "auto" in impls:
+        line = auto_against_best(records)
+        if line:
+            print0(f"# auto vs the best of ours: {line}")
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:
@@ -406,6 +410,27 @@ def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -
                 runs.append([r.size_bytes, r.size_bytes, name])
     return ", ".join(f"{format_bytes(lo)}{'' if lo == hi else '-' + format_bytes(hi)} {name}"
                      for lo, hi, name in runs)
+
+
+def auto_against_best(records: list[Record], within: float = 1.10) -> str | None:
+    """How far ``auto``'s time is from the fastest of our other algorithms
+    in the table, size by size, e.g. "within 10% at 23 of 24 sizes; worst
+    1.13x at 32K (recursive_doubling)". None without two of ours beside it."""
+    by_size: dict[int, dict[str, float]] = {}
+    for r in records:
+        by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
+    ratios = []
+    for size, times in by_size.items():
+        ours = {k: v for k, v in times.items() if k in ALGORITHMS or k.startswith("ring_pipelined/")}
+        if "auto" in times and len(ours) >= 2:
+            best = min(ours, key=ours.get)
+            ratios.append((times["auto"] / ours[best], size, best))
+    if not ratios:
+        return None
+    ratio, size, best = max(ratios)
+    ok = sum(r <= within for r, _, _ in ratios)
+    return (f"within {round((within - 1) * 100)}% at {ok} of {len(ratios)} sizes; "
+            f"worst {ratio:.2f}x at {format_bytes(size)} ({best})")
 
 
 def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:
