@@ -134,12 +134,10 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
             for seg in segment_sizes:
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
-        elif name in ALGORITHMS or name == "auto":
-            impls[name] = Impl(functools.partial(_ours, algorithm=name),
-                               settled=select.settled if name == "auto" else None)
-        elif name.endswith(CHECKED) and (name[:-len(CHECKED)] in ALGORITHMS or name[:-len(CHECKED)] == "auto"):
-            impls[name] = Impl(functools.partial(_ours_checked, algorithm=name[:-len(CHECKED)]),
-                               settled=select.settled if name == "auto" + CHECKED else None)
+        elif (algorithm := name.removesuffix(CHECKED)) in ALGORITHMS or algorithm == "auto":
+            fn = _ours_checked if name.endswith(CHECKED) else _ours
+            impls[name] = Impl(functools.partial(fn, algorithm=algorithm),
+                               settled=select.settled if algorithm == "auto" else None)
         elif name in BASELINES:
             impls[mpi_label() if name == "mpi" else name] = Impl(*BASELINES[name], late=name in LATE_BASELINES)
         else:
@@ -372,8 +370,8 @@ def main(args) -> int:
             records += _late_pass(comm, sizes, late, records, args)
     finally:
         shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
-    for label in impls:
-        if label == "auto" or label == "auto" + CHECKED:
+    for label, impl in impls.items():
+        if impl.settled is not None:  # auto, with or without +check
             print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
     if "auto" in impls:
         line = auto_against_best(records)

@@ -152,8 +152,13 @@ def _dist_op(op: str):
             "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
 
 
+# The benchmark's dtypes that torch.distributed reduces with Gloo and with
+# NCCL (ncclFloat16 ... ncclBfloat16) alike.
+_TORCH_DIST_DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+
+
 def gloo_supports(dtype: str) -> bool:
-    return dtype in ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+    return dtype in _TORCH_DIST_DTYPES
 
 
 def gloo_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
@@ -171,8 +176,7 @@ def gloo_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
 
 
 def nccl_supports(dtype: str) -> bool:
-    # NCCL has every dtype the benchmark offers (ncclFloat16 ... ncclBfloat16).
-    return dtype in ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+    return dtype in _TORCH_DIST_DTYPES
 
 
 def tensor_allreduce(tensor, op: str = "sum", comm: MPI.Comm | None = None):

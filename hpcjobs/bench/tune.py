@@ -58,7 +58,7 @@ def best_rows(*passes: list[Record]) -> list[dict]:
     one took over; the last row is unbounded. With several passes of the
     same sweep, a size's times are the medians over the passes, and a row's
     contenders include what won nearby in any single pass."""
-    by_size, winners = _winners(_median_pass(passes) if len(passes) > 1 else passes[0])
+    by_size, winners = _winners(_median_pass(passes))
     near = [(size, best.impl) for records in passes for size, best, _ in _winners(records)[1]]
     rows: list[dict] = []
     for size, best, second in winners:
@@ -74,7 +74,7 @@ def best_rows(*passes: list[Record]) -> list[dict]:
     if rows:
         rows[-1]["max_bytes"] = None
     for row in rows:
-        row["candidates"] = _candidates(row, [(size, best.impl) for size, best, _ in winners] + near)
+        row["candidates"] = _candidates(row, near)
     return rows
 
 

@@ -47,7 +47,8 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ._buffers import Flat, run
+from ..comm import private
+from ._buffers import Flat, as_flat, run
 from .hierarchical import _hierarchical
 from .parameter_server import _parameter_server
 from .rabenseifner import _rabenseifner
@@ -309,12 +310,7 @@ def _allreduce_auto(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
 
 
 def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None) -> _Timing | None:
-    from ..comm import private
-
-    decisions = private(comm).Get_attr(_DECISIONS_KEYVAL)
-    if decisions is None or decisions.get("generation") != _decisions_generation:
-        return None
-    return decisions.get((nbytes, dtype, op))
+    return _decisions(private(comm)).get((nbytes, dtype, op))
 
 
 def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
@@ -323,8 +319,6 @@ def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
     the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
     first call. The same on every rank, so ranks may loop on it, as
     ``hpcjobs bench`` does to time what ``auto`` settles on."""
-    from ._buffers import as_flat
-
     flat = as_flat(buf)
     timing = _decision(flat.data.nbytes, flat.dtype, op, comm)
     return timing is not None and timing.left > 0
