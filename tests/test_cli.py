@@ -55,6 +55,32 @@ def test_bench_under_mpirun_prints_the_table_and_writes_json(tmp_path):
     assert data["environment"]["ranks"] == 3 and len(data["records"]) == 12
 
 
+def test_bench_passes_print_each_pass_then_each_rows_median(tmp_path):
+    path = tmp_path / "bench.json"
+    out = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "4K", "-f", "8", "--iters", "3", "--passes", "2",
+                  "--impl", "auto,recursive_doubling,tree", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    starts = [i for i, l in enumerate(lines) if l in ("# pass 1 of 2", "# pass 2 of 2", "# median over 2 passes")]
+    assert len(starts) == 3, out.stdout
+    tables = [[l.split() for l in lines[a:b] if l and not l.startswith("#")]
+              for a, b in zip(starts, [*starts[1:], len(lines)])]
+    impls = ("auto", "recursive_doubling", "tree", "mpi")
+    for table in tables:
+        assert [(r[0], r[4]) for r in table] == [(s, i) for s in ("8", "64", "512", "4096") for i in impls]
+    for first, second, median in zip(*tables):  # times are printed to 0.1 us
+        assert float(median[5]) == pytest.approx((float(first[5]) + float(second[5])) / 2, abs=0.1)
+    # Each pass says what auto kept and how it did; then the medians' verdict.
+    assert sum(l.startswith("# auto kept: ") for l in lines) == 2
+    assert sum(l.startswith("# auto vs the best of ours: within 10% at ") for l in lines) == 2
+    assert re.search(r"^# auto vs the best of ours, medians over 2 passes: within 10% at [0-4] of 4 sizes",
+                     out.stdout, re.M), out.stdout
+    data = json.loads(path.read_text())
+    assert data["environment"]["passes"] == 2
+    assert [(str(r["size_bytes"]), r["impl"], f"{r['time_us']:.1f}") for r in data["records"]] == [
+        (r[0], r[4], r[5]) for r in tables[2]]
+
+
 @pytest.mark.parametrize("env,words", [
     ({"HPCJOBS_TIMEOUT": "soon"}, "hpcjobs: error: HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
     ({"HPCJOBS_STALL_WARNING": "-1"}, "hpcjobs: error: HPCJOBS_STALL_WARNING must be >= 0 seconds"),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
@@ -270,18 +271,38 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
         stages.clear()  # frees the device copies before the next size
         for label in runs:
-            t = max_of_medians(times[label], comm)
-            algbw = count * itemsize / t / 1e9
-            rec = Record(count * itemsize, count, dtype, op, label, size, n_iters, t * 1e6, algbw,
-                         algbw * (2 * (size - 1) / size if size > 1 else 1.0), sum_over_ranks(wrong[label], comm))
+            rec = _record(count * itemsize, count, dtype, op, label, size, n_iters,
+                          max_of_medians(times[label], comm) * 1e6, sum_over_ranks(wrong[label], comm))
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
     return records
 
 
+def _record(nbytes: int, count: int, dtype: str, op: str, impl: str, ranks: int, iters: int, time_us: float,
+            wrong: int) -> Record:
+    """A Record with its bandwidths: algbw = bytes / time, busbw = algbw·2(P-1)/P."""
+    algbw = nbytes / time_us / 1e3
+    return Record(nbytes, count, dtype, op, impl, ranks, iters, time_us, algbw,
+                  algbw * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0), wrong)
+
+
+def median_records(passes: list[list[Record]]) -> list[Record]:
+    """One record per (size, implementation) over several passes of one
+    sweep: the median of the passes' times (for an even number, the mean of
+    the middle two), bandwidths from that time, ``#wrong`` summed. In the
+    first pass's order."""
+    grouped: dict[tuple[int, str], list[Record]] = {}
+    for records in passes:
+        for r in records:
+            grouped.setdefault((r.size_bytes, r.impl), []).append(r)
+    return [_record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
+                    statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs))
+            for recs in grouped.values() for r in recs[:1]]
+
+
 def _configure(p) -> None:
-    from ..cli import nonnegative_int
+    from ..cli import nonnegative_int, positive_int
 
     add_sweep_arguments(p)
     p.add_argument("--impl", default="ring,ring_pipelined",
@@ -298,6 +319,10 @@ def _configure(p) -> None:
     p.add_argument("--op", "-o", default="sum", choices=("sum", "avg", "min", "max", "prod"))
     p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--passes", type=positive_int, default=1,
+                   help="run the whole sweep this many times, auto measuring afresh in each, then print each "
+                        "row's median over the passes (default 1). On a shared machine load comes in spells of "
+                        "seconds, longer than a row takes: one pass can catch a spell that the median rides over")
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
                    help=f"ring_pipelined segment size(s); several give one row each "
                         f"(default {format_bytes(DEFAULT_SEGMENT_BYTES)})")
@@ -363,20 +388,31 @@ def main(args) -> int:
     print0(header())
     first = {label: impl for label, impl in impls.items() if not impl.late}
     late = {label: impl for label, impl in impls.items() if impl.late}
+    passes = []
     try:
-        records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
-                      on_record=lambda r: print0(row(r)))
-        if late:
-            records += _late_pass(comm, sizes, late, records, args)
+        for n in range(args.passes):
+            if args.passes > 1:
+                select.remeasure()  # each pass measures as a fresh job would
+                print0(f"# pass {n + 1} of {args.passes}")
+            records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
+                          on_record=lambda r: print0(row(r)))
+            if late:
+                records += _late_pass(comm, sizes, late, records, args)
+            _auto_lines(records, impls, args, comm)
+            passes.append(records)
     finally:
         shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
-    for label, impl in impls.items():
-        if impl.settled is not None:  # auto, with or without +check
-            print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
-    if "auto" in impls:
-        line = auto_against_best(records)
+    records = passes[0]
+    if args.passes > 1:
+        records = median_records(passes)
+        env["passes"] = args.passes
+        print0(f"# median over {args.passes} passes")
+        print0(header())
+        for r in records:
+            print0(row(r))
+        line = auto_against_best(records) if "auto" in impls else None
         if line:
-            print0(f"# auto vs the best of ours: {line}")
+            print0(f"# auto vs the best of ours, medians over {args.passes} passes: {line}")
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:
@@ -393,6 +429,18 @@ def main(args) -> int:
             paths = write_report(args.out, records, env, f"hpcjobs bench allreduce, {comm.Get_size()} ranks", command)
             print0(f"# report written to {paths[0]}")
     return 1 if wrong else 0
+
+
+def _auto_lines(records: list[Record], impls: dict, args, comm) -> None:
+    """After a pass: what auto kept, and how far it was from our best."""
+    from ..comm import print0
+
+    for label, impl in impls.items():
+        if impl.settled is not None:  # auto, with or without +check
+            print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
+    line = auto_against_best(records) if "auto" in impls else None
+    if line:
+        print0(f"# auto vs the best of ours: {line}")
 
 
 def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:

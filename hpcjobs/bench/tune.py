@@ -14,15 +14,12 @@ table and keeps the others.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import statistics
-
 
 from ..collectives import ALGORITHMS
 from ..collectives.shm import is_single_node
-from .allreduce import Record, format_bytes, implementations, run, size_sweep
+from .allreduce import Record, format_bytes, implementations, median_records, run, size_sweep
 
 
 # Keep the current row's algorithm while it is within this factor of a size's
@@ -42,23 +39,13 @@ def _winners(records: list[Record]) -> tuple[dict[int, list[Record]], list[tuple
     return by_size, winners
 
 
-def _median_pass(passes: tuple[list[Record], ...]) -> list[Record]:
-    """One record per (size, algorithm): the median time over the passes."""
-    times: dict[tuple[int, str], list[Record]] = {}
-    for records in passes:
-        for r in records:
-            times.setdefault((r.size_bytes, r.impl), []).append(r)
-    return [dataclasses.replace(recs[0], time_us=statistics.median(r.time_us for r in recs))
-            for recs in times.values()]
-
-
 def best_rows(*passes: list[Record]) -> list[dict]:
     """Collapse per-size winners into rows: each algorithm up to the largest
     size it won (or stayed within ``STICKY`` of the winner) before the next
     one took over; the last row is unbounded. With several passes of the
     same sweep, a size's times are the medians over the passes, and a row's
     contenders include what won nearby in any single pass."""
-    by_size, winners = _winners(_median_pass(passes))
+    by_size, winners = _winners(median_records(passes))
     near = [(size, best.impl) for records in passes for size, best, _ in _winners(records)[1]]
     rows: list[dict] = []
     for size, best, second in winners:

@@ -58,7 +58,8 @@ from .shm import _shm_allreduce, is_single_node
 from .tree import _tree
 
 __all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose",
-           "flat_algorithm", "kept", "load_tuning", "same_bits", "set_tuning", "settled", "timed_rounds"]
+           "flat_algorithm", "kept", "load_tuning", "remeasure", "same_bits", "set_tuning", "settled",
+           "timed_rounds"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
@@ -132,10 +133,20 @@ _tuning_path: str | None = None
 
 def set_tuning(path: str | None) -> None:
     """Use this tuning file for ``auto`` from now on (None: ``HPCJOBS_TUNING``
-    or the built-in default). Clears cached decisions."""
-    global _tuning_path, _decisions_generation, _last
+    or the built-in default). Clears cached decisions (:func:`remeasure`)."""
+    global _tuning_path
     _tuning_path = path
     load_tuning.cache_clear()
+    remeasure()
+
+
+def remeasure() -> None:
+    """Forget what ``auto`` measured, on every communicator: its next call at
+    each size times the candidates again, as it does every
+    :data:`REMEASURE_EVERY` calls. Call it on every rank, between
+    collectives; ``hpcjobs bench --passes`` does before each pass, so that
+    each pass measures as a fresh job would."""
+    global _decisions_generation, _last
     _decisions_generation += 1
     _last = (None, None)
 

@@ -141,3 +141,21 @@ def test_auto_is_compared_with_the_fastest_of_our_other_algorithms_per_size():
                rec(32768, "mpi", 1)]
     assert auto_against_best(records) == "within 10% at 1 of 2 sizes; worst 1.11x at 32K (recursive_doubling)"
     assert auto_against_best([r for r in records if r.impl != "ring"]) is None  # one of ours: nothing to pick from
+
+
+def test_median_records_take_each_rows_median_time_and_recompute_its_bandwidths():
+    from hpcjobs.bench.allreduce import median_records
+
+    def rec(size, impl, t, wrong=0):
+        return Record(size, size // 4, "float32", "sum", impl, 4, 10, t, 0.0, 0.0, wrong)
+
+    passes = [[rec(1000, "ring", 10.0), rec(1000, "mpi", 4.0), rec(8000, "ring", 50.0, wrong=1)],
+              [rec(1000, "ring", 30.0), rec(1000, "mpi", 5.0), rec(8000, "ring", 40.0)],
+              [rec(1000, "ring", 20.0), rec(1000, "mpi", 90.0), rec(8000, "ring", 45.0, wrong=2)]]
+    got = median_records(passes)
+    assert [(r.size_bytes, r.impl, r.time_us, r.wrong) for r in got] == [
+        (1000, "ring", 20.0, 0), (1000, "mpi", 5.0, 0), (8000, "ring", 45.0, 3)]
+    ring = got[0]
+    assert ring.algbw_gbps == pytest.approx(1000 / 20e-6 / 1e9)  # 0.05 GB/s
+    assert ring.busbw_gbps == pytest.approx(ring.algbw_gbps * 2 * 3 / 4)
+    assert median_records(passes[:2])[0].time_us == 20.0  # two passes: the mean of the middle two

@@ -205,6 +205,27 @@ def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
     assert calls == ["tree", "ring"] * turns + ["ring"] * 2
 
 
+@pytest.mark.mpi(min_size=2)
+def test_remeasure_makes_auto_time_its_candidates_again_at_once(timed_table):
+    slow, calls = timed_table
+    comm = MPI.COMM_WORLD
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
+    buf = np.zeros(1000, np.int32)
+    slow["ring"] = SLOW
+    for _ in range(2 * turns + 1):
+        _reduce(comm, dtype=np.int32)
+    assert select.settled(buf, "sum", comm) and select.kept(4000, "int32", "sum", comm) == "tree"
+    select.remeasure()
+    assert not select.settled(buf, "sum", comm) and select.kept(4000, "int32", "sum", comm) is None
+    slow.clear()
+    slow["tree"] = SLOW
+    calls.clear()
+    for _ in range(2 * turns + 2):
+        _reduce(comm, dtype=np.int32)
+    assert calls == ["tree", "ring"] * turns + ["ring"] * 2
+    assert select.kept(4000, "int32", "sum", comm) == "ring"
+
+
 @pytest.mark.mpi(min_size=3)
 def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_table):
     """Their bits depend on the algorithm: the table decides, timing never."""
