@@ -23,7 +23,13 @@ block suffice, also across calls. Blocks are small enough (512 KiB by default)
 that the stages stay in the shared last-level cache: main memory sees each
 user buffer read once and written once, and all cross-rank traffic is cache
 to cache. That is why this beats message passing on one node, where every
-byte is also copied through a kernel (CMA) or a shared FIFO.
+byte is also copied through a kernel (CMA) or a shared FIFO. The price: every
+line of a stage was read by a peer two blocks before, so a store into it
+must first take the line out of that peer's cache. What that costs depends
+on where the host runs the ranks' cores; in the CI VM's slow spells those
+stores took 7x longer and this algorithm fell to a quarter of its speed,
+while a kernel copy, which reads the sender's memory and writes only the
+receiver's, slowed far less (README, "All algorithms").
 
 Cost per rank for N bytes over L ranks: 2⌈N/block_bytes⌉ barriers, no
 messages. Each rank reads N from its own buffer and (L-1)/L·N from peers'
