@@ -13,6 +13,11 @@ dtype and in any reduction order, and the expected output depends only on
 warmup, so its row shows the algorithm it settles on, as a training job
 sees it between two measurements.
 
+``--passes N`` runs the whole sweep N times, ``auto`` measuring afresh in each
+(``select.remeasure``), and ends with each row's median over the passes
+(:func:`median_records`), which is also what ``--json``/``--csv``/``--out``
+then write.
+
 Baselines that reduce device memory (nccl) work on a copy of the buffer in
 their GPU instead: the input is uploaded before each call and the result
 read back after the last, both untimed, so their rows time the collective
