@@ -301,9 +301,12 @@ def median_records(passes: list[list[Record]]) -> list[Record]:
     for records in passes:
         for r in records:
             grouped.setdefault((r.size_bytes, r.impl), []).append(r)
-    return [_record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
-                    statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs))
-            for recs in grouped.values() for r in recs[:1]]
+    out = []
+    for recs in grouped.values():
+        r = recs[0]
+        out.append(_record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
+                           statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs)))
+    return out
 
 
 def _configure(p) -> None:
@@ -407,17 +410,14 @@ def main(args) -> int:
             passes.append(records)
     finally:
         shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
-    records = passes[0]
+    records = median_records(passes)  # of one pass: its own records
     if args.passes > 1:
-        records = median_records(passes)
         env["passes"] = args.passes
         print0(f"# median over {args.passes} passes")
         print0(header())
         for r in records:
             print0(row(r))
-        line = auto_against_best(records) if "auto" in impls else None
-        if line:
-            print0(f"# auto vs the best of ours, medians over {args.passes} passes: {line}")
+        _auto_verdict(records, impls, f", medians over {args.passes} passes")
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:
@@ -443,9 +443,15 @@ def _auto_lines(records: list[Record], impls: dict, args, comm) -> None:
     for label, impl in impls.items():
         if impl.settled is not None:  # auto, with or without +check
             print0(f"# {label} kept: {kept_summary(records, label, args.dtype, args.op, comm)}")
+    _auto_verdict(records, impls)
+
+
+def _auto_verdict(records: list[Record], impls: dict, over: str = "") -> None:
+    from ..comm import print0
+
     line = auto_against_best(records) if "auto" in impls else None
     if line:
-        print0(f"# auto vs the best of ours: {line}")
+        print0(f"# auto vs the best of ours{over}: {line}")
 
 
 def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:
