@@ -74,6 +74,26 @@ setup_mpi_env() {
     if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VENV/bin/prterun" ]; then
         export OPAL_PREFIX="$VENV"
     fi
+    clean_stale_mpi_sessions
+}
+
+# Open MPI 5's mpirun (PRRTE) keeps its session in $TMPDIR/ompi.<its pid> and
+# removes it when it exits, but not when it is killed (SIGKILL, a timeout, a
+# node's OOM killer). A later mpirun that is given the same pid (pid_max is
+# 32768 on many machines) finds the old rendezvous file there and stops with
+# "The PMIx server's listener thread failed to start". Remove this user's
+# session folders whose mpirun is gone; a live one is never touched.
+clean_stale_mpi_sessions() {
+    local d pid
+    for d in "${TMPDIR:-/tmp}"/ompi.[0-9]*; do
+        [ -d "$d" ] && [ -O "$d" ] || continue
+        pid=${d##*.}
+        case "$pid" in *[!0-9]*) continue ;; esac
+        if ! kill -0 "$pid" 2>/dev/null; then
+            rm -rf -- "$d"
+        fi
+    done
+    return 0
 }
 
 # mpirun as an array, for `timeout`, which cannot run shell functions: more

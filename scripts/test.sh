@@ -54,6 +54,7 @@ summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
 mpirun_cmd
 for n in ${HPCJOBS_TEST_SIZES:-2 3 4 5}; do
     say "mpirun -n $n: pytest --with-mpi -m mpi"
+    clean_stale_mpi_sessions  # any a killed launch of the run before left
     HPCJOBS_RANK_LOG="$logs/np$n" timeout -k 15 "$timeout_s" \
         "${MPIRUN[@]}" -n "$n" scripts/rank_pytest.sh --with-mpi -m mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/np$n.log"
     rc=${PIPESTATUS[0]}
