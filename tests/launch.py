@@ -1,10 +1,13 @@
 """Launching hpcjobs as a user does: real mpirun, a clean environment.
 Imported by the command-line tests (tests/ is on sys.path via its conftest)."""
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -26,15 +29,82 @@ def _mpirun_prefix(n):
     return [exe, *over, "-n", str(n), sys.executable]
 
 
+@contextlib.contextmanager
+def launch_env(env=None):
+    """clean_env() with a TMPDIR of this launch's own, removed afterwards.
+
+    Open MPI 5's mpirun keeps its session in $TMPDIR/ompi.<its pid> and
+    removes it on exit, but not when it is killed (a test that SIGKILLs a
+    job, a timeout). A later mpirun given the same pid (pid_max is 32768
+    here, and a test run starts tens of thousands of processes) then finds
+    the old rendezvous file and fails with "The PMIx server's listener
+    thread failed to start". A private TMPDIR can hold no one else's
+    leftovers, and this launch's own go with it."""
+    with tempfile.TemporaryDirectory(prefix="hpcjobs-launch-", ignore_cleanup_errors=True) as tmp:
+        yield clean_env() | {"TMPDIR": tmp} | (env or {})
+
+
+def session_pids(sid):
+    """The processes of session ``sid``. mpirun puts every rank in a process
+    group of its own, so killing mpirun's group leaves the ranks running
+    (they go on computing, and writing files, without it); a launch started
+    with ``start_new_session=True`` keeps them all in the session that bears
+    mpirun's pid."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # state ppid pgrp session ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+def kill_session(sid):
+    """SIGKILL mpirun and every rank it started: the whole job at once, as a
+    node failure or the batch system would."""
+    for pid in session_pids(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run(cmd, timeout, env):
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout),
+    except that a launch that runs out of time is ended whole: mpirun gets
+    SIGTERM (it stops its ranks and removes its session folder), and after
+    10 s whatever is left of its session gets SIGKILL. Plain subprocess.run
+    kills mpirun alone, and its ranks would spin on for the rest of the test
+    run."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                kill_session(proc.pid)
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+        finally:
+            kill_session(proc.pid)  # ranks that outlived mpirun, if any
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def mpirun(n, *args, timeout=120, env=None):
-    return subprocess.run([*_mpirun_prefix(n), "-m", "hpcjobs", *args],
-                          capture_output=True, text=True, timeout=timeout, env=clean_env() | (env or {}))
+    with launch_env(env) as e:
+        return run([*_mpirun_prefix(n), "-m", "hpcjobs", *args], timeout, e)
 
 
 def mpirun_script(n, script, timeout=120, env=None):
     """Run a Python ``script`` (source text) on ``n`` ranks."""
-    return subprocess.run([*_mpirun_prefix(n), "-c", script],
-                          capture_output=True, text=True, timeout=timeout, env=clean_env() | (env or {}))
+    with launch_env(env) as e:
+        return run([*_mpirun_prefix(n), "-c", script], timeout, e)
 
 
 def hpcjobs(*args):

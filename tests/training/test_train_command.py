@@ -49,13 +49,11 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
     checkpoint (--checkpoint-every), resume: the final parameters, BatchNorm
     statistics and every epoch's metrics equal a run that was never stopped
     (error-feedback residuals restored too, with top-k compression)."""
-    import os
-    import signal
     import subprocess
     import time
 
     import torch
-    from launch import _mpirun_prefix, clean_env
+    from launch import _mpirun_prefix, kill_session, launch_env
 
     from hpcjobs.training.loop import CheckpointError, load_checkpoint
 
@@ -63,33 +61,36 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
               "-b", "16", "--epochs", "4", "--seed", "3", "--algorithm", "ring", "--compression", "topk:0.1",
               "--error-feedback", "--batch-norm", "--no-progress", "-q", "--checkpoint-every", "40"]
     prefix = _mpirun_prefix(2)
-    straight = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"),
-                               "--metrics", str(tmp_path / "a.jsonl")],
-                              capture_output=True, text=True, timeout=300, env=clean_env())
-    assert straight.returncode == 0, straight.stderr
-    metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
-    job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env(),
-                           start_new_session=True)
+    # The killed mpirun leaves its session folder behind: in a TMPDIR of this
+    # test's own, which launch_env removes.
+    with launch_env() as env:
+        straight = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"),
+                                   "--metrics", str(tmp_path / "a.jsonl")],
+                                  capture_output=True, text=True, timeout=300, env=env)
+        assert straight.returncode == 0, straight.stderr
+        metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
+        job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
 
-    def where():
-        try:
-            state = load_checkpoint(ckpt)
-            return state["epoch"], state["step"]
-        except (FileNotFoundError, CheckpointError):
-            return 0, 0
+        def where():
+            try:
+                state = load_checkpoint(ckpt)
+                return state["epoch"], state["step"]
+            except (FileNotFoundError, CheckpointError):
+                return 0, 0
 
-    deadline = time.monotonic() + 240
-    while where() < (2, 80):  # 2 epochs and 80 of epoch 3's 512 steps
-        assert job.poll() is None and time.monotonic() < deadline, f"the job ended at {where()}"
-        time.sleep(0.02)
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=30)
-    epoch, step = where()
-    assert epoch == 2 and step > 0, (epoch, step)  # killed mid-epoch, after a mid-epoch checkpoint
-    resumed = subprocess.run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics),
-                              "--resume"], capture_output=True, text=True, timeout=300, env=clean_env())
-    assert resumed.returncode == 0, resumed.stderr
+        deadline = time.monotonic() + 240
+        while where() < (2, 80):  # 2 epochs and 80 of epoch 3's 512 steps
+            assert job.poll() is None and time.monotonic() < deadline, f"the job ended at {where()}"
+            time.sleep(0.02)
+        kill_session(job.pid)  # mpirun and both ranks (killpg would leave the ranks running)
+        job.wait(timeout=30)
+        epoch, step = where()
+        assert epoch == 2 and step > 0, (epoch, step)  # killed mid-epoch, after a mid-epoch checkpoint
+        resumed = subprocess.run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics),
+                                  "--resume"], capture_output=True, text=True, timeout=300, env=env)
+        assert resumed.returncode == 0, resumed.stderr
     a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
     assert a["epoch"] == b["epoch"] == 4
     for k in a["model"]:
