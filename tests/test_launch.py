@@ -42,8 +42,7 @@ def _wait_for_pids(directory, n, job, deadline=60):
         assert job is None or job.poll() is None, "the job ended before its ranks started"
         assert time.monotonic() < end, "the ranks did not start"
         time.sleep(0.05)
-    time.sleep(0.1)  # the files are written whole before they are renamed, but give the ranks a moment
-    return [int(f.read_text()) for f in files]
+    return [int(f.read_text()) for f in files]  # each written whole, then renamed
 
 
 RANK_WAITS = """
