@@ -39,7 +39,8 @@ from pathlib import Path
 
 from .cli import UsageError, arguments, command, positive_int
 
-__all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "bind_gpu", "launch_command"]
+__all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "bind_gpu", "launch_command",
+           "clear_stale_mpi_sessions"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -259,6 +260,36 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     return cmd, new
 
 
+def clear_stale_mpi_sessions(tmpdir: str | None = None) -> list[Path]:
+    """Remove this user's Open MPI session folders whose ``mpirun`` is gone;
+    return them.
+
+    Open MPI 5's mpirun keeps its session in ``$TMPDIR/ompi.<its pid>`` and
+    removes it when it exits, but not when it is killed (scancel, a time
+    limit, the OOM killer). A later mpirun on that node that is given the
+    same pid finds the old rendezvous file and stops with "The PMIx server's
+    listener thread failed to start". A folder whose pid is alive is left
+    alone: a folder of ours can only belong to a live mpirun of ours.
+    ``scripts/lib.sh`` (``clean_stale_mpi_sessions``) does the same for the
+    scripts."""
+    base = Path(tmpdir or os.environ.get("TMPDIR") or "/tmp")
+    removed = []
+    for d in sorted(base.glob("ompi.*")):
+        pid = d.name.removeprefix("ompi.")
+        if not pid.isdigit() or d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live process of ours with this pid: its mpirun
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            pass  # someone else's process has the pid now: our mpirun is gone
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
 # --- commands -----------------------------------------------------------------
 
 def _render_arguments(p) -> None:
@@ -354,6 +385,11 @@ def launch_main(args) -> int:
     cmd, env = launch_command(dict(os.environ), list(args.passthrough))
     env.setdefault("MASTER_ADDR", master_address(os.environ.get("SLURM_JOB_NODELIST", "")))
     Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)
+    if cmd[0] == "mpirun":
+        stale = clear_stale_mpi_sessions(env.get("TMPDIR"))
+        if stale:
+            print(f"# removed {len(stale)} session folder(s) of killed mpiruns, which would stop an mpirun given "
+                  f"the same pid: {' '.join(map(str, stale))}", flush=True)
     print(f"# hpcjobs slurm launch: job {os.environ['SLURM_JOB_ID']}, {env['HPCJOBS_EXPECT_WORLD_SIZE']} tasks on "
           f"{os.environ.get('SLURM_JOB_NUM_NODES', '?')} node(s), results in {env['HPCJOBS_JOB_DIR']}, "
           f"MASTER_ADDR={env['MASTER_ADDR']}:{env['MASTER_PORT']}\n# {shlex.join(cmd)}", flush=True)

@@ -1,5 +1,6 @@
 """The launch harness itself: what a killed mpirun leaves behind, and that
-the tests and scripts clear it (tests/launch.py, scripts/lib.sh)."""
+the tests, the scripts and `hpcjobs slurm launch` clear it (tests/launch.py,
+scripts/lib.sh, hpcjobs.slurm.clear_stale_mpi_sessions)."""
 
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcjobs.slurm import clear_stale_mpi_sessions
 from launch import _mpirun_prefix, clean_env, kill_session, launch_env, mpirun_script, session_pids
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,9 +23,7 @@ def _clean_stale(tmpdir):
 
 
 def _dead_pid():
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
 
 
 def _alive(pid):
@@ -56,14 +56,18 @@ time.sleep(600)
 """
 
 
-def test_clean_stale_mpi_sessions_removes_the_folders_of_dead_launches_only(tmp_path):
+@pytest.mark.parametrize("where", ["scripts/lib.sh", "hpcjobs.slurm"])
+def test_clearing_stale_sessions_removes_the_folders_of_dead_launches_only(tmp_path, where):
     dead, live = tmp_path / f"ompi.{_dead_pid()}", tmp_path / f"ompi.{os.getpid()}"
     for d in (dead, live, tmp_path / "ompi.vm.0"):  # ompi.<host>.<uid> is not a launch's folder
         (d / "0").mkdir(parents=True)
         (d / "pmix.vm.tool").write_text("tcp4://127.0.0.1:1\n")
     (tmp_path / "ompi.123").write_text("a file, not a session folder")
-    out = _clean_stale(tmp_path)
-    assert out.returncode == 0, out.stderr
+    if where == "scripts/lib.sh":
+        out = _clean_stale(tmp_path)
+        assert out.returncode == 0, out.stderr
+    else:
+        assert clear_stale_mpi_sessions(str(tmp_path)) == [dead]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "ompi.vm.0", "ompi.123"])
     assert (live / "pmix.vm.tool").exists()
 

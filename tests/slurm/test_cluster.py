@@ -74,7 +74,12 @@ def jobs(cluster, tmp_path_factory):
     plan = {name: ({}, name) for name in TEMPLATES}
     # Open MPI's wheel under srun --mpi=pmi2: every rank starts alone as "0 of 1".
     plan["singletons"] = ({"HPCJOBS_SRUN_MPI": "pmi2"}, "allreduce")
-    plan["mpirun"] = ({"HPCJOBS_LAUNCHER": "mpirun"}, "allreduce")
+    # ... in a TMPDIR holding what a killed mpirun leaves (its pid is beyond
+    # pid_max, so no process has it): `slurm launch` removes it first.
+    stale = work / "tmp-mpirun" / f"ompi.{int(Path('/proc/sys/kernel/pid_max').read_text()) + 1}"
+    (stale / "0").mkdir(parents=True)
+    (stale / "pmix.node.tool").write_text("tcp4://127.0.0.1:1\n")
+    plan["mpirun"] = ({"HPCJOBS_LAUNCHER": "mpirun", "TMPDIR": str(stale.parent)}, "allreduce")
     plan["large-batch"] = ({"HPCJOBS_TRAIN_JOB": "large-batch"}, "train")
     submitted = {}
     t0 = time.monotonic()
@@ -110,7 +115,7 @@ def jobs(cluster, tmp_path_factory):
     log = ROOT / ".test-logs"
     log.mkdir(exist_ok=True)
     (log / "slurm-jobs.txt").write_text("\n".join(summary) + "\n")
-    return results
+    return results | {"stale session": stale}
 
 
 def _ok(r, bench=True):
@@ -177,6 +182,9 @@ def test_allreduce_template_launched_with_mpirun(jobs):
     r = jobs["mpirun"]
     _ok(r)
     assert "# mpirun -n 4 --map-by ppr:2:node" in r["output"]
+    assert f"# removed 1 session folder(s) of killed mpiruns, which would stop an mpirun given the same pid: " \
+        f"{jobs['stale session']}" in r["output"]
+    assert not jobs["stale session"].exists()
     assert all(row[-1] == "0" for row in _rows(r["output"]))
 
 
