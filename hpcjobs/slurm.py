@@ -281,10 +281,8 @@ def clear_stale_mpi_sessions(tmpdir: str | None = None) -> list[Path]:
         try:
             os.kill(int(pid), 0)
             continue  # a live process of ours with this pid: its mpirun
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # none, or someone else's: our mpirun is gone
             pass
-        except PermissionError:
-            pass  # someone else's process has the pid now: our mpirun is gone
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed

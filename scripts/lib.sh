@@ -86,7 +86,7 @@ setup_mpi_env() {
 clean_stale_mpi_sessions() {
     local d pid
     for d in "${TMPDIR:-/tmp}"/ompi.[0-9]*; do
-        [ -d "$d" ] && [ -O "$d" ] || continue
+        [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
         pid=${d##*.}
         case "$pid" in *[!0-9]*) continue ;; esac
         if ! kill -0 "$pid" 2>/dev/null; then
