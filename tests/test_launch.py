@@ -36,6 +36,13 @@ def _alive(pid):
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _assert_all_end(pids, within=10):
+    end = time.monotonic() + within
+    while any(map(_alive, pids)) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not any(map(_alive, pids)), [p for p in pids if _alive(p)]
+
+
 def _wait_for_pids(directory, n, job, deadline=60):
     end = time.monotonic() + deadline
     while len(files := list(directory.glob("*.pid"))) < n:
@@ -79,10 +86,7 @@ def test_kill_session_ends_mpirun_and_every_rank(tmp_path):
         ranks = _wait_for_pids(tmp_path, 2, job)
         kill_session(job.pid)
         job.wait(timeout=30)
-        end = time.monotonic() + 10
-        while any(map(_alive, ranks)) and time.monotonic() < end:
-            time.sleep(0.05)
-        assert not any(map(_alive, ranks)), ranks
+        _assert_all_end(ranks)
         session = Path(env["TMPDIR"]) / f"ompi.{job.pid}"
         assert session.is_dir()  # what a killed mpirun leaves: launch_env removes it with the TMPDIR
     assert not session.exists()
@@ -94,10 +98,7 @@ def test_a_launch_that_runs_out_of_time_is_ended_whole(tmp_path):
         mpirun_script(2, RANK_WAITS.format(d=str(tmp_path)), timeout=15)
     assert time.monotonic() - start < 15 + 10 + 10
     ranks = _wait_for_pids(tmp_path, 2, None, deadline=0)
-    end = time.monotonic() + 10
-    while any(map(_alive, ranks)) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not any(map(_alive, ranks)), ranks
+    _assert_all_end(ranks)
 
 
 def _launch_with_pid(pid, tmpdir, tries=200):
