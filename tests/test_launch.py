@@ -93,12 +93,21 @@ def test_kill_session_ends_mpirun_and_every_rank(tmp_path):
 
 
 def test_a_launch_that_runs_out_of_time_is_ended_whole(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(subprocess.TimeoutExpired):
-        mpirun_script(2, RANK_WAITS.format(d=str(tmp_path)), timeout=15)
-    assert time.monotonic() - start < 15 + 10 + 10
-    ranks = _wait_for_pids(tmp_path, 2, None, deadline=0)
-    _assert_all_end(ranks)
+    # The ranks must be running when the time runs out, and on a loaded
+    # machine starting two Python ranks can take longer than the first
+    # timeout (CI once took over 15 s): then try again with a longer one.
+    for attempt, timeout in enumerate((15, 60, 180)):
+        d = tmp_path / str(attempt)
+        d.mkdir()
+        start = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            mpirun_script(2, RANK_WAITS.format(d=str(d)), timeout=timeout)
+        assert time.monotonic() - start < timeout + 10 + 10
+        ranks = [int(f.read_text()) for f in d.glob("*.pid")]
+        _assert_all_end(ranks)  # those that had started, if not all
+        if len(ranks) == 2:
+            return
+    pytest.fail("the ranks did not start within 180 s")
 
 
 def _launch_with_pid(pid, tmpdir, tries=200):

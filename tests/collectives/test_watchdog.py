@@ -12,11 +12,26 @@ TIMEOUT = 3  # seconds, the collective timeout these jobs run with
 SLACK = 10   # the bar: every rank gone within timeout + 10 s
 
 
+# Each script calls ready() once every rank is running. The bar is timed from
+# there, not from mpirun's start: starting Python ranks on a loaded machine
+# can take longer than the bar itself (CI once took over 15 s for two).
+READY = """
+def ready():
+    import time
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Barrier()
+    if MPI.COMM_WORLD.rank == 0:
+        print("ready at", repr(time.time()), flush=True)
+"""
+
+
 def _run(script, n=3, timeout=TIMEOUT, env=None):
-    t0 = time.monotonic()
-    out = mpirun_script(n, textwrap.dedent(script), timeout=120,
+    out = mpirun_script(n, READY + textwrap.dedent(script), timeout=120,
                         env={"HPCJOBS_TIMEOUT": str(timeout), "HPCJOBS_STALL_WARNING": "1"} | (env or {}))
-    return out, time.monotonic() - t0
+    end = time.time()
+    started = re.search(r"^ready at (\S+)$", out.stdout, re.M)
+    assert started, f"the ranks never all started:\n{out.stdout}\n{out.stderr}"
+    return out, end - float(started.group(1))
 
 
 def test_a_rank_that_never_arrives_ends_the_job_after_the_timeout():
@@ -26,6 +41,7 @@ def test_a_rank_that_never_arrives_ends_the_job_after_the_timeout():
         from mpi4py import MPI
         from hpcjobs.collectives import allreduce
         x = np.ones(1000)
+        ready()
         allreduce(x)                      # everyone, once
         if MPI.COMM_WORLD.rank == 2:
             time.sleep(600)               # rank 2 never comes to the second
@@ -49,6 +65,7 @@ def test_a_rank_in_another_collective_or_holding_the_gil_is_named():
         from mpi4py import MPI
         from hpcjobs.collectives import allreduce
         x = np.ones(1000)
+        ready()
         allreduce(x, algorithm="tree")
         if MPI.COMM_WORLD.rank == 1:
             ctypes.PyDLL(None).sleep(60)   # C code that keeps the GIL: its watchdog cannot answer
@@ -74,6 +91,7 @@ def test_a_rank_killed_mid_allreduce_ends_the_job():
         from mpi4py import MPI
         from hpcjobs.collectives import allreduce
         x = np.ones(4 << 20, dtype=np.float32)
+        ready()
         if MPI.COMM_WORLD.rank == 1:
             threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
         for _ in range(100000):
@@ -90,10 +108,11 @@ def test_an_exception_on_one_rank_aborts_the_training_job():
         def fail(record):
             if MPI.COMM_WORLD.rank == 1:
                 raise RuntimeError("injected failure on rank 1")
+        ready()
         train(TrainConfig(dataset="synthetic", num_samples=512, epochs=5, quiet=True, progress=False), on_epoch=fail)
     """, n=2)
     assert out.returncode != 0
-    assert elapsed < TIMEOUT + SLACK + 20, elapsed  # + start-up and one epoch
+    assert elapsed < TIMEOUT + SLACK + 20, elapsed  # + one epoch
     assert "injected failure on rank 1" in out.stderr and "rank 1 failed in training; aborting" in out.stderr
 
 
