@@ -15,6 +15,7 @@ from hpcjobs.compression import TopKCompressor, compressed_allreduce
 
 def _raises_everywhere(call, comm, *words):
     """call() raises MismatchError on every rank, the same message, naming ``words``."""
+    comm.Barrier()  # time the check, not how far apart the ranks arrived
     t0 = time.perf_counter()
     with pytest.raises(MismatchError) as info:
         call()
