@@ -29,7 +29,10 @@ must first take the line out of that peer's cache. What that costs depends
 on where the host runs the ranks' cores; in the CI VM's slow spells those
 stores took 7x longer and this algorithm fell to a quarter of its speed,
 while a kernel copy, which reads the sender's memory and writes only the
-receiver's, slowed far less (README, "All algorithms").
+receiver's, slowed far less (README, "All algorithms"). Streaming
+(non-temporal) stores into the stages cut that toll about 3x but were
+1.4-1.9x slower in calm spells, and still trailed the ring in slow ones
+(where ``auto`` picks the ring): ordinary stores it is.
 
 Cost per rank for N bytes over L ranks: 2⌈N/block_bytes⌉ barriers, no
 messages. Each rank reads N from its own buffer and (L-1)/L·N from peers'
