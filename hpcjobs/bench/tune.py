@@ -110,6 +110,26 @@ def merge(path: str, table: dict, environment: dict) -> dict:
 PASSES = 3
 
 
+def _applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
+    """The algorithms worth timing here, and why the others are not.
+
+    On one node the hierarchical algorithm is its intra-node stage alone (the
+    ring, plus finding the topology): timing it again would only give a
+    row's contender slot to a copy of the ring (in one tune here it took the
+    last row's fourth slot from the pipelined ring, the best message-passing
+    algorithm at 64 MB in every run). shm needs every rank on one shared-memory
+    node."""
+    names, left_out = [], []
+    for name in ALGORITHMS:
+        if name == "shm" and not shared_memory:
+            left_out.append("shm: the ranks do not share one node's memory")
+        elif name == "hierarchical" and nodes == 1:
+            left_out.append("hierarchical: on one node it is its intra-node stage, the ring")
+        else:
+            names.append(name)
+    return names, left_out
+
+
 def _configure(p) -> None:
     from ..cli import positive_int
     from .allreduce import add_sweep_arguments
@@ -135,10 +155,12 @@ def main(args) -> int:
     unchecked_benchmarks()
     comm = private()
     topo = detect_private(comm)
-    names = [a for a in ALGORITHMS if a != "shm" or is_single_node(comm)]
+    names, left_out = _applicable(is_single_node(comm), topo.num_nodes)
     sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
            f"{len(names)} algorithms x {len(sizes)} sizes x {args.passes} passes")
+    for line in left_out:
+        print0(f"# left out: {line}")
     done = [0]
 
     def progress(rec):

@@ -2,8 +2,11 @@
 
 import json
 
+import pytest
+
 from hpcjobs.bench.allreduce import Record
-from hpcjobs.bench.tune import best_rows, merge
+from hpcjobs.bench.tune import _applicable, best_rows, merge
+from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.select import choose
 
 
@@ -78,3 +81,16 @@ def test_several_passes_rank_by_median_and_pool_nearby_winners():
     (alone,) = best_rows(one)
     assert alone["candidates"] == ["rd", "tree"]
     assert best_rows(one, one, one) == best_rows(one)
+
+
+@pytest.mark.parametrize("shared_memory,nodes,out", [
+    (True, 1, {"hierarchical"}),  # one node: hierarchical is the ring
+    (True, 2, set()),             # simulated nodes on one host: both apply
+    (False, 2, {"shm"}),          # real nodes: no shared memory across them
+    (False, 1, {"shm", "hierarchical"}),
+])
+def test_tune_times_only_the_algorithms_that_differ_here(shared_memory, nodes, out):
+    names, left_out = _applicable(shared_memory, nodes)
+    assert set(ALGORITHMS) - set(names) == out
+    assert names == [a for a in ALGORITHMS if a not in out]  # in ALGORITHMS' order
+    assert sorted(line.split(":")[0] for line in left_out) == sorted(out)
