@@ -1,5 +1,5 @@
-"""``hpcjobs tune``: measure every allreduce algorithm here and write the
-tuning table that ``algorithm="auto"`` reads (format in
+"""``hpcjobs tune``: measure every allreduce algorithm that applies here (see
+``_applicable``) and write the tuning table that ``algorithm="auto"`` reads (format in
 ``hpcjobs.collectives.select``).
 
 Run it once per machine or allocation shape, under the same launcher and
@@ -199,7 +199,7 @@ def main(args) -> int:
 def _register() -> None:
     from ..cli import arguments, command
 
-    command("tune", "measure every allreduce algorithm here and write the tuning table auto reads")(
+    command("tune", "measure the allreduce algorithms that apply here and write the tuning table auto reads")(
         arguments(_configure)(main))
 
 
