@@ -13,8 +13,8 @@ SLACK = 10   # the bar: every rank gone within timeout + 10 s
 
 
 # Each script calls ready() once every rank is running. The bar is timed from
-# there, not from mpirun's start: starting Python ranks on a loaded machine
-# can take longer than the bar itself (CI once took over 15 s for two).
+# there, not from mpirun's start: how long Python ranks take to start (1-2 s
+# here, more on a loaded machine) is not the watchdog's doing.
 READY = """
 def ready():
     import time

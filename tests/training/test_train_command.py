@@ -53,7 +53,7 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
     import time
 
     import torch
-    from launch import _mpirun_prefix, kill_session, launch_env
+    from launch import _mpirun_prefix, kill_session, launch_env, run
 
     from hpcjobs.training.loop import CheckpointError, load_checkpoint
 
@@ -64,9 +64,8 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
     # The killed mpirun leaves its session folder behind: in a TMPDIR of this
     # test's own, which launch_env removes.
     with launch_env() as env:
-        straight = subprocess.run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"),
-                                   "--metrics", str(tmp_path / "a.jsonl")],
-                                  capture_output=True, text=True, timeout=300, env=env)
+        straight = run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"),
+                        "--metrics", str(tmp_path / "a.jsonl")], 300, env)
         assert straight.returncode == 0, straight.stderr
         metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
         job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
@@ -88,8 +87,8 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
         job.wait(timeout=30)
         epoch, step = where()
         assert epoch == 2 and step > 0, (epoch, step)  # killed mid-epoch, after a mid-epoch checkpoint
-        resumed = subprocess.run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics),
-                                  "--resume"], capture_output=True, text=True, timeout=300, env=env)
+        resumed = run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics), "--resume"],
+                      300, env)
         assert resumed.returncode == 0, resumed.stderr
     a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
     assert a["epoch"] == b["epoch"] == 4
