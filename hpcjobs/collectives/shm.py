@@ -36,7 +36,9 @@ receiver's, slowed far less (README, "All algorithms"). Streaming
 
 Cost per rank for N bytes over L ranks: 2⌈N/block_bytes⌉ barriers, no
 messages. Each rank reads N from its own buffer and (L-1)/L·N from peers'
-stages, and writes N into its stage and N into its own buffer.
+stages, and writes N into its stage and N into its own buffer. (One
+barrier per block, staging block k's result with block k+1's pieces,
+measured no faster: the barriers are not what costs.)
 
 The same stages give :func:`shm_reduce_scatter` and :func:`shm_allgather`,
 the intra-node halves used by ``hierarchical_allreduce(intra="shm")``.
