@@ -25,9 +25,11 @@ neighbours share), so a table measured a minute ago can be wrong by 3x now.
 The first calls at a size run each candidate in turn: twice untimed (the
 first calls on a buffer pay for allocation and cold caches), then
 :func:`timed_rounds` times (5, or 15 for small messages), each call timed
-from a barrier; then one small ``MPI_Allreduce`` (maximum over ranks) of
-those times gives every rank the same numbers, and every rank keeps the
-candidate with the lowest median time. It measures again every
+from a barrier, in a fresh order each round, as ``hpcjobs bench`` times
+(what ran just before a call changes its time); then one small
+``MPI_Allreduce`` (maximum over ranks) of those times gives every rank the
+same numbers, and every rank keeps the candidate with the lowest median
+time. It measures again every
 :data:`REMEASURE_EVERY` calls at that size. Horovod's autotuner times its
 own settings online the same way.
 Only candidates that give bitwise the same result are compared (every
@@ -42,6 +44,7 @@ import bisect
 import functools
 import json
 import os
+import random
 from typing import Callable
 
 import numpy as np
@@ -118,6 +121,23 @@ SMALL_TIMED_ROUNDS, SMALL_BYTES = 15, 16 << 10
 def timed_rounds(nbytes: int) -> int:
     """Timed calls of each candidate in one measurement at ``nbytes``."""
     return SMALL_TIMED_ROUNDS if nbytes <= SMALL_BYTES else TIMED_ROUNDS
+
+
+def _turn_order(n: int, rounds: int) -> list[int]:
+    """Which of ``n`` candidates each call of a measurement runs:
+    :data:`UNTIMED_TURNS` + ``rounds`` rounds, each every candidate once, in
+    an order shuffled per round by a generator with a fixed seed, so every
+    rank agrees. In a fixed order each candidate always follows the same
+    one, and what ran just before changes a call's time: here the
+    shared-memory algorithm lost measurements at 4 and 64 MB in a fixed
+    order that it won in a shuffled one (README, "auto"). The bench
+    (:func:`hpcjobs.bench.harness.time_interleaved`) shuffles too."""
+    shuffle, order = random.Random(n).shuffle, []
+    for _ in range(UNTIMED_TURNS + rounds):
+        turn = list(range(n))
+        shuffle(turn)
+        order += turn
+    return order
 
 
 def flat_algorithm(name: str) -> Callable:
@@ -230,20 +250,22 @@ class _Timing:
     this VM fresh pages stay slow for a few passes), then
     :func:`timed_rounds` rounds of one timed call each, every call started
     together (barrier) so that a rank still finishing the previous call does
-    not count against the next. After the last one the times are maxed over
+    not count against the next; each round in its own order
+    (:func:`_turn_order`). After the last one the times are maxed over
     ranks and the candidate with the lowest median kept, until
     :data:`REMEASURE_EVERY` calls after the measurement began (at least one
     call: :func:`settled` must become true). ``left`` counts the calls to go
     before the next measurement.
     """
 
-    __slots__ = ("names", "fns", "fn", "rounds", "times", "left", "turn")
+    __slots__ = ("names", "fns", "fn", "rounds", "order", "times", "left", "turn")
 
     def __init__(self, names: list[str], nbytes: int):
         self.names = names
         self.fns = [_INTERNAL[n] for n in names]
         self.fn = self.fns[0]
         self.rounds = timed_rounds(nbytes)
+        self.order = _turn_order(len(names), self.rounds) if len(names) > 1 else []
         self.times = np.zeros((self.rounds, len(names)))
         self.left = 0 if len(names) > 1 else float("inf")
         self.turn = 0
@@ -257,15 +279,15 @@ class _Timing:
         """One call of the measurement, in the candidates' turn order."""
         n, k = len(self.fns), self.turn
         self.turn += 1
+        j = self.order[k]
         if k < UNTIMED_TURNS * n:
-            self.fns[k % n](flat, op, comm)
+            self.fns[j](flat, op, comm)
             return
-        k -= UNTIMED_TURNS * n
         comm.Barrier()
         t0 = MPI.Wtime()
-        self.fns[k % n](flat, op, comm)
-        self.times[k // n, k % n] = MPI.Wtime() - t0
-        if k == self.rounds * n - 1:  # the last turn: agree on the fastest
+        self.fns[j](flat, op, comm)
+        self.times[k // n - UNTIMED_TURNS, j] = MPI.Wtime() - t0
+        if k == len(self.order) - 1:  # the last turn: agree on the fastest
             comm.Allreduce(MPI.IN_PLACE, self.times, op=MPI.MAX)
             # The median, not the best round: the shared-memory algorithm
             # swings between fast and 3x slower calls in a busy spell, and

@@ -159,6 +159,11 @@ def timed_table(tmp_path_factory, monkeypatch):
     set_tuning(None)
 
 
+def _measuring(names, nbytes=4000):
+    """The calls of one measurement of ``names`` at ``nbytes``, in auto's order."""
+    return [names[j] for j in select._turn_order(len(names), select.timed_rounds(nbytes))]
+
+
 def _reduce(comm, n=1000, dtype=np.float32):
     buf = np.full(n, comm.Get_rank() + 1, dtype=dtype)
     allreduce(buf, "sum", "auto", comm)
@@ -183,7 +188,7 @@ def test_auto_times_its_candidates_and_every_rank_keeps_the_same_one(timed_table
     assert not select.settled(buf, "max", comm) and not select.settled(buf[:10], "sum", comm)
     for _ in range(5):
         _reduce(comm, dtype=np.int32)
-    assert calls[:2 * turns] == ["tree", "ring"] * turns
+    assert calls[:2 * turns] == _measuring(["tree", "ring"])
     assert calls[2 * turns:] == ["ring"] * 5
 
 
@@ -196,13 +201,13 @@ def test_auto_measures_again_and_follows_a_change(timed_table, monkeypatch):
     slow["ring"] = SLOW
     for _ in range(40):
         _reduce(comm, dtype=np.int32)
-    assert calls[:2 * turns] == ["tree", "ring"] * turns and calls[2 * turns:40] == ["tree"] * (40 - 2 * turns)
+    assert calls[:2 * turns] == _measuring(["tree", "ring"]) and calls[2 * turns:40] == ["tree"] * (40 - 2 * turns)
     del slow["ring"]
     slow["tree"] = SLOW
     calls.clear()
     for _ in range(2 * turns + 2):
         _reduce(comm, dtype=np.int32)
-    assert calls == ["tree", "ring"] * turns + ["ring"] * 2
+    assert calls == _measuring(["tree", "ring"]) + ["ring"] * 2
 
 
 @pytest.mark.mpi(min_size=2)
@@ -222,7 +227,7 @@ def test_remeasure_makes_auto_time_its_candidates_again_at_once(timed_table):
     calls.clear()
     for _ in range(2 * turns + 2):
         _reduce(comm, dtype=np.int32)
-    assert calls == ["tree", "ring"] * turns + ["ring"] * 2
+    assert calls == _measuring(["tree", "ring"]) + ["ring"] * 2
     assert select.kept(4000, "int32", "sum", comm) == "ring"
 
 
@@ -239,7 +244,45 @@ def test_auto_keeps_the_tables_choice_for_float_sums_over_three_ranks(timed_tabl
     turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
     for _ in range(2 * turns + 6):  # integers: any algorithm gives the same bits, so it is timed
         _reduce(comm, dtype=np.int32)
-    assert calls == ["tree", "ring"] * turns + ["ring"] * 6
+    assert calls == _measuring(["tree", "ring"]) + ["ring"] * 6
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_auto_times_its_candidates_in_a_fresh_order_each_round(n):
+    """Every round runs every candidate once; over the timed rounds no
+    candidate always comes right after the same one (what ran just before a
+    call changes its time); and the order is fixed, so every rank has it."""
+    rounds = select.TIMED_ROUNDS
+    order = select._turn_order(n, rounds)
+    turns = select.UNTIMED_TURNS + rounds
+    assert len(order) == n * turns
+    assert all(sorted(order[i * n:(i + 1) * n]) == list(range(n)) for i in range(turns))
+    timed = order[select.UNTIMED_TURNS * n - 1:]  # with the call before the first timed one
+    after = {c: {timed[i - 1] for i in range(1, len(timed)) if timed[i] == c} for c in range(n)}
+    assert all(len(before) > 1 for before in after.values()), after
+    assert select._turn_order(n, rounds) == order
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_time_counts_for_the_candidate_that_ran_not_its_place_in_the_round(timed_table, monkeypatch):
+    """Every round reversed, so the first call of each round is ring's: its
+    slow times must count against ring, and tree be kept."""
+    slow, calls = timed_table
+    comm = MPI.COMM_WORLD
+    monkeypatch.setattr(select, "_turn_order",
+                        lambda n, rounds: [j for _ in range(select.UNTIMED_TURNS + rounds) for j in reversed(range(n))])
+    slow["ring"] = SLOW
+    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
+    for _ in range(2 * turns + 3):
+        _reduce(comm, dtype=np.int32)
+    assert calls == ["ring", "tree"] * turns + ["tree"] * 3
+    assert select.kept(4000, "int32", "sum", comm) == "tree"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_times_the_candidates_in_the_same_order(comm):
+    mine = select._turn_order(4, select.SMALL_TIMED_ROUNDS)
+    assert all(theirs == mine for theirs in comm.allgather(mine))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -252,6 +295,5 @@ def test_bench_times_what_auto_settles_on_not_its_measuring_calls(timed_table):
     slow["tree"] = SLOW
     comm = MPI.COMM_WORLD
     (record,) = run(comm, [4096], implementations(["auto"]), dtype="int32", iters=5, warmup=1)
-    turns = select.UNTIMED_TURNS + select.timed_rounds(4000)
-    assert calls == ["tree", "ring"] * turns + ["ring"] * 6  # then warmup + iters
+    assert calls == _measuring(["tree", "ring"], 4096) + ["ring"] * 6  # then warmup + iters
     assert record.wrong == 0 and record.iters == 5
