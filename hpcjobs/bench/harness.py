@@ -3,12 +3,13 @@ nccl-tests way (each rank's median, then the maximum over ranks)."""
 
 from __future__ import annotations
 
-import random
 import statistics
 from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
+
+from ..collectives.select import shuffled_rounds
 
 
 def auto_iters(nbytes: int) -> int:
@@ -27,7 +28,9 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str
     ``reset(label); barrier; run()``, timing only ``run``. Interleaving matters on
     a shared machine: load that comes and goes then hits every implementation
     alike instead of whichever ran its block of iterations at the time. The
-    order is a fresh permutation every round (seeded, so every rank agrees),
+    order is a fresh permutation every round
+    (:func:`hpcjobs.collectives.select.shuffled_rounds`, as ``auto`` times its
+    candidates: seeded, so every rank agrees),
     because what ran just before matters: a pipelined ring's segmented
     rendezvous sends slowed whatever followed by ~10% here, and the shared-
     memory algorithm ran 3-4x faster or slower depending on its predecessor.
@@ -43,14 +46,14 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str
     """
     times: dict[str, list[float]] = {label: [] for label in runs}
     wrong: dict[str, int] = {}
-    order = list(runs.items())
-    for i in range(warmup + iters):
-        random.Random(i).shuffle(order)
-        for label, run in order:
+    labels = list(runs)
+    for i, turn in enumerate(shuffled_rounds(len(labels), warmup + iters)):
+        for j in turn:
+            label = labels[j]
             reset(label)
             comm.Barrier()
             t0 = MPI.Wtime()
-            run()
+            runs[label]()
             t1 = MPI.Wtime()
             if i >= warmup:
                 times[label].append(t1 - t0)

@@ -62,7 +62,7 @@ from .tree import _tree
 
 __all__ = ["ALGORITHMS", "DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose",
            "flat_algorithm", "kept", "load_tuning", "remeasure", "same_bits", "set_tuning", "settled",
-           "timed_rounds"]
+           "shuffled_rounds", "timed_rounds"]
 
 # name -> internal fn(flat, op, private_comm); "auto" is resolved by _allreduce_auto.
 _INTERNAL: dict[str, Callable] = {
@@ -123,21 +123,26 @@ def timed_rounds(nbytes: int) -> int:
     return SMALL_TIMED_ROUNDS if nbytes <= SMALL_BYTES else TIMED_ROUNDS
 
 
-def _turn_order(n: int, rounds: int) -> list[int]:
-    """Which of ``n`` candidates each call of a measurement runs:
-    :data:`UNTIMED_TURNS` + ``rounds`` rounds, each every candidate once, in
-    an order shuffled per round by a generator with a fixed seed, so every
-    rank agrees. In a fixed order each candidate always follows the same
-    one, and what ran just before changes a call's time: here the
+def shuffled_rounds(n: int, rounds: int) -> list[list[int]]:
+    """``rounds`` orders of ``range(n)``, each shuffled afresh by one
+    generator with a fixed seed, so every rank gets the same ones: the order
+    in which ``auto`` and the benchmarks time several implementations, round
+    after round. In a fixed order each one would always follow the same
+    other, and what ran just before changes a call's time: here the
     shared-memory algorithm lost measurements at 4 and 64 MB in a fixed
-    order that it won in a shuffled one (README, "auto"). The bench
-    (:func:`hpcjobs.bench.harness.time_interleaved`) shuffles too."""
-    shuffle, order = random.Random(n).shuffle, []
-    for _ in range(UNTIMED_TURNS + rounds):
+    order that it won in a shuffled one (README, "auto")."""
+    shuffle, orders = random.Random(n).shuffle, []
+    for _ in range(rounds):
         turn = list(range(n))
         shuffle(turn)
-        order += turn
-    return order
+        orders.append(turn)
+    return orders
+
+
+def _turn_order(n: int, rounds: int) -> list[int]:
+    """Which of ``n`` candidates each call of a measurement runs:
+    :data:`UNTIMED_TURNS` + ``rounds`` rounds of :func:`shuffled_rounds`."""
+    return [j for turn in shuffled_rounds(n, UNTIMED_TURNS + rounds) for j in turn]
 
 
 def flat_algorithm(name: str) -> Callable:
