@@ -29,9 +29,8 @@ from a barrier, in a fresh order each round, as ``hpcjobs bench`` times
 (what ran just before a call changes its time); then one small
 ``MPI_Allreduce`` (maximum over ranks) of those times gives every rank the
 same numbers, and every rank keeps the candidate with the lowest median
-time. It measures again every
-:data:`REMEASURE_EVERY` calls at that size. Horovod's autotuner times its
-own settings online the same way.
+time. It measures again every :data:`REMEASURE_EVERY` calls at that size.
+Horovod's autotuner times its own settings online the same way.
 Only candidates that give bitwise the same result are compared (every
 algorithm does for min and max, for integers, and at two ranks), so which
 one wins never changes a run's numbers; floating-point sums over three or
