@@ -44,6 +44,30 @@ The same stages give :func:`shm_reduce_scatter` and :func:`shm_allgather`,
 the intra-node halves used by ``hierarchical_allreduce(intra="shm")``.
 Windows are allocated on first use per communicator, reused by every later
 call, and freed when the communicator is freed.
+
+**Zero-copy, on symmetric buffers.** The staging above exists because the
+user's buffer is private memory. A buffer from
+:func:`hpcjobs.collectives.symmetric.symmetric_empty` already lies in a shared
+window, so when every rank passes one at the same offset of the same
+allocation, on rank r of L:
+
+1. Agree: one small ``MPI_Allreduce`` of (allocation, offset, bytes) tells every
+   rank that every rank holds one; it is also the barrier after which every
+   rank's input is in place. (Skipped, on every rank alike, where no live
+   allocation spans the communicator: the staged path's cost is unchanged.)
+2. Reduce shard r in place, adding the peers' shard r straight out of their
+   buffers (the same order as the staged path, so the same bits); for avg,
+   divide it.
+3. Barrier.
+4. Copy every other shard from its owner's buffer.
+5. Barrier: no peer is still reading this rank's buffer when the call returns.
+
+Cost per rank: 1 small allreduce and 2 barriers, no messages; each rank
+reads (L-1)/L·N from its peers twice and N/L of its own, and writes N into its
+own buffer, against 2N stores for the staged path. At 2 ranks on the CI
+machine that was 1.8x ``MPI_Allreduce`` at 16 MB and 2.6x at 64 MB, against
+1.1x and 1.9x staged (README, "Symmetric buffers"). Anything else (one rank
+with a private array, another offset) runs the staged path on every rank.
 """
 
 from __future__ import annotations
@@ -53,6 +77,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from . import symmetric
 from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "shm_allreduce", "shm_reduce_scatter", "shm_allgather", "is_single_node"]
@@ -131,10 +156,7 @@ def _windows(comm: MPI.Intracomm, block_bytes: int) -> _Windows:
 
 
 def _sync(comm: MPI.Intracomm, state: _Windows) -> None:
-    # MPI-3 shared-memory idiom: make my stores visible, meet, see theirs.
-    state.win.Sync()
-    comm.Barrier()
-    state.win.Sync()
+    _sync_win(comm, state.win)
 
 
 class _Plan:
@@ -159,8 +181,68 @@ class _Plan:
         return stage[start:start + n * dtype.itemsize].view(dtype)
 
 
+def _zero_copy(flat: Flat, comm: MPI.Intracomm):
+    """Step 1 of the zero-copy path: ``(allocation, every rank's buffer as
+    typed views in comm's rank order)`` if every rank holds its buffer at the
+    same place of one symmetric allocation spanning ``comm``, else None (the
+    same answer on every rank)."""
+    if not symmetric.spans(comm):
+        return None
+    found = symmetric.locate(flat.data, comm)
+    alloc_id, offset = (found[0].id, found[1]) if found is not None else (-1, -1)
+    if found is not None:
+        found[0].win.Sync()  # my input's stores visible before the others may read it
+    # The byte count too: with the agreement check off, ranks could differ in
+    # it, and a view sliced past a peer's segment would come out short.
+    dtype, n = flat.data.dtype, flat.nbytes
+    local = np.array([alloc_id, offset, n, -alloc_id, -offset, -n], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MIN)  # also the opening barrier
+    if local[0] < 0 or (local[:3] != -local[3:]).any():
+        return None
+    alloc = found[0]
+    alloc.win.Sync()
+    return alloc, [seg[offset:offset + n].view(dtype) for seg in symmetric.peer_segments(alloc, comm)]
+
+
+def _two_shot(flat: Flat, op: str, comm: MPI.Intracomm, win: MPI.Win, bufs: list, block_bytes: int,
+              reduce_only: bool, gather_only: bool) -> None:
+    """Steps 2-5 of the zero-copy path (module docstring); ``bufs[p]`` is
+    rank p's buffer, ``bufs[rank]`` this rank's own."""
+    size, r = comm.Get_size(), comm.Get_rank()
+    bounds, data = chunk_bounds(flat.count, size), flat.data
+    others = [q for q in range(size) if q != r]
+    if not gather_only:
+        reduce = reducer(op, flat.dtype)
+        step = max(1, block_bytes // flat.itemsize)  # a block stays in cache across the peers' adds
+        for lo in range(bounds[r], bounds[r + 1], step):
+            hi = min(lo + step, bounds[r + 1])
+            own = data[lo:hi]
+            for p in others:
+                reduce(own, bufs[p][lo:hi])
+            if op == "avg":
+                finish_avg(own, flat.dtype, size)
+        if not reduce_only:
+            _sync_win(comm, win)
+    if not reduce_only:
+        for q in others:
+            data[bounds[q]:bounds[q + 1]] = bufs[q][bounds[q]:bounds[q + 1]]
+    _sync_win(comm, win)
+
+
+def _sync_win(comm: MPI.Intracomm, win: MPI.Win) -> None:
+    # MPI-3 shared-memory idiom: make my stores visible, meet, see theirs.
+    win.Sync()
+    comm.Barrier()
+    win.Sync()
+
+
 def _shm(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BLOCK_BYTES,
          reduce_only: bool = False, gather_only: bool = False) -> None:
+    zero_copy = _zero_copy(flat, comm)
+    if zero_copy is not None:
+        alloc, bufs = zero_copy
+        _two_shot(flat, op, comm, alloc.win, bufs, block_bytes, reduce_only, gather_only)
+        return
     state = _windows(comm, block_bytes)
     plan = _Plan(flat, comm, block_bytes)
     r, data = plan.rank, flat.data
