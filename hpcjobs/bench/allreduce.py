@@ -39,7 +39,7 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, allreduce, ring_allreduce, select
+from ..collectives import ALGORITHMS, allreduce, ring_allreduce, select, symmetric_empty, symmetric_free
 from ..collectives._buffers import as_flat, finish_avg
 from ..collectives.agreement import set_checks
 from ..collectives.ring import DEFAULT_SEGMENT_BYTES
@@ -218,17 +218,24 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
-def _make_buffer(count: int, dtype: str, framework: str):
-    if framework == "torch" or dtype == "bfloat16":
-        import torch
+BUFFERS = ("private", "symmetric")
 
-        return torch.empty(count, dtype=getattr(torch, dtype))
-    return np.empty(count, dtype=dtype)
+
+def _make_buffer(count: int, dtype: str, framework: str, buffers: str = "private", comm=None):
+    """The size's one buffer, which every row reduces: private memory, or
+    (``buffers="symmetric"``, collective) a symmetric allocation, on which
+    shm takes its zero-copy path and the rest run as on any memory."""
+    torch_buffer = framework == "torch" or dtype == "bfloat16"
+    if torch_buffer:
+        import torch
+    if buffers == "symmetric":
+        return symmetric_empty(count, getattr(torch, dtype) if torch_buffer else dtype, comm)
+    return torch.empty(count, dtype=getattr(torch, dtype)) if torch_buffer else np.empty(count, dtype=dtype)
 
 
 def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], dtype: str = "float32",
         op: str = "sum", iters: int | None = None, warmup: int = 3, framework: str = "numpy",
-        on_record: Callable[[Record], None] | None = None) -> list[Record]:
+        on_record: Callable[[Record], None] | None = None, buffers: str = "private") -> list[Record]:
     """Measure every implementation at every size; return one Record each.
 
     Args:
@@ -240,6 +247,9 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         warmup: untimed iterations first.
         framework: "numpy" or "torch" buffers (bfloat16 is always torch).
         on_record: called with each record as soon as it is measured.
+        buffers: "private" (ordinary arrays) or "symmetric" (every size's
+            buffer from :func:`hpcjobs.collectives.symmetric_empty`, freed
+            after it: needs one node).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     records = []
@@ -248,7 +258,7 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         count = nbytes // itemsize
         if count == 0:
             continue
-        buf = _make_buffer(count, dtype, framework)
+        buf = _make_buffer(count, dtype, framework, buffers, comm)
         flat = as_flat(buf)
         pristine = make_input(count, dtype, op, rank)
         want = expected_output(count, dtype, op, size)
@@ -281,6 +291,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
+        if buffers == "symmetric":
+            symmetric_free(buf)  # collective; nothing here uses buf after
     return records
 
 
@@ -326,6 +338,10 @@ def _configure(p) -> None:
     p.add_argument("--dtype", "-d", default="float32", choices=("float16", "float32", "float64", "int32", "int64", "bfloat16"))
     p.add_argument("--op", "-o", default="sum", choices=("sum", "avg", "min", "max", "prod"))
     p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
+    p.add_argument("--buffers", default="private", choices=BUFFERS,
+                   help="private: ordinary arrays (default); symmetric: every size's buffer in shared memory "
+                        "(symmetric_empty, one node), where shm reduces straight out of the peers' buffers "
+                        "instead of staging; every row runs on that same buffer")
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--passes", type=positive_int, default=1,
                    help="run the whole sweep this many times, auto measuring afresh in each, then print each "
@@ -371,6 +387,11 @@ def main(args) -> int:
     sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
 
     comm = private()
+    if args.buffers == "symmetric":
+        from ..collectives.shm import is_single_node
+
+        if not is_single_node(comm):
+            raise UsageError("--buffers symmetric needs every rank on one node (symmetric buffers are shared memory)")
     skipped = {}
     for name in base:
         reason = available(name, comm)
@@ -386,7 +407,7 @@ def main(args) -> int:
     topo = detect_private(comm)  # what the hierarchical and auto rows see
     env["nodes"] = f"{topo.num_nodes} ({topo.source}; ranks per node {','.join(map(str, topo.local_sizes))})"
     for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
-                              f"{args.framework} buffers; time = max over ranks of each rank's median"):
+                              f"{args.framework} buffers ({args.buffers}); time = max over ranks of each rank's median"):
         print0(line)
     for name, reason in skipped.items():
         print0(f"# {name}: skipped: {reason}")
@@ -403,7 +424,7 @@ def main(args) -> int:
                 select.remeasure()  # each pass measures as a fresh job would
                 print0(f"# pass {n + 1} of {args.passes}")
             records = run(comm, sizes, first, args.dtype, args.op, args.iters, args.warmup, args.framework,
-                          on_record=lambda r: print0(row(r)))
+                          on_record=lambda r: print0(row(r)), buffers=args.buffers)
             if late:
                 records += _late_pass(comm, sizes, late, records, args)
             _auto_lines(records, impls, args, comm)
@@ -505,7 +526,8 @@ def _late_pass(comm, sizes, late: dict, first_records: list, args) -> list:
     for label in sorted(late, key=LATE_BASELINES.index):
         anchor = {"mpi (anchor)": Impl(*BASELINES["mpi"])}
         recs = run(comm, sizes, {label: late[label], **anchor}, args.dtype, args.op, args.iters, args.warmup,
-                   args.framework, on_record=lambda r: print0(row(r)) if r.impl in late else None)
+                   args.framework, on_record=lambda r: print0(row(r)) if r.impl in late else None,
+                   buffers=args.buffers)
         drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
                        if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
         if drift:

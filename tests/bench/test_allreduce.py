@@ -72,6 +72,24 @@ def test_bench_records_zero_wrong_for_every_implementation(dtype, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_symmetric_buffers_run_every_row_and_shm_without_staging(dtype, monkeypatch):
+    from hpcjobs.collectives import shm
+    from hpcjobs.collectives.symmetric import _ALLOCATIONS
+
+    calls = []
+    real = shm._two_shot
+    monkeypatch.setattr(shm, "_two_shot", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    comm = MPI.COMM_WORLD
+    impls = implementations(["shm", "ring", "auto", "mpi"])
+    records = run(comm, [4096, 1 << 20], impls, dtype, "sum", iters=2, warmup=1, buffers="symmetric")
+    assert {r.impl for r in records} == {"shm", "ring", "auto"} | ({"mpi"} if mpi_supports(dtype) else set())
+    assert all(r.wrong == 0 for r in records)
+    assert len(calls) >= 2 * (2 + 1)  # shm's row: warmup + iters at both sizes, zero-copy every time
+    assert _ALLOCATIONS == []  # each size's buffer freed after it
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_wrong_implementation_is_counted():
     comm = MPI.COMM_WORLD
 
