@@ -203,3 +203,22 @@ def test_torch_dtypes_give_tensors_over_the_window():
     assert isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.shape == (2, 3)
     assert is_symmetric(t)
     symmetric_free(t)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("count", [7, 100_003])
+def test_hierarchical_intra_node_stage_runs_zero_copy(count, zero_copy_calls):
+    from hpcjobs.collectives import hierarchical_allreduce
+    from hpcjobs.topology import detect
+
+    world = MPI.COMM_WORLD
+    topo = detect(ranks_per_node=2)
+    buf = symmetric_empty(count, np.float64)
+    buf[...] = np.arange(count) + world.Get_rank()
+    want = buf.copy()
+    world.Allreduce(MPI.IN_PLACE, want)
+    hierarchical_allreduce(buf, "sum", topology=topo, intra="shm")
+    np.testing.assert_array_equal(buf, want)
+    if world.Get_size() % 2 == 0:  # equal nodes: reduce-scatter and allgather inside each, both zero-copy
+        assert len(zero_copy_calls) == 2
+    symmetric_free(buf)
