@@ -53,7 +53,7 @@ __all__ = ["symmetric_empty", "symmetric_free", "is_symmetric", "spans", "locate
 class _Allocation:
     """One symmetric allocation: a shared window and every rank's segment."""
 
-    id: int  # the same on every rank of comm, and never reused by a rank (see _next_id)
+    id: int  # the same on every rank of comm, and never reused by a rank (see _last_id)
     win: MPI.Win
     comm: MPI.Intracomm  # the private communicator it was made on
     base: int  # address of this rank's segment
