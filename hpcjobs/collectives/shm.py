@@ -156,10 +156,6 @@ def _windows(comm: MPI.Intracomm, block_bytes: int) -> _Windows:
     return state
 
 
-def _sync(comm: MPI.Intracomm, state: _Windows) -> None:
-    _sync_win(comm, state.win)
-
-
 class _Plan:
     """Where block k's pieces lie: piece q of block k is elements
     ``[shard_q + k·piece, min(shard_q + (k+1)·piece, shard_end_q))``."""
@@ -259,7 +255,7 @@ def _shm(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BL
             for q in others:  # 1. publish what the others reduce
                 qlo, qhi = plan.piece_range(q, k)
                 plan.staged(mine, flat, q, qhi - qlo)[...] = data[qlo:qhi]
-            _sync(comm, state)
+            _sync_win(comm, state.win)
             for p in others:  # 3. reduce my piece out of their stages
                 reduce(own, plan.staged(state.stages[p][s], flat, r, hi - lo))
             if op == "avg":
@@ -267,7 +263,7 @@ def _shm(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BL
             if reduce_only:
                 continue
         plan.staged(mine, flat, r, hi - lo)[...] = own
-        _sync(comm, state)
+        _sync_win(comm, state.win)
         for q in others:  # 5. fetch the others' results
             qlo, qhi = plan.piece_range(q, k)
             data[qlo:qhi] = plan.staged(state.stages[q][s], flat, q, qhi - qlo)
