@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 
+import numpy as np
 from mpi4py import MPI
 
-__all__ = ["world", "private", "is_root", "print0", "expect_world_size", "agree"]
+__all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree"]
 
 
 def _free_private(comm, keyval, attr):
@@ -72,16 +74,36 @@ def world() -> MPI.Intracomm:
     return private(MPI.COMM_WORLD)
 
 
-def agree(values, comm: MPI.Comm):
-    """Which of ``values`` (a 1-D numeric numpy array, the same length on
-    every rank) are equal on every rank of ``comm``: one MIN and one MAX
-    allreduce, a boolean array. Collective."""
-    import numpy as np
+def signature(values) -> np.ndarray:
+    """``values`` as int64s that ranks can compare with one allreduce:
+    integers as they are, True/False as 1/0, None as -1, anything else
+    (strings, dtypes, reprs) as the crc32 of its text."""
+    return np.array([_code(v) for v in values], dtype=np.int64)
 
-    values = np.ascontiguousarray(values)
-    lo, hi = np.empty_like(values), np.empty_like(values)
-    comm.Allreduce(values, lo, op=MPI.MIN)
-    comm.Allreduce(values, hi, op=MPI.MAX)
+
+def _code(value) -> int:
+    if isinstance(value, bool) or value is None:
+        return int(bool(value)) - (value is None)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return zlib.crc32(str(value).encode())
+
+
+def extremes(values, comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
+    """The smallest and the largest of each of ``values`` (signed integers or
+    floats, the same length and dtype on every rank) over the ranks of
+    ``comm``: one MIN allreduce of ``[v, -v]``. Collective."""
+    v = np.asarray(values).reshape(-1)
+    both = np.concatenate([v, -v])
+    out = np.empty_like(both)
+    comm.Allreduce(both, out, op=MPI.MIN)
+    return out[:v.size], -out[v.size:]
+
+
+def agree(values, comm: MPI.Comm) -> np.ndarray:
+    """Which of ``values`` (as for :func:`extremes`; e.g. a :func:`signature`)
+    are equal on every rank of ``comm``: a boolean array. Collective."""
+    lo, hi = extremes(values, comm)
     return lo == hi
 
 
@@ -119,30 +141,3 @@ def expect_world_size(comm: MPI.Comm | None = None) -> None:
             f"MPI world size is {comm.Get_size()} but HPCJOBS_EXPECT_WORLD_SIZE={want}: the "
             "ranks did not find each other (wrong launcher or srun --mpi plugin for this MPI?)"
         )
-
-
-def _configure_info(parser) -> None:
-    parser.add_argument("--all-ranks", action="store_true", help="print a line from every rank, not only rank 0")
-
-
-def _info(args) -> int:
-    """``hpcjobs info``: who is who in this job, to check a launch before a long run."""
-    from .bench.report import environment, preamble
-
-    comm = MPI.COMM_WORLD
-    for line in preamble(environment(comm), "hpcjobs info"):
-        print0(line)
-    lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}", root=0)
-    if args.all_ranks and comm.Get_rank() == 0:
-        print("\n".join(lines), flush=True)
-    return 0
-
-
-def _register() -> None:
-    from .cli import arguments, command
-
-    command("info", "print the MPI library, versions and world size (every rank with --all-ranks)")(
-        arguments(_configure_info)(_info))
-
-
-_register()

@@ -1,18 +1,10 @@
 """The alpha-beta-gamma cost model: measure the machine, predict each
-algorithm, compare with what it actually does; ``hpcjobs model``.
+algorithm, compare with what it actually does (``hpcjobs model`` prints it).
 
 A message of n bytes costs α + n·β (α: latency, β: seconds per byte on the
-wire) and reducing n bytes costs n·γ (Hockney's model with Thakur &
-Gropp's reduction term). For N bytes over P ranks (p2 = largest power of two
-<= P; folding a non-power of two adds two messages of N and one reduction):
-
-    ring                 2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ
-    recursive doubling   log2(p2)·(α + Nβ + Nγ)            (+ fold)
-    rabenseifner         2·log2(p2)·α + 2(p2-1)/p2·Nβ + (p2-1)/p2·Nγ   (+ fold)
-    tree                 2⌈log2 P⌉(α + Nβ) + ⌈log2 P⌉·Nγ
-    parameter server     2(P-1)(α + Nβ) + (P-1)·Nγ         (the server's link)
-    hierarchical         ring inside a node (L ranks) + ring across M nodes
-                         on N/L bytes, each level with its own α, β
+wire) and reducing n bytes costs n·γ. Each algorithm's formula and its
+critical path are in :data:`hpcjobs.collectives.costs.COSTS`, the one place
+they are written; :func:`predict` costs that path.
 
 Measuring: α and β by ping-pong between ranks 0 and 1 (one message in
 flight), and β again by *exchange* -- both ranks sending at once, as every
@@ -27,22 +19,26 @@ reduction at its own size from the measured curves (``linear=True`` gives
 the plain fitted model; ``hpcjobs model`` prints both).
 
 The bytes an implementation sends are *counted* (a communicator proxy adds
-up every send buffer), not computed, and printed beside 2(P-1)/P·N (ring)
-and 2N(P-1) (parameter-server root).
+up every send buffer), not computed, and compared with the formula's.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import asdict, dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Machine", "measure", "predict", "count_bytes", "MODELED"]
+from .collectives._buffers import as_flat, reducer
+from .collectives.costs import COSTS, evaluate
+from .collectives.counting import CountingComm
+from .collectives.messages import message_passing
 
-MODELED = ("ring", "recursive_doubling", "rabenseifner", "tree", "parameter_server", "hierarchical")
+__all__ = ["Machine", "measure", "predict", "compare", "count_bytes", "formula_bytes", "write", "MODELED"]
+
+# The algorithms the model predicts (ring_pipelined is the ring's formula).
+MODELED = tuple(name for name in COSTS if name != "ring_pipelined")
 
 
 @dataclass
@@ -159,8 +155,6 @@ def measure(comm: MPI.Intracomm, dtype: str = "float32", reps: int = 20) -> Mach
 
 def _reduce_times(comm: MPI.Intracomm, sizes: list[int], dtype: str, reps: int) -> list[float]:
     """Seconds to reduce n bytes into n bytes, every rank at once (the max)."""
-    from .collectives._buffers import reducer
-
     np_dtype = np.dtype(dtype if dtype != "bfloat16" else "uint16")
     reduce = reducer("sum", dtype)
     out = []
@@ -184,134 +178,74 @@ def _reduce_times(comm: MPI.Intracomm, sizes: list[int], dtype: str, reps: int) 
 
 def predict(algorithm: str, nbytes: int, size: int, m: Machine, local_size: int | None = None,
             linear: bool = False) -> float:
-    """Predicted seconds for ``algorithm`` on ``nbytes`` over ``size`` ranks.
+    """Predicted seconds for ``algorithm`` on ``nbytes`` over ``size`` ranks
+    (``local_size`` per node for hierarchical): its critical path from
+    :data:`~hpcjobs.collectives.costs.COSTS`, each message and reduction
+    costed with the fitted α + nβ and nγ (``linear=True``) or with the
+    measured per-size costs.
 
-    The formulas of the module docstring, written as the messages and
-    reductions on the critical path; ``linear=True`` costs them with the
-    fitted α + nβ and nγ, else with the measured per-size costs.
+    Raises:
+        ValueError: an algorithm without a model (shm).
     """
-    P, N = size, float(nbytes)
-    if P == 1:
+    if algorithm not in COSTS:
+        raise ValueError(f"no model for {algorithm!r}; modeled: {', '.join(MODELED)}")
+    if size == 1:
         return 0.0
+    return COSTS[algorithm].path(float(nbytes), size, local_size or size, _Costing(m, linear))
 
-    def msg(n):  # both directions at once (exchanges)
-        return m.message(n, linear)
 
-    def one(n):  # one direction (tree and server hops)
-        return m.oneway(n, linear)
+class _Costing:
+    """A Machine's costs in the shape ``COSTS[...].path`` takes."""
 
-    def red(n):
-        return m.reduce(n, linear)
+    def __init__(self, m: Machine, linear: bool):
+        self.m, self.linear = m, linear
 
-    p2 = 1 << (P.bit_length() - 1)
-    fold = 0.0 if p2 == P else 2 * msg(N) + red(N)
-    steps = int(math.log2(p2))
-    if algorithm in ("ring", "ring_pipelined"):
-        return 2 * (P - 1) * msg(N / P) + (P - 1) * red(N / P)
-    if algorithm == "recursive_doubling":
-        return steps * (msg(N) + red(N)) + fold
-    if algorithm == "rabenseifner":
-        halves = [N / (2 << k) for k in range(steps)]  # N/2, N/4, ..., N/p2
-        return sum(2 * msg(h) + red(h) for h in halves) + fold
-    if algorithm == "tree":
-        c = math.ceil(math.log2(P))
-        return c * (2 * one(N) + red(N))
-    if algorithm == "parameter_server":
-        return (P - 1) * (2 * one(N) + red(N))
-    if algorithm == "hierarchical":
-        L = local_size or P
-        M = -(-P // L)
-        intra = predict("ring", nbytes, L, m, linear=linear) if L > 1 else 0.0
-        inter = predict("ring", nbytes // L, M, m, linear=linear) if M > 1 else 0.0
-        return intra + inter
-    raise ValueError(f"no model for {algorithm!r}; modeled: {', '.join(MODELED)}")
+    def message(self, n: float) -> float:
+        return self.m.message(n, self.linear)
+
+    def oneway(self, n: float) -> float:
+        return self.m.oneway(n, self.linear)
+
+    def reduce(self, n: float) -> float:
+        return self.m.reduce(n, self.linear)
+
+
+def compare(records, size: int, m: Machine, local_size: int | None = None) -> list[dict]:
+    """Each benchmark record against the model: measured, predicted (per-size
+    costs) and linear, with their relative errors."""
+    rows = []
+    for r in records:
+        pred = predict(r.impl, r.size_bytes, size, m, local_size) * 1e6
+        lin = predict(r.impl, r.size_bytes, size, m, local_size, linear=True) * 1e6
+        rows.append({"size_bytes": r.size_bytes, "algorithm": r.impl, "measured_us": r.time_us,
+                     "predicted_us": pred, "rel_error": (pred - r.time_us) / r.time_us, "linear_us": lin,
+                     "linear_rel_error": (lin - r.time_us) / r.time_us})
+    return rows
 
 
 def count_bytes(algorithm: str, nbytes: int, comm: MPI.Intracomm) -> tuple[int, int]:
     """(sent, received) bytes of this rank in one float32 sum allreduce of
-    ``nbytes`` with a flat ``algorithm`` (collective)."""
-    from .collectives._buffers import as_flat
-    from .collectives.counting import CountingComm
-    from .collectives.select import flat_algorithm
+    ``nbytes`` with a message-passing ``algorithm`` (collective).
 
-    if algorithm in ("hierarchical", "shm"):
-        raise ValueError(f"{algorithm} runs on sub-communicators; count_bytes covers the flat algorithms")
+    Raises:
+        ValueError: an algorithm that does not move data in messages on
+            ``comm`` (shm, hierarchical).
+    """
+    step = message_passing(algorithm).bound
     buf = np.ones(nbytes // 4, dtype=np.float32)
     proxy = CountingComm(comm)
-    flat_algorithm(algorithm)(as_flat(buf), "sum", proxy)
+    step(as_flat(buf), "sum", proxy)
     return proxy.sent, proxy.received
 
 
-def _configure(p) -> None:
-    from .bench.allreduce import add_sweep_arguments
-
-    add_sweep_arguments(p, factor=4)
-    p.add_argument("--out", metavar="DIR", help="write model.json and model.png (predicted vs measured)")
+def formula_bytes(algorithm: str, nbytes: int, size: int) -> int:
+    """The bytes rank 0 sends by the formula (``COSTS[...].sent``)."""
+    return round(evaluate(COSTS[algorithm].sent, P=size, N=nbytes))
 
 
-def _main(args) -> int:
-    from .bench.allreduce import apply_placement, implementations, run, size_sweep, unchecked_benchmarks
-    from .cli import UsageError
-    from .comm import print0, private
-    from .topology import detect_private
-
-    if args.min_bytes > args.max_bytes or args.factor < 2:
-        raise UsageError("need --min-bytes <= --max-bytes and --factor >= 2")
-    apply_placement(args)
-    unchecked_benchmarks()
-    comm = private()
-    P = comm.Get_size()
-    if P < 2:
-        raise UsageError("the cost model needs at least 2 ranks (mpirun -n 2 or more)")
-    topo = detect_private(comm)
-    print0(f"# hpcjobs model: {P} ranks on {topo.num_nodes} node(s); measuring alpha, beta, gamma")
-    m = measure(comm)
-    print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {1 / m.beta / 1e9:.2f} GB/s (exchange), "
-           f"{1 / m.beta_pingpong / 1e9:.2f} GB/s (ping-pong)    gamma = {1 / m.gamma / 1e9:.2f} GB/s reduced")
-    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
-    names = [a for a in MODELED if a != "hierarchical" or topo.num_nodes > 1]
-    records = run(comm, sizes, implementations(names), iters=args.iters)
-    print0("# predicted: the formulas costed with measured per-size message and reduction costs;")
-    print0("# linear: the same formulas with the fitted alpha + n*beta and n*gamma")
-    print0("#    size(B)  algorithm              measured(us)  predicted(us)   error   linear(us)   error")
-    rows = []
-    local = topo.local_size if topo.uniform else None
-    for r in records:
-        pred = predict(r.impl, r.size_bytes, P, m, local) * 1e6
-        lin = predict(r.impl, r.size_bytes, P, m, local, linear=True) * 1e6
-        err, lin_err = (pred - r.time_us) / r.time_us, (lin - r.time_us) / r.time_us
-        rows.append({"size_bytes": r.size_bytes, "algorithm": r.impl, "measured_us": r.time_us,
-                     "predicted_us": pred, "rel_error": err, "linear_us": lin, "linear_rel_error": lin_err})
-        print0(f"{r.size_bytes:>12}  {r.impl:<20} {r.time_us:>13.1f} {pred:>14.1f} {err:>+7.0%} "
-               f"{lin:>12.1f} {lin_err:>+7.0%}")
-    print0("# |error| over the rows >= 1 MB, mean (max): per-size model | linear model")
-    for name in names:
-        big = [x for x in rows if x["algorithm"] == name and x["size_bytes"] >= 1 << 20]
-        if big:
-            e = [abs(x["rel_error"]) for x in big]
-            le = [abs(x["linear_rel_error"]) for x in big]
-            print0(f"#   {name:<20} {statistics.mean(e):>4.0%} ({max(e):.0%})  |  "
-                   f"{statistics.mean(le):>4.0%} ({max(le):.0%})")
-    print0("# bytes sent per rank, counted (rank 0; parameter server: rank 0 is the server):")
-    print0("#    size(B)  algorithm            sent(B)  received(B)  formula")
-    counted = []
-    for nbytes in (1 << 20, 16 << 20):
-        for name, formula, want in (
-                ("ring", "2(P-1)/P*N sent", 2 * (P - 1) * nbytes // P),
-                ("recursive_doubling", "log2(P)*N sent (P power of 2)", int(math.log2(P)) * nbytes),
-                ("parameter_server", "2N(P-1) through the root", 2 * nbytes * (P - 1))):
-            sent, received = count_bytes(name, nbytes, comm)
-            counted.append({"size_bytes": nbytes, "algorithm": name, "sent": sent, "received": received})
-            shown = sent + received if name == "parameter_server" else sent
-            print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {formula} = {want}"
-                   f" ({'matches' if shown == want else f'counted {shown}'})")
-    if args.out and comm.Get_rank() == 0:
-        _write(args.out, m, rows, counted, P)
-        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
-    return 0
-
-
-def _write(out: str, m: Machine, rows: list, counted: list, P: int) -> None:
+def write(out: str, m: Machine, rows: list, counted: list, P: int) -> None:
+    """``out``/model.json (the machine, every row, the counted bytes) and,
+    with matplotlib, ``out``/model.png: predicted against measured."""
     import json
     import os
 
@@ -341,13 +275,3 @@ def _write(out: str, m: Machine, rows: list, counted: list, P: int) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "model.png"))
     plt.close(fig)
-
-
-def _register() -> None:
-    from .cli import arguments, command
-
-    command("model", "fit alpha/beta/gamma here, predict every algorithm, compare with measured; count bytes")(
-        arguments(_configure)(_main))
-
-
-_register()

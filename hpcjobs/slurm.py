@@ -1,5 +1,9 @@
-"""Slurm: render and submit the job templates in ``slurm/``, and launch the
-ranks from inside a job.
+"""Slurm: the job templates in ``slurm/``, filled in for a job, and the
+launcher command that starts the ranks from inside one.
+
+This module starts no MPI: it runs on a login node and on the batch host.
+The commands around it are ``hpcjobs slurm render / submit / launch``
+(``hpcjobs.cli``):
 
     hpcjobs slurm render allreduce --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 \\
         --time 01:00:00 --partition gpu -- --max-bytes 1G > job.sbatch
@@ -19,28 +23,26 @@ Inside a job (the last line of every template)::
    ``HPCJOBS_EXPECT_WORLD_SIZE`` to the job's task count, so ranks that come
    up as singletons (a launcher that does not match the MPI) fail loudly;
 4. asks each rank to bind to its GPU by local rank (``HPCJOBS_BIND_GPU``,
-   read by :func:`bind_gpu` in every rank) unless ``HPCJOBS_CPU=1``;
+   read by :func:`hpcjobs.runtime.bind_gpu` in every rank) unless
+   ``HPCJOBS_CPU=1``;
 5. execs ``srun --mpi=$HPCJOBS_SRUN_MPI`` (default pmix) or, with
    ``HPCJOBS_LAUNCHER=mpirun``, ``mpirun`` over the allocation.
 
-Which ``--mpi`` goes with which MPI is in the README ("Running on a cluster").
+Which ``--mpi`` goes with which MPI: docs/cluster.md, "Which launcher with
+which MPI".
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli import UsageError, arguments, command, positive_int
-
-__all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "bind_gpu", "launch_command",
-           "clear_stale_mpi_sessions"]
+__all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_commands", "launch_command",
+           "master_address"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -60,7 +62,7 @@ def template_path(name: str) -> Path:
     else:
         path = Path(name)
     if not path.is_file():
-        raise UsageError(f"no template {name!r}: give one of {', '.join(TEMPLATES)} or a path to a .sbatch file")
+        raise ValueError(f"no template {name!r}: give one of {', '.join(TEMPLATES)} or a path to a .sbatch file")
     return path
 
 
@@ -72,16 +74,16 @@ def _time(text: str) -> str:
         return text
     m = _TIME.match(text)
     if not m:
-        raise UsageError(f"--time {text!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS)")
+        raise ValueError(f"--time {text!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS)")
     later = [int(f) for f in m["rest"].split(":")[1:]]
     if any(v >= 60 for v in later) or (m["days"] is not None and int(m["first"]) >= 24):
-        raise UsageError(f"--time {text!r}: minutes and seconds must be below 60, and hours below 24 after days")
+        raise ValueError(f"--time {text!r}: minutes and seconds must be below 60, and hours below 24 after days")
     return text
 
 
 def _name(flag: str, text: str) -> str:
     if not _NAME.match(text):
-        raise UsageError(f"{flag} {text!r}: use letters, digits, '_', '.', '-' (at most 64, not starting with . or -)")
+        raise ValueError(f"{flag} {text!r}: use letters, digits, '_', '.', '-' (at most 64, not starting with . or -)")
     return text
 
 
@@ -102,10 +104,10 @@ class RenderOptions:
         for flag in ("nodes", "ntasks_per_node", "cpus_per_task"):
             v = getattr(self, flag)
             if v is not None and (int(v) != v or v < 1):
-                raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
+                raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
         if self.gpus_per_node is not None and (int(self.gpus_per_node) != self.gpus_per_node
                                                or self.gpus_per_node < 0):
-            raise UsageError(f"--gpus-per-node must be an integer >= 0, got {self.gpus_per_node}")
+            raise ValueError(f"--gpus-per-node must be an integer >= 0, got {self.gpus_per_node}")
         if self.time is not None:
             _time(self.time)
         if self.job_name is not None:
@@ -132,35 +134,19 @@ def job_commands(template: str) -> list[tuple[str, ...]]:
     return commands
 
 
-def check_job_args(template: str, job_args: tuple[str, ...]) -> None:
-    """Refuse job arguments that no command of the template accepts (a
-    template may run one of several, e.g. train or large-batch), before
-    anything is submitted.
-
-    Raises:
-        UsageError: naming the command and argparse's complaint.
-    """
-    commands = job_commands(template)
-    if not job_args or not commands:
-        return
-    from .cli import parse_error
-
-    errors = [parse_error([*cmd, *job_args]) for cmd in commands]
-    if all(errors):
-        raise UsageError(f"the job's arguments after -- would fail in the job: {errors[0]}")
-
-
 def render(template: str, opts: RenderOptions) -> str:
     """The template's text with the user's values in its ``#SBATCH`` lines,
     its ``JOB_ARGS=()`` filled (shell-quoted) and, with ``cpu``, CPU mode on
     by default and no GPU request.
 
+    The job's arguments are not checked here (that needs the command line's
+    parsers; ``hpcjobs slurm render`` checks them against
+    :func:`job_commands` first).
+
     Raises:
-        UsageError: an invalid value, job arguments the template's command
-            does not take, or a template without the lines to fill.
+        ValueError: an invalid value, or a template without the lines to fill.
     """
     opts.validate()
-    check_job_args(template, opts.job_args)
     values = {"nodes": opts.nodes, "ntasks-per-node": opts.ntasks_per_node, "gpus-per-node": opts.gpus_per_node,
               "cpus-per-task": opts.cpus_per_task, "time": opts.time, "job-name": opts.job_name}
     cpu = opts.cpu or opts.gpus_per_node == 0
@@ -193,29 +179,11 @@ def render(template: str, opts: RenderOptions) -> str:
         out.append(line)
     missing = [k for k in ("nodes", "ntasks-per-node", "time", "job-name", "JOB_ARGS") if k not in seen]
     if missing:
-        raise UsageError(f"the template has no {', '.join(missing)} line(s) to fill")
+        raise ValueError(f"the template has no {', '.join(missing)} line(s) to fill")
     return "\n".join(out) + "\n"
 
 
 # --- inside a job ---------------------------------------------------------
-
-def bind_gpu() -> None:
-    """In a rank process: with ``HPCJOBS_BIND_GPU=1``, keep only the GPU of
-    this rank's local index visible (before torch touches CUDA). The local
-    index is the MPI's own (``OMPI_COMM_WORLD_LOCAL_RANK``,
-    ``MPI_LOCALRANKID``) or ``SLURM_LOCALID`` under srun -- under mpirun
-    ``SLURM_LOCALID`` is 0 on every rank."""
-    if os.environ.get("HPCJOBS_BIND_GPU") != "1":
-        return
-    local = next((os.environ[k] for k in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
-                  if os.environ.get(k, "").isdigit()), None)
-    if local is None:
-        return
-    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-    index = int(local)
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
-    os.environ["LOCAL_RANK"] = local
-
 
 def _scontrol(*args: str) -> str:
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
@@ -233,7 +201,7 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     task of the job described by ``env`` (Slurm's variables)."""
     ntasks = int(env.get("SLURM_NTASKS") or 0)
     if ntasks < 1:
-        raise UsageError("SLURM_NTASKS is not set: launch runs inside an sbatch job")
+        raise ValueError("SLURM_NTASKS is not set: launch runs inside an sbatch job")
     job_dir = Path(env.get("HPCJOBS_RESULTS") or Path(env.get("SLURM_SUBMIT_DIR", ".")) / "results") / \
         f"{env.get('SLURM_JOB_NAME', 'hpcjobs')}-{env['SLURM_JOB_ID']}"
     new = dict(env)
@@ -256,139 +224,5 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
         mapping = ["--map-by", f"ppr:{per_node}:node"] if per_node.isdigit() else []
         cmd = ["mpirun", "-n", str(ntasks), *mapping, *shlex.split(env.get("HPCJOBS_MPIRUN_FLAGS", "")), *hpcjobs]
     else:
-        raise UsageError(f"HPCJOBS_LAUNCHER must be srun or mpirun, got {launcher!r}")
+        raise ValueError(f"HPCJOBS_LAUNCHER must be srun or mpirun, got {launcher!r}")
     return cmd, new
-
-
-def clear_stale_mpi_sessions(tmpdir: str | None = None) -> list[Path]:
-    """Remove this user's Open MPI session folders whose ``mpirun`` is gone;
-    return them.
-
-    Open MPI 5's mpirun keeps its session in ``$TMPDIR/ompi.<its pid>`` and
-    removes it when it exits, but not when it is killed (scancel, a time
-    limit, the OOM killer). A later mpirun on that node that is given the
-    same pid finds the old rendezvous file and stops with "The PMIx server's
-    listener thread failed to start". A folder whose pid is alive is left
-    alone: a folder of ours can only belong to a live mpirun of ours.
-    ``scripts/lib.sh`` (``clean_stale_mpi_sessions``) does the same for the
-    scripts."""
-    base = Path(tmpdir or os.environ.get("TMPDIR") or "/tmp")
-    removed = []
-    for d in sorted(base.glob("ompi.*")):
-        pid = d.name.removeprefix("ompi.")
-        if not pid.isdigit() or d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # a live process of ours with this pid: its mpirun
-        except (ProcessLookupError, PermissionError):  # none, or someone else's: our mpirun is gone
-            pass
-        shutil.rmtree(d, ignore_errors=True)
-        removed.append(d)
-    return removed
-
-
-# --- commands -----------------------------------------------------------------
-
-def _render_arguments(p) -> None:
-    p.add_argument("template", help=f"one of {', '.join(TEMPLATES)}, or a path to a .sbatch file")
-    p.add_argument("--nodes", "-N", type=positive_int, help="nodes")
-    p.add_argument("--ntasks-per-node", type=positive_int, help="ranks per node (= GPUs per node)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (0 = CPU mode)")
-    p.add_argument("--cpus-per-task", type=positive_int, help="cores per rank")
-    p.add_argument("--time", "-t", help="wall-clock limit (HH:MM:SS, D-HH:MM:SS, ...)")
-    p.add_argument("--job-name", "-J", help="job name (letters, digits, _ . -)")
-    p.add_argument("--partition", "-p", help="partition (else sbatch's default or SBATCH_PARTITION)")
-    p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
-    p.add_argument("--cpu", action="store_true", help="CPU mode: no GPU request, HPCJOBS_CPU=1 by default")
-    p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"
-
-
-def _options(args) -> RenderOptions:
-    return RenderOptions(nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
-                         cpus_per_task=args.cpus_per_task, time=args.time, job_name=args.job_name,
-                         partition=args.partition, account=args.account, cpu=args.cpu,
-                         job_args=tuple(args.passthrough))
-
-
-def _no_mpi(fn):
-    fn.no_mpi = True  # runs on a login node or the batch host: no MPI_Init
-    fn.takes_passthrough = True  # the job's arguments come after --
-    return fn
-
-
-@command("slurm render", "print a job script: a template from slurm/ with your values, validated and quoted")
-@arguments(_render_arguments)
-@_no_mpi
-def render_main(args) -> int:
-    text = render(template_path(args.template).read_text(), _options(args))
-    sys.stdout.write(text)
-    return 0
-
-
-def _submit_arguments(p) -> None:
-    _render_arguments(p)
-    p.add_argument("--script", metavar="PATH", help="where to write the job script "
-                   "(default: results/slurm/<template>-<n>.sbatch)")
-    p.add_argument("--wait", action="store_true", help="sbatch --wait: return when the job ends, with its exit code")
-
-
-@command("slurm submit", "render a template and sbatch it; prints the job id")
-@arguments(_submit_arguments)
-@_no_mpi
-def submit_main(args) -> int:
-    if shutil.which("sbatch") is None:
-        raise UsageError("no sbatch on PATH: submit from a Slurm login node (or start scripts/local_slurm.sh)")
-    text = render(template_path(args.template).read_text(), _options(args))
-    if args.script:
-        script = Path(args.script)
-    else:
-        base = Path("results/slurm")
-        base.mkdir(parents=True, exist_ok=True)
-        stem = Path(args.template).stem
-        n = 1 + sum(1 for _ in base.glob(f"{stem}-*.sbatch"))
-        script = base / f"{stem}-{n}.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(text)
-    script.chmod(0o755)
-    cmd = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    job_id = proc.stdout.strip().split(";")[0]
-    if job_id:
-        print(job_id, flush=True)
-    if proc.returncode != 0:
-        print(f"hpcjobs slurm submit: sbatch exited {proc.returncode}: {proc.stderr.strip()}", file=sys.stderr)
-        return proc.returncode
-    print(f"# submitted {script} as job {job_id}", file=sys.stderr)
-    return 0
-
-
-def _launch_arguments(p) -> None:
-    p.epilog = "After --: the hpcjobs command every rank runs; {job_dir} in it becomes the job's results directory"
-
-
-@command("slurm launch", "inside a job script: start the ranks with srun or mpirun (see the templates)")
-@arguments(_launch_arguments)
-@_no_mpi
-def launch_main(args) -> int:
-    if not os.environ.get("SLURM_JOB_ID"):
-        raise UsageError("not inside a Slurm job (no SLURM_JOB_ID): submit the template with sbatch")
-    if not args.passthrough:
-        raise UsageError("give the command the ranks run after --, e.g. launch -- bench allreduce")
-    from .cli import parse_error
-
-    error = parse_error(list(args.passthrough))
-    if error:  # before srun starts a rank
-        raise UsageError(f"the ranks' command would fail: {error}")
-    cmd, env = launch_command(dict(os.environ), list(args.passthrough))
-    env.setdefault("MASTER_ADDR", master_address(os.environ.get("SLURM_JOB_NODELIST", "")))
-    Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)
-    if cmd[0] == "mpirun":
-        stale = clear_stale_mpi_sessions(env.get("TMPDIR"))
-        if stale:
-            print(f"# removed {len(stale)} session folder(s) of killed mpiruns, which would stop an mpirun given "
-                  f"the same pid: {' '.join(map(str, stale))}", flush=True)
-    print(f"# hpcjobs slurm launch: job {os.environ['SLURM_JOB_ID']}, {env['HPCJOBS_EXPECT_WORLD_SIZE']} tasks on "
-          f"{os.environ.get('SLURM_JOB_NUM_NODES', '?')} node(s), results in {env['HPCJOBS_JOB_DIR']}, "
-          f"MASTER_ADDR={env['MASTER_ADDR']}:{env['MASTER_PORT']}\n# {shlex.join(cmd)}", flush=True)
-    os.execvpe(cmd[0], cmd, env)

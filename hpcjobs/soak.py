@@ -1,4 +1,5 @@
-"""``hpcjobs soak``: many allreduces of random shape, checked, with memory watched.
+"""The soak: many allreduces of random shape, checked, with memory watched
+(``hpcjobs soak`` runs it).
 
 Each of ``--ops`` operations (default 10,000) draws, from a seed every rank
 shares, an algorithm (every one of ours and ``auto``), a dtype, an op, a
@@ -10,8 +11,8 @@ the suite divides). Any element that differs is a wrong result.
 
 Memory: each rank's resident set size (VmRSS) is read after the first 1% of
 operations -- once scratch buffers, shared windows and caches exist -- and
-at the end; growth is reported, and above ``--max-rss-growth`` percent the
-command fails, as it does on any wrong result. The agreement checks and the
+at the end; ``hpcjobs soak`` fails above ``--max-rss-growth`` percent of
+growth, as it does on any wrong result. The agreement checks and the
 stall watchdog stay on, so they are soaked too.
 
 Launch::
@@ -21,16 +22,23 @@ Launch::
 
 from __future__ import annotations
 
-import json
 import math
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["main", "rss_bytes"]
+from .collectives import ALGORITHMS, OPS, allreduce
+from .collectives._buffers import OP_TABLE, finish_avg
+from .topology import detect_private
 
-_DTYPES = ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bfloat16")
+__all__ = ["DTYPES", "SoakResult", "algorithms", "soak", "rss_bytes"]
+
+# The dtypes soaked: every width and kind whose small sums stay exact
+# (_values keeps them so).
+DTYPES = ("float16", "float32", "float64", "int8", "int32", "int64", "uint8", "bfloat16")
 
 
 def rss_bytes() -> int:
@@ -43,19 +51,6 @@ def rss_bytes() -> int:
     except OSError:
         pass
     return 0
-
-
-def _configure(p) -> None:
-    from .cli import nonnegative_float, positive_int
-
-    p.add_argument("--ops", type=positive_int, default=10_000, help="allreduces to run (default 10000)")
-    p.add_argument("--max-count", type=positive_int, default=1 << 16,
-                   help="largest element count, drawn log-uniformly (default 65536)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-rss-growth", type=nonnegative_float, default=10.0,
-                   help="fail when a rank's RSS grows more than this many percent (default 10)")
-    p.add_argument("--json", metavar="PATH", help="write the summary as JSON (rank 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _values(rng: np.random.Generator, count: int, dtype: str, op: str) -> np.ndarray:
@@ -84,13 +79,10 @@ def _as_numpy(buf) -> np.ndarray:
 
 
 def _expected(values: np.ndarray, dtype: str, op: str, comm: MPI.Intracomm) -> np.ndarray:
-    from .collectives._buffers import finish_avg
-
     integer = dtype not in ("float16", "float32", "float64", "bfloat16")
     wide = values.astype(np.int64 if integer else np.float64)
     out = np.empty_like(wide)
-    mpi_op = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}[op]
-    comm.Allreduce(wide, out, op=mpi_op)
+    comm.Allreduce(wide, out, op=getattr(MPI, OP_TABLE[op].mpi))
     if dtype == "bfloat16":
         import torch
 
@@ -104,28 +96,55 @@ def _expected(values: np.ndarray, dtype: str, op: str, comm: MPI.Intracomm) -> n
     return res
 
 
-def main(args) -> int:
-    from .collectives import ALGORITHMS, OPS, allreduce
-    from .comm import print0, private
-    from .topology import detect_private
+@dataclass
+class SoakResult:
+    """What :func:`soak` found: wrong results (summed over ranks) and each
+    rank's resident memory after the first 1% of operations and at the end."""
 
-    comm = private()
+    ops: int
+    ranks: int
+    elements: int  # per rank, over all operations
+    seconds: float
+    per_algorithm: dict
+    wrong_ops: int
+    wrong_elements: int
+    rss: list  # (rank, bytes after 1%, bytes at the end), every rank's
+
+    @property
+    def worst_growth_percent(self) -> float:
+        return max([0.0] + [100.0 * (e - s) / s for _, s, e in self.rss if s])
+
+    def to_dict(self) -> dict:
+        return {"ranks": self.ranks, "ops": self.ops, "wrong_ops": self.wrong_ops,
+                "wrong_elements": self.wrong_elements,
+                "rss": [{"rank": r, "start": s, "end": e} for r, s, e in self.rss],
+                "max_rss_growth_percent": self.worst_growth_percent, "per_algorithm": self.per_algorithm}
+
+
+def algorithms(comm: MPI.Intracomm) -> list[str]:
+    """Every algorithm soaked on ``comm``: all of ours and auto, shm only on one node."""
+    return [a for a in (*ALGORITHMS, "auto") if a != "shm" or detect_private(comm).num_nodes == 1]
+
+
+def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed: int = 0,
+         progress: Callable[[int, float], None] | None = None) -> SoakResult:
+    """Run ``ops`` random allreduces on ``comm`` (collective; the module
+    docstring says what is drawn), checking every result; ``progress(done,
+    seconds)`` is called on every rank after each tenth of them."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    algorithms = [a for a in (*ALGORITHMS, "auto") if a != "shm" or detect_private(comm).num_nodes == 1]
-    print0(f"# hpcjobs soak: {args.ops} allreduces at {size} ranks, counts 0..{args.max_count}, "
-           f"algorithms {', '.join(algorithms)}, dtypes {', '.join(_DTYPES)}, ops {', '.join(OPS)}")
-    shared = np.random.default_rng(args.seed)
-    mine = np.random.default_rng([args.seed, rank + 1])
+    names = algorithms(comm)
+    shared = np.random.default_rng(seed)
+    mine = np.random.default_rng([seed, rank + 1])
     wrong_ops, wrong_elems, elements = 0, 0, 0
-    per_alg = {a: 0 for a in algorithms}
-    warm = max(1, args.ops // 100)
+    per_alg = {a: 0 for a in names}
+    warm = max(1, ops // 100)
     rss_start = rss_bytes()
     t0 = time.perf_counter()
-    for i in range(args.ops):
-        alg = algorithms[shared.integers(len(algorithms))]
-        dtype = _DTYPES[shared.integers(len(_DTYPES))]
+    for i in range(ops):
+        alg = names[shared.integers(len(names))]
+        dtype = DTYPES[shared.integers(len(DTYPES))]
         op = OPS[shared.integers(len(OPS))]
-        count = int(math.exp(shared.uniform(0, math.log(args.max_count + 1)))) - 1
+        count = int(math.exp(shared.uniform(0, math.log(max_count + 1)))) - 1
         torch_buffer = bool(shared.integers(2))
         values = _values(mine, count, dtype, op)
         buf = _buffer(values, dtype, torch_buffer)
@@ -138,33 +157,9 @@ def main(args) -> int:
         per_alg[alg] += 1
         if i + 1 == warm:
             rss_start = rss_bytes()
-        if args.progress and rank == 0 and (i + 1) % max(1, args.ops // 10) == 0:
-            print(f"# {i + 1}/{args.ops} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        if progress is not None and (i + 1) % max(1, ops // 10) == 0:
+            progress(i + 1, time.perf_counter() - t0)
     rss_end = rss_bytes()
     rows = comm.allgather((rank, rss_start, rss_end))
     wrong = comm.allreduce(np.array([wrong_ops, wrong_elems]), op=MPI.SUM)
-    worst = max([0.0] + [100.0 * (e - s) / s for _, s, e in rows if s])
-    if rank == 0:
-        print(f"# {args.ops} allreduces, {elements:,} elements per rank, {time.perf_counter() - t0:.1f} s; "
-              f"per algorithm: " + ", ".join(f"{a} {n}" for a, n in per_alg.items()))
-        print(f"# {'rank':>4s} {'RSS after 1% (MiB)':>19s} {'RSS at end (MiB)':>17s} {'growth':>7s}")
-        for r, s, e in rows:
-            print(f"  {r:4d} {s / 2**20:19.1f} {e / 2**20:17.1f} {100.0 * (e - s) / s if s else 0:6.1f}%")
-        print(f"# wrong results: {int(wrong[0])} operations, {int(wrong[1])} elements (summed over ranks); "
-              f"largest RSS growth {worst:.1f}% (limit {args.max_rss_growth:g}%)", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"ranks": size, "ops": args.ops, "wrong_ops": int(wrong[0]), "wrong_elements": int(wrong[1]),
-                           "rss": [{"rank": r, "start": s, "end": e} for r, s, e in rows],
-                           "max_rss_growth_percent": worst, "per_algorithm": per_alg}, f, indent=1)
-    return 1 if wrong[0] or worst > args.max_rss_growth else 0
-
-
-def _register():
-    from .cli import arguments, command
-
-    command("soak", "many random allreduces (sizes, dtypes, ops, algorithms) checked against MPI_Allreduce, "
-            "with each rank's memory watched")(arguments(_configure)(main))
-
-
-_register()
+    return SoakResult(ops, size, elements, time.perf_counter() - t0, per_alg, int(wrong[0]), int(wrong[1]), rows)

@@ -1,4 +1,4 @@
-"""Which ranks share a node: ``detect()`` and ``hpcjobs topology``.
+"""Which ranks share a node: ``detect()`` (``hpcjobs topology`` prints it).
 
 Sources, first that applies (every rank must agree on which; they do, since
 the choice is made collectively):
@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from .comm import private
 
-__all__ = ["Topology", "detect"]
+__all__ = ["Topology", "detect", "detect_private", "check_ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,13 @@ class Topology:
         return len(set(self.local_sizes)) == 1
 
 
-def _ranks_per_node(value) -> int | None:
+def check_ranks_per_node(value) -> int | None:
+    """``value`` (or, for None, ``HPCJOBS_RANKS_PER_NODE``) as a positive
+    integer, or None when neither is set.
+
+    Raises:
+        ValueError: not a positive integer, naming the argument or variable.
+    """
     name = "ranks_per_node"
     if value is None:
         name, value = "HPCJOBS_RANKS_PER_NODE", os.environ.get("HPCJOBS_RANKS_PER_NODE", "").strip() or None
@@ -113,7 +119,7 @@ def detect(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> T
 
 def detect_private(comm: MPI.Intracomm, ranks_per_node: int | None = None) -> Topology:
     """:func:`detect` on a communicator that is already the suite's private one."""
-    rpn = _ranks_per_node(ranks_per_node)
+    rpn = check_ranks_per_node(ranks_per_node)
     cache = comm.Get_attr(_TOPO_KEYVAL)
     if cache is None:
         cache = {}
@@ -148,37 +154,3 @@ def detect_private(comm: MPI.Intracomm, ranks_per_node: int | None = None) -> To
                     tuple(sizes[lead] for lead in leaders), source)
     cache[rpn] = topo
     return topo
-
-
-def _configure(p) -> None:
-    from .cli import positive_int
-
-    p.add_argument("--ranks-per-node", type=positive_int, default=None,
-                   help="simulate nodes of N consecutive ranks (default: Slurm, then shared memory)")
-
-
-def _main(args) -> int:
-    """``hpcjobs topology``: one line per rank, printed in rank order by rank 0."""
-    topo = detect(ranks_per_node=args.ranks_per_node)
-    comm = topo.comm
-    row = np.array([comm.Get_rank(), topo.node_id, topo.local_rank, topo.local_size,
-                    topo.cross_comm.Get_rank(), topo.cross_comm.Get_size()], dtype=np.int64)
-    rows = np.empty(6 * comm.Get_size(), dtype=np.int64) if comm.Get_rank() == 0 else None
-    comm.Gather(row, rows, root=0)
-    if comm.Get_rank() == 0:
-        print(f"# {comm.Get_size()} ranks on {topo.num_nodes} node(s) {list(topo.local_sizes)}, "
-              f"source: {topo.source}", flush=True)
-        print("#  rank  node  local_rank  local_size  cross_rank  cross_size")
-        for r in rows.reshape(-1, 6):
-            print("  ".join(f"{v:>{w}}" for v, w in zip(r, (6, 5, 10, 10, 10, 10))), flush=True)
-    return 0
-
-
-def _register() -> None:
-    from .cli import arguments, command
-
-    command("topology", "print which ranks share a node, as the hierarchical collectives see it")(
-        arguments(_configure)(_main))
-
-
-_register()

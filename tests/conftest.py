@@ -14,9 +14,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+OPS = ("sum", "avg", "min", "max", "prod")
 INT_DTYPES = ("int32", "int64")
 FLOAT_DTYPES = ("float16", "float32", "float64", "bfloat16")
+DTYPES = FLOAT_DTYPES + INT_DTYPES
 MPI_DTYPES = ("float32", "float64", "int32", "int64")  # MPI_Allreduce is a reference for these
+# (framework, dtype) of the buffers every algorithm's op x dtype x count matrix runs on...
+BUFFERS = [("numpy", d) for d in ("float16", "float32", "float64", "int32", "int64")] + \
+          [("torch", d) for d in ("float32", "int64", "bfloat16")]
+# ... and the ring's, which takes every torch dtype too.
+ALL_BUFFERS = [("numpy", d) for d in ("float16", "float32", "float64", "int32", "int64")] + \
+              [("torch", d) for d in ("float16", "float32", "float64", "int32", "int64", "bfloat16")]
 _EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23, "float64": 2.0 ** -52}
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 

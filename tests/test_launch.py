@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcjobs.slurm import clear_stale_mpi_sessions
+from hpcjobs.runtime import clear_stale_mpi_sessions
 from launch import _mpirun_prefix, clean_env, kill_session, launch_env, mpirun_script, session_pids
 
 ROOT = Path(__file__).resolve().parents[1]

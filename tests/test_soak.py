@@ -1,12 +1,11 @@
 """``hpcjobs soak``: random allreduces at 3 ranks, none wrong, memory flat;
 and the soak itself notices a wrong result."""
 
-import argparse
 import json
 
-import hpcjobs.collectives
+import hpcjobs.soak
 from launch import mpirun
-from hpcjobs.soak import main
+from hpcjobs.comm import private
 
 
 def test_soak_at_3_ranks_has_no_wrong_results_and_flat_memory(tmp_path):
@@ -18,12 +17,11 @@ def test_soak_at_3_ranks_has_no_wrong_results_and_flat_memory(tmp_path):
     assert sum(data["per_algorithm"].values()) == 2000 and min(data["per_algorithm"].values()) > 100
 
 
-def test_the_soak_counts_a_wrong_result(monkeypatch, capsys):
+def test_the_soak_counts_a_wrong_result(monkeypatch):
     def off_by_one(buf, op="sum", algorithm="auto", comm=None):
         buf += 1
         return buf
 
-    monkeypatch.setattr(hpcjobs.collectives, "allreduce", off_by_one)
-    args = argparse.Namespace(ops=20, max_count=100, seed=1, max_rss_growth=10.0, json=None, progress=False)
-    assert main(args) == 1
-    assert "wrong results: 0 operations" not in capsys.readouterr().out
+    monkeypatch.setattr(hpcjobs.soak, "allreduce", off_by_one)
+    result = hpcjobs.soak.soak(private(), ops=20, max_count=100, seed=1)
+    assert 0 < result.wrong_ops <= 20 and result.wrong_elements > 0

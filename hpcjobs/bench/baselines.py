@@ -11,15 +11,8 @@ same buffer, so the table compares like with like:
   after the last, both untimed (:class:`DeviceStage`), so the row measures
   what training would see: a device-resident reduction, waited for
   (``torch.cuda.synchronize``). It runs where CUDA and NCCL are available.
-- ``horovod``: ``horovod.torch.allreduce_`` with Horovod's MPI controller
-  (``scripts/install_horovod.sh`` builds it).
-- ``horovod-gloo``: the same with Horovod's Gloo controller and Gloo CPU
-  operations, as ``horovodrun --gloo`` runs it: rank 0 starts Horovod's own
-  HTTP rendezvous server inside the MPI job and every rank gets the slot
-  variables ``horovodrun`` would set (rank, local and cross rank by node).
-  Horovod 0.28.1 cannot switch a process from its MPI controller to Gloo
-  (the Gloo context would be rebuilt from the freed MPI communicator), so
-  horovod-gloo is measured before horovod.
+- ``horovod``, ``horovod-gloo``: ``horovod.torch.allreduce_`` with
+  Horovod's MPI or Gloo controller (:mod:`hpcjobs.bench.horovod`).
 
 ``avg`` is a sum followed by one local division wherever the library has no
 average of its own, as Horovod does over MPI. Libraries without a dtype (no
@@ -35,17 +28,18 @@ import os
 import socket
 from typing import Callable
 
-import numpy as np
 from mpi4py import MPI
 
-from ..collectives._buffers import as_flat, check_op, finish_avg
+from ..collectives._buffers import OP_TABLE, as_flat, check_op, finish_avg, torch_view
 from ..comm import private
+from ..topology import detect_private
+from . import horovod
+from .horovod import Unavailable, horovod_allreduce, horovod_supports
+from .names import BASELINES
 
-_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-
-
-class BaselineUnavailable(RuntimeError):
-    """A baseline library is missing or cannot run here; the message says why."""
+__all__ = ["ADAPTERS", "LATE_BASELINES", "DeviceStage", "Unavailable", "available", "ensure_process_group",
+           "gloo_allreduce", "horovod_allreduce", "mpi_allreduce", "mpi_label", "mpi_supports", "shutdown",
+           "tensor_allreduce"]
 
 
 def mpi_supports(dtype: str) -> bool:
@@ -76,19 +70,10 @@ def mpi_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     if not mpi_supports(flat.dtype):
         raise TypeError(f"MPI_Allreduce of this MPI has no {flat.dtype} type")
     comm = private(comm)
-    comm.Allreduce(MPI.IN_PLACE, flat.data, op=_MPI_OPS[op])
+    comm.Allreduce(MPI.IN_PLACE, flat.data, op=getattr(MPI, OP_TABLE[op].mpi))
     if op == "avg":
         finish_avg(flat.data, flat.dtype, comm.Get_size())
     return buf
-
-
-def _torch_view(flat):
-    """The Flat's memory as a torch CPU tensor of its dtype (no copy)."""
-    import torch
-
-    if flat.dtype == "bfloat16":
-        return torch.from_numpy(flat.data.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(flat.data)
 
 
 def _rendezvous(comm: MPI.Intracomm) -> tuple[str, int]:
@@ -123,16 +108,22 @@ def _process_group_backend() -> str:
     return "cpu:gloo,cuda:nccl" if nccl else "cpu:gloo"
 
 
-def _ensure_process_group(comm: MPI.Intracomm) -> None:
+def ensure_process_group(comm: MPI.Intracomm) -> None:
+    """Start torch.distributed's default process group over ``comm``'s ranks
+    (COMM_WORLD only), once: Gloo, and NCCL too where there is CUDA.
+
+    Raises:
+        Unavailable: torch.distributed is missing, or ``comm`` is not COMM_WORLD.
+    """
     global _torch_dist_backend
     try:
         import torch.distributed as dist
     except ImportError as e:
-        raise BaselineUnavailable(f"torch.distributed is not importable: {e}") from None
+        raise Unavailable(f"torch.distributed is not importable: {e}") from None
     if _torch_dist_backend is not None:
         return
     if comm.Compare(MPI.COMM_WORLD) == MPI.UNEQUAL:
-        raise BaselineUnavailable("the torch.distributed baselines run on COMM_WORLD only")
+        raise Unavailable("the torch.distributed baselines run on COMM_WORLD only")
     backend = _process_group_backend()
     addr, port = _rendezvous(comm)
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}",
@@ -148,8 +139,7 @@ def _ensure_process_group(comm: MPI.Intracomm) -> None:
 def _dist_op(op: str):
     import torch.distributed as dist
 
-    return {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-            "max": dist.ReduceOp.MAX, "prod": dist.ReduceOp.PRODUCT}[op]
+    return getattr(dist.ReduceOp, OP_TABLE[op].dist)
 
 
 # The benchmark's dtypes that torch.distributed reduces with Gloo and with
@@ -168,8 +158,8 @@ def gloo_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     check_op(op)
     flat = as_flat(buf)
     comm = private(comm)
-    _ensure_process_group(comm)
-    dist.all_reduce(_torch_view(flat), op=_dist_op(op))
+    ensure_process_group(comm)
+    dist.all_reduce(torch_view(flat), op=_dist_op(op))
     if op == "avg":
         finish_avg(flat.data, flat.dtype, comm.Get_size())
     return buf
@@ -192,7 +182,7 @@ def tensor_allreduce(tensor, op: str = "sum", comm: MPI.Comm | None = None):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch tensor, got {type(tensor).__name__}")
     comm = private(comm)
-    _ensure_process_group(comm)
+    ensure_process_group(comm)
     dist.all_reduce(tensor, op=_dist_op(op))
     size = comm.Get_size()
     if op == "avg" and size > 1:
@@ -216,7 +206,7 @@ class DeviceStage:
         import torch
 
         flat = as_flat(host)
-        self.host = _torch_view(flat)
+        self.host = torch_view(flat)
         self.buf = torch.empty_like(self.host, device=device)
 
     def _sync(self) -> None:
@@ -239,125 +229,16 @@ def cuda_stage(host, comm: MPI.Intracomm) -> DeviceStage:
     made the current device first, as NCCL's communicator is built there."""
     import torch
 
-    from ..topology import detect_private
-
     index = detect_private(comm).local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return DeviceStage(host, f"cuda:{index}")
-
-
-_hvd = None
-_hvd_controller: str | None = None  # "mpi" or "gloo" while Horovod runs
-_hvd_used_mpi = False  # once Horovod has run its MPI controller, Gloo cannot follow
-_rendezvous_server = None
-_hvd_env: list[str] = []  # the HOROVOD_* variables we set for Gloo, removed at shutdown
-
-
-def _horovod(comm: MPI.Intracomm, controller: str = "mpi"):
-    global _hvd, _hvd_controller, _hvd_used_mpi
-    if _hvd is not None and _hvd_controller == controller:
-        return _hvd
-    try:
-        import horovod.torch as hvd
-    except ImportError as e:
-        raise BaselineUnavailable(f"Horovod is not installed ({e}); run scripts/install_horovod.sh") from None
-    if comm.Compare(MPI.COMM_WORLD) == MPI.UNEQUAL:
-        raise BaselineUnavailable("the horovod baselines run on COMM_WORLD only")
-    if controller == "gloo" and _hvd_used_mpi:
-        raise BaselineUnavailable("Horovod ran its MPI controller in this process already; horovod-gloo must come "
-                                  "first (Horovod 0.28.1 rebuilds Gloo from the freed MPI communicator)")
-    if _hvd is not None:
-        _shutdown_horovod()
-    if controller == "gloo":
-        _gloo_rendezvous(comm)
-        hvd.init()
-    else:
-        os.environ.setdefault("HOROVOD_CONTROLLER", "mpi")
-        os.environ.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
-        hvd.init(comm=MPI.COMM_WORLD)
-        _hvd_used_mpi = True
-    _hvd, _hvd_controller = hvd, controller
-    atexit.register(shutdown)
-    if hvd.size() != comm.Get_size():
-        raise BaselineUnavailable(f"Horovod sees {hvd.size()} ranks, MPI {comm.Get_size()}")
-    return _hvd
-
-
-def _gloo_rendezvous(comm: MPI.Intracomm) -> None:
-    """What ``horovodrun --gloo`` does before it starts the workers: a
-    rendezvous server on rank 0 with every rank's slot, and the slot's
-    variables in each rank's environment. Nodes come from hpcjobs.topology
-    (SLURM_NODEID, or shared memory), so fake Slurm nodes are told apart."""
-    global _rendezvous_server
-    from ..topology import detect_private
-
-    topo = detect_private(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    cross_size = sum(1 for n in topo.local_sizes if n > topo.local_rank)
-    slot = dict(hostname=f"node{topo.node_id}", rank=rank, local_rank=topo.local_rank, cross_rank=topo.node_id,
-                size=size, local_size=topo.local_size, cross_size=cross_size)
-    slots = comm.allgather(slot)
-    iface = os.environ.get("HOROVOD_GLOO_IFACE") or ("lo" if topo.num_nodes == 1 else None)
-    port, error = None, None
-    if rank == 0:
-        try:
-            from horovod.runner.common.util.hosts import SlotInfo
-            from horovod.runner.http.http_server import RendezvousServer
-
-            _rendezvous_server = RendezvousServer(0)
-            port = _rendezvous_server.start()
-            _rendezvous_server.init([SlotInfo(**s) for s in slots])
-        except Exception as e:  # the reason goes to every rank
-            error = f"Horovod's rendezvous server did not start: {type(e).__name__}: {e}"
-    port, error = comm.bcast((port, error), root=0)
-    if error:
-        raise BaselineUnavailable(error)
-    addr = "127.0.0.1" if topo.num_nodes == 1 else comm.bcast(socket.gethostname() if rank == 0 else None, root=0)
-    env = {"HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_GLOO_IFACE": iface,
-           "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
-           "HOROVOD_HOSTNAME": slot["hostname"],
-           **{f"HOROVOD_{k.upper()}": str(slot[k]) for k in ("rank", "size", "local_rank", "local_size",
-                                                             "cross_rank", "cross_size")}}
-    os.environ.update(env)
-    _hvd_env[:] = env
-
-
-def _shutdown_horovod() -> None:
-    global _hvd, _hvd_controller, _rendezvous_server
-    _hvd.shutdown()
-    _hvd, _hvd_controller = None, None
-    for key in _hvd_env:  # the next init (Horovod's MPI controller) must not see them
-        os.environ.pop(key, None)
-    _hvd_env.clear()
-    if _rendezvous_server is not None:
-        _rendezvous_server.stop()
-        _rendezvous_server = None
-
-
-def horovod_supports(dtype: str) -> bool:
-    # 0.28.1's torch binding raises "Tensor type torch.BFloat16Tensor is not supported".
-    return dtype in ("float16", "float32", "float64", "int32", "int64")
-
-
-def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, controller: str = "mpi"):
-    """``horovod.torch.allreduce_`` (MPI or Gloo controller), in place on the same memory."""
-    check_op(op)
-    flat = as_flat(buf)
-    comm = private(comm)
-    hvd = _horovod(comm, controller)
-    red = {"sum": hvd.Sum, "avg": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "prod": hvd.Product}[op]
-    hvd.allreduce_(_torch_view(flat), op=red, name=f"hpcjobs.{flat.count}.{flat.dtype}")
-    if op == "avg":
-        finish_avg(flat.data, flat.dtype, comm.Get_size())
-    return buf
 
 
 def shutdown() -> None:
     """Tear down the torch.distributed process group and Horovod, if started,
     so a long-lived process (a test session) stops paying for their threads."""
     global _torch_dist_backend
-    if _hvd is not None:
-        _shutdown_horovod()
+    horovod.stop()
     if _torch_dist_backend is not None:
         import torch.distributed as dist
 
@@ -367,14 +248,13 @@ def shutdown() -> None:
 
 # name -> (fn, supports(dtype), stage): stage(host_buf, comm) gives the
 # DeviceStage fn works on, or None for the host buffer itself.
-BASELINES: dict[str, tuple[Callable, Callable[[str], bool], Callable | None]] = {
+ADAPTERS: dict[str, tuple[Callable, Callable[[str], bool], Callable | None]] = {
     "mpi": (mpi_allreduce, mpi_supports, None),
     "gloo": (gloo_allreduce, gloo_supports, None),
     "nccl": (tensor_allreduce, nccl_supports, cuda_stage),
     "horovod": (horovod_allreduce, horovod_supports, None),
     "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports, None),
 }
-KNOWN_BASELINES = ("mpi", "gloo", "nccl", "horovod-gloo", "horovod")
 # Measured after everything else, each in a pass of its own, in this order:
 # Horovod's coordinator thread burns about half a core on rank 0 from
 # hvd.init() on (measured: 1.06 CPU-s in a 2 s sleep), which on a small node
@@ -385,8 +265,6 @@ LATE_BASELINES = ("horovod-gloo", "horovod")
 def _nccl_unavailable(comm: MPI.Intracomm) -> str | None:
     """Why this rank cannot run the nccl baseline, or None. Collective (the
     node layout): NCCL wants a GPU of its own for every rank of a node."""
-    from ..topology import detect_private
-
     local_size = detect_private(comm).local_size
     try:
         import torch
@@ -407,8 +285,8 @@ def available(name: str, comm: MPI.Intracomm) -> str | None:
     """None if baseline ``name`` can run here, else the reason it cannot.
     Collective: every rank gets the same answer."""
     reason = None
-    if name not in KNOWN_BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(KNOWN_BASELINES)}")
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     if name == "gloo":
         try:
             import torch.distributed as dist
@@ -420,19 +298,6 @@ def available(name: str, comm: MPI.Intracomm) -> str | None:
     elif name == "nccl":
         reason = _nccl_unavailable(comm)
     elif name in ("horovod", "horovod-gloo"):
-        try:
-            import horovod.torch as hvd
-        except ImportError as e:
-            reason = f"Horovod is not installed ({e}); run scripts/install_horovod.sh"
-        else:
-            if name == "horovod-gloo":
-                from ..topology import detect_private
-
-                if not hvd.gloo_built():
-                    reason = "this Horovod was built without Gloo"
-                elif _hvd_used_mpi:
-                    reason = "Horovod's MPI controller ran in this process already; horovod-gloo must come first"
-                elif detect_private(comm).num_nodes > 1 and not os.environ.get("HOROVOD_GLOO_IFACE"):
-                    reason = "several nodes: set HOROVOD_GLOO_IFACE to the network interface between them"
+        reason = horovod.unavailable(name, comm)
     reasons = comm.allgather(reason)
     return next((r for r in reasons if r), None)

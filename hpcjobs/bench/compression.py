@@ -1,10 +1,10 @@
-"""``hpcjobs bench compression``: what each compressor saves and costs, in
-one run, against the uncompressed allreduce -- and, with ``--train``, what
-it does to accuracy (after GRACE, Xu et al. 2021).
+"""What each compressor saves and costs, in one run, against the
+uncompressed allreduce -- and what it does to accuracy (after GRACE, Xu et
+al. 2021); ``hpcjobs bench compression`` runs it.
 
-Part 1, tensors the size of real layers (``--elements``, default 0.1, 1, 10
-and 25 M fp32 values, shaped as near-square matrices so PowerSGD has a
-matrix to factor). For each size and compressor:
+Part 1 (:func:`tensor_rows`), tensors the size of real layers (fp32 values
+shaped as near-square matrices so PowerSGD has a matrix to factor). For
+each size and compressor:
 
 - wire bytes: what this rank sent in one ``compressed_allreduce``,
   counted as it was sent; ratio = the uncompressed ring's bytes / these;
@@ -15,9 +15,9 @@ matrix to factor). For each size and compressor:
   ``vs ring`` / ``vs auto`` are their times over this one (> 1: faster);
 - #differ: ranks whose result is not bitwise rank 0's (must be 0).
 
-Part 2 (``--train``), on the training engine: MNIST-1D, every compressor
-without and with error feedback next to uncompressed, the same seeds; final
-test accuracy (mean and sd over ``--seeds``), the bytes each rank sent over
+Part 2 (:func:`train_rows`), on the training engine: MNIST-1D, every
+compressor without and with error feedback next to uncompressed, the same
+seeds; final test accuracy (mean and sd over the seeds), the bytes each rank sent over
 the whole run (all runs use the ring, so bytes are counted alike) and the
 ratio to uncompressed.
 
@@ -28,51 +28,23 @@ Launch::
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import time
 import zlib
-from pathlib import Path
+from typing import Callable
 
-import numpy as np
+import torch
 from mpi4py import MPI
 
-__all__ = ["DEFAULT_COMPRESSORS", "main"]
+from ..collectives import allreduce
+from ..collectives.counting import counted_allreduce
+from ..compression import compressed_allreduce, make_compressor
+from ..training.config import TrainConfig
+from ..training.loop import train
+from .harness import max_of_medians, sum_over_ranks, time_interleaved
 
-DEFAULT_COMPRESSORS = ("fp16", "bf16", "topk:0.01", "randomk:0.01", "qsgd:127", "sign", "powersgd:2")
-
-
-def _parse_counts(text: str) -> list[int]:
-    import argparse
-
-    out = []
-    for item in text.split(","):
-        item = item.strip().upper()
-        scale = {"K": 10 ** 3, "M": 10 ** 6}.get(item[-1:], 1)
-        try:
-            value = float(item[:-1] if scale > 1 else item) * scale
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a count: {item!r} (use e.g. 100K, 1M, 2.5M)") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"counts must be >= 1, got {item!r}")
-        out.append(int(value))
-    return out
-
-
-def _parse_specs(text: str) -> list[str]:
-    import argparse
-
-    from ..compression import make_compressor
-
-    specs = [s.strip() for s in text.split(",") if s.strip()]
-    for s in specs:
-        try:
-            if make_compressor(s) is None:
-                raise ValueError("'none' is the baseline, always included")
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return specs
+__all__ = ["tensor_rows", "tensor_table", "train_rows", "train_table"]
 
 
 def _shape(n: int) -> tuple[int, int]:
@@ -80,34 +52,6 @@ def _shape(n: int) -> tuple[int, int]:
     while n % rows:
         rows -= 1
     return rows, n // rows
-
-
-def _configure(p) -> None:
-    from ..cli import positive_float, positive_int
-    from ..collectives.counting import MESSAGE_ALGORITHMS
-    from ..training.models import MODELS
-
-    p.add_argument("--compressors", type=_parse_specs, default=list(DEFAULT_COMPRESSORS),
-                   help="comma-separated NAME[:PARAM] (default: " + ",".join(DEFAULT_COMPRESSORS) + ")")
-    p.add_argument("--elements", type=_parse_counts, default=[10 ** 5, 10 ** 6, 10 ** 7, 25 * 10 ** 6],
-                   help="tensor sizes in fp32 elements (default: 100K,1M,10M,25M)")
-    p.add_argument("--iters", type=positive_int, default=5, help="timed rounds per size (default 5)")
-    p.add_argument("--algorithm", choices=("auto",) + MESSAGE_ALGORITHMS, default="ring",
-                   help="allreduce of summable payloads (default: ring)")
-    g = p.add_argument_group("accuracy study (--train)")
-    g.add_argument("--train", action="store_true", help="also train MNIST-1D with every compressor, +- EF")
-    g.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
-    g.add_argument("--num-samples", type=positive_int, default=10000, help="MNIST-1D samples (default 10000)")
-    g.add_argument("--epochs", type=positive_int, default=20, help="default: %(default)s")
-    g.add_argument("--batch-per-rank", type=positive_int, default=32, help="default: %(default)s")
-    # 0.01 is the largest rate at which every error-feedback variant stayed
-    # stable here: random-k 1% with error feedback diverged at 0.02 and 0.05
-    # (README, "Gradient compression"); uncompressed is best near 0.05.
-    g.add_argument("--lr", type=positive_float, default=0.01, help="SGD rate, momentum 0.9 (default 0.01)")
-    g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
-    p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
-    p.add_argument("--out", "-O", metavar="DIR", help="write results.json and compression.md here (rank 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 # --- part 1: tensors -----------------------------------------------------------
@@ -122,29 +66,25 @@ def _codec_ms(c, t, name: str, iters: int) -> float:
     return 1e3 * statistics.median(times[1:])
 
 
-def _tensor_rows(args, comm) -> list[dict]:
-    import torch
-
-    from ..collectives import allreduce
-    from ..collectives.counting import counted_allreduce
-    from ..comm import print0
-    from ..compression import compressed_allreduce, make_compressor
-    from .harness import max_of_medians, sum_over_ranks, time_interleaved
-
-    rank, size = comm.Get_rank(), comm.Get_size()
+def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str], iters: int, algorithm: str,
+                progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Part 1 (module docstring): one row per size and compressor, the
+    uncompressed ring and ``auto`` included; collective. Summable payloads
+    take ``algorithm``; ``iters`` timed rounds per size."""
+    rank = comm.Get_rank()
     rows = []
-    for n in args.elements:
+    for n in elements:
         shape = _shape(n)
         g = torch.Generator().manual_seed(1000 + rank)
         grad = torch.randn(*shape, generator=g)
-        comps = {spec: make_compressor(spec, seed=0) for spec in args.compressors}
+        comps = {spec: make_compressor(spec, seed=0) for spec in compressors}
         last: dict[str, object] = {}
         sent: dict[str, int] = {}
         step = [0]
 
         def compressed(spec):
             def run():
-                out, b = compressed_allreduce(grad, comps[spec], name="w", comm=comm, algorithm=args.algorithm,
+                out, b = compressed_allreduce(grad, comps[spec], name="w", comm=comm, algorithm=algorithm,
                                               step=step[0])
                 last["out"], sent[spec] = out, b
             return run
@@ -167,8 +107,8 @@ def _tensor_rows(args, comm) -> list[dict]:
             h = zlib.crc32(last["out"].numpy().tobytes())
             return int(h != comm.bcast(h, root=0))
 
-        runs = {"fp32 ring": ring, "fp32 auto": auto} | {spec: compressed(spec) for spec in args.compressors}
-        times, wrong = time_interleaved(runs, reset, check, comm, args.iters, warmup=1)
+        runs = {"fp32 ring": ring, "fp32 auto": auto} | {spec: compressed(spec) for spec in compressors}
+        times, wrong = time_interleaved(runs, reset, check, comm, iters, warmup=1)
         base_bytes = max(1, comm.allreduce(sent["fp32 ring"], op=MPI.MAX))
         t_ring, t_auto = max_of_medians(times["fp32 ring"], comm), max_of_medians(times["fp32 auto"], comm)
         for label in runs:
@@ -179,14 +119,15 @@ def _tensor_rows(args, comm) -> list[dict]:
             rows.append(dict(elements=n, shape=list(shape), compressor=label, wire_bytes=b if b >= 0 else None,
                              ratio=base_bytes / b if b > 0 else None, codec_ms=codec, allreduce_ms=1e3 * t,
                              vs_ring=t_ring / t, vs_auto=t_auto / t, differ=sum_over_ranks(wrong[label], comm)))
-        if args.progress:
-            print0(f"# {n:,} elements done")
+        if progress is not None:
+            progress(f"{n:,} elements done")
     return rows
 
 
-def _tensor_table(rows: list[dict], size: int) -> str:
-    lines = [f"| elements | compressor | wire bytes/rank | fewer bytes (x) | codec ms | allreduce ms | "
-             f"vs fp32 ring | vs fp32 auto | #differ |", "|---|---|---|---|---|---|---|---|---|"]
+def tensor_table(rows: list[dict]) -> str:
+    """Part 1's rows as a Markdown table."""
+    lines = ["| elements | compressor | wire bytes/rank | fewer bytes (x) | codec ms | allreduce ms | "
+             "vs fp32 ring | vs fp32 auto | #differ |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['elements']:,} | {r['compressor']} | "
                      + (f"{r['wire_bytes']:,}" if r["wire_bytes"] is not None else "(shm)") + " | "
@@ -198,34 +139,36 @@ def _tensor_table(rows: list[dict], size: int) -> str:
 
 # --- part 2: training ------------------------------------------------------------
 
-def _train_rows(args, comm) -> list[dict]:
-    from ..comm import print0
-    from ..training.loop import TrainConfig, train
-
-    cells = [("none", False)] + [(spec, ef) for spec in args.compressors for ef in (False, True)]
+def train_rows(comm: MPI.Intracomm, compressors: list[str], model: str, num_samples: int, epochs: int,
+               batch_per_rank: int, lr: float, seeds: int, progress: Callable[[str], None] | None = None
+               ) -> list[dict]:
+    """Part 2 (module docstring): MNIST-1D with every compressor, without
+    and with error feedback, beside uncompressed, ``seeds`` runs each, SGD
+    with momentum 0.9 at ``lr``; collective."""
+    cells = [("none", False)] + [(spec, ef) for spec in compressors for ef in (False, True)]
     rows = []
     t_all = time.perf_counter()
     for i, (spec, ef) in enumerate(cells):
         accs, sent, secs, diverged = [], [], [], 0
-        for seed in range(args.seeds):
-            cfg = TrainConfig(model=args.model, dataset="mnist1d", num_samples=args.num_samples,
-                              batch_per_rank=args.batch_per_rank, optimizer="sgd", lr=args.lr, momentum=0.9,
+        for seed in range(seeds):
+            cfg = TrainConfig(model=model, dataset="mnist1d", num_samples=num_samples,
+                              batch_per_rank=batch_per_rank, optimizer="sgd", lr=lr, momentum=0.9,
                               warmup="none", algorithm="ring", compression=spec, error_feedback=ef,
-                              epochs=args.epochs, seed=seed, quiet=True, progress=False)
+                              epochs=epochs, seed=seed, quiet=True, progress=False)
             t0 = time.perf_counter()
             history = train(cfg, comm)
             secs.append(time.perf_counter() - t0)
             last = history[-1]
             accs.append(last["test_acc"])  # a diverged run ends at chance and counts as such
             diverged += not math.isfinite(last["loss"])
-            sent.append(sum(h["sent_bytes"] for h in history) / len(history) * args.epochs)
+            sent.append(sum(h["sent_bytes"] for h in history) / len(history) * epochs)
         rows.append(dict(compressor=spec, error_feedback=ef, test_acc=statistics.fmean(accs),
                          test_acc_sd=statistics.stdev(accs) if len(accs) > 1 else 0.0, accs=accs,
                          diverged=diverged, sent_bytes=statistics.fmean(sent), seconds=statistics.fmean(secs)))
-        if args.progress:
-            print0(f"# train {i + 1}/{len(cells)}: {spec}{' +EF' if ef else ''}: test acc "
-                   f"{100 * rows[-1]['test_acc']:.2f}%{f', {diverged} diverged' if diverged else ''} "
-                   f"({time.perf_counter() - t_all:.0f}s)")
+        if progress is not None:
+            progress(f"train {i + 1}/{len(cells)}: {spec}{' +EF' if ef else ''}: test acc "
+                     f"{100 * rows[-1]['test_acc']:.2f}%{f', {diverged} diverged' if diverged else ''} "
+                     f"({time.perf_counter() - t_all:.0f}s)")
     base = rows[0]
     for r in rows:
         r["delta_points"] = 100 * (r["test_acc"] - base["test_acc"])
@@ -234,7 +177,8 @@ def _train_rows(args, comm) -> list[dict]:
     return rows
 
 
-def _train_table(rows: list[dict]) -> str:
+def train_table(rows: list[dict]) -> str:
+    """Part 2's rows as a Markdown table."""
     lines = ["| compressor | error feedback | test accuracy % | vs none (points) | bytes sent/rank | "
              "fewer bytes (x) | time vs none |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -244,50 +188,3 @@ def _train_table(rows: list[dict]) -> str:
                      + f" | {r['delta_points']:+.2f} | "
                      f"{r['sent_bytes']:,.0f} | {r['fewer_bytes']:.1f} | {r['time_ratio']:.2f} |")
     return "\n".join(lines)
-
-
-def main(args) -> int:
-    from ..comm import print0, private
-    from ..training.cli import set_threads
-    from .allreduce import unchecked_benchmarks
-
-    comm = private()
-    size = comm.Get_size()
-    unchecked_benchmarks()
-    threads = set_threads(args, comm)
-    print0(f"# bench compression: {size} ranks, {threads} torch thread(s)/rank, compressors "
-           f"{','.join(args.compressors)}, summable payloads by {args.algorithm}")
-    rows = _tensor_rows(args, comm)
-    tensor_md = _tensor_table(rows, size)
-    print0("\n" + tensor_md + "\n")
-    train_rows, train_md = None, None
-    if args.train:
-        print0(f"# accuracy: {args.model} on MNIST-1D ({args.num_samples} samples), {args.epochs} epochs, "
-               f"batch {args.batch_per_rank}/rank, SGD lr {args.lr} momentum 0.9, {args.seeds} seed(s)")
-        train_rows = _train_rows(args, comm)
-        train_md = _train_table(train_rows)
-        print0("\n" + train_md + "\n")
-    differ = sum(r["differ"] for r in rows)
-    if comm.Get_rank() == 0 and args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"ranks": size, "tensors": rows, "training": train_rows},
-                                                     indent=1))
-        text = f"# Compression study ({size} ranks)\n\n## Tensors\n\n{tensor_md}\n"
-        if train_md:
-            text += f"\n## Training (MNIST-1D, {args.model})\n\n{train_md}\n"
-        (out / "compression.md").write_text(text)
-        print(f"# wrote {out}/results.json and {out}/compression.md", flush=True)
-    if differ:
-        print0(f"# ERROR: {differ} rank results differ from rank 0's")
-    return 1 if differ else 0
-
-
-def _register():
-    from ..cli import arguments, command
-
-    command("bench compression", "gradient compression: bytes, codec time and allreduce time per compressor, "
-            "and (--train) MNIST-1D accuracy with and without error feedback")(arguments(_configure)(main))
-
-
-_register()

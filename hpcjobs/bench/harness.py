@@ -1,5 +1,6 @@
-"""Timing shared by every benchmark: per-iteration wall times, summarised the
-nccl-tests way (each rank's median, then the maximum over ranks)."""
+"""Timing shared by every benchmark: per-iteration wall times in interleaved
+rounds (:mod:`hpcjobs.timing`), summarised the nccl-tests way (each rank's
+median, then the maximum over ranks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives.select import shuffled_rounds
+from ..timing import Rounds
+
+__all__ = ["auto_iters", "time_interleaved", "max_of_medians", "sum_over_ranks"]
 
 
 def auto_iters(nbytes: int) -> int:
@@ -22,44 +25,29 @@ def auto_iters(nbytes: int) -> int:
 def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str], object],
                      check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int
                      ) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Time several implementations of one operation, round-robin.
+    """Time several implementations of one operation in ``warmup + iters``
+    interleaved rounds (:class:`hpcjobs.timing.Rounds`).
 
-    Each of the ``warmup + iters`` rounds runs every implementation once:
-    ``reset(label); barrier; run()``, timing only ``run``. Interleaving matters on
-    a shared machine: load that comes and goes then hits every implementation
-    alike instead of whichever ran its block of iterations at the time. The
-    order is a fresh permutation every round
-    (:func:`hpcjobs.collectives.select.shuffled_rounds`, as ``auto`` times its
-    candidates: seeded, so every rank agrees),
-    because what ran just before matters: a pipelined ring's segmented
-    rendezvous sends slowed whatever followed by ~10% here, and the shared-
-    memory algorithm ran 3-4x faster or slower depending on its predecessor.
-    Merely rotating a fixed order keeps the same neighbours.
-    ``check(label)`` (untimed) counts this rank's wrong elements right after
-    each implementation's final run. Both get the label, so an implementation
-    that works on its own copy of the buffer (on a GPU, say) can be given its
-    input and have its output read back outside the timed call.
+    Before each call ``reset(label)`` runs, untimed; ``check(label)``
+    (untimed) counts this rank's wrong elements right after each
+    implementation's final call. Both get the label, so an implementation
+    that works on its own copy of the buffer (on a GPU, say) can be given
+    its input and have its output read back outside the timed call.
 
     Returns:
         (label -> this rank's ``iters`` durations in seconds,
          label -> this rank's wrong-element count)
     """
-    times: dict[str, list[float]] = {label: [] for label in runs}
-    wrong: dict[str, int] = {}
     labels = list(runs)
-    for i, turn in enumerate(shuffled_rounds(len(labels), warmup + iters)):
-        for j in turn:
-            label = labels[j]
-            reset(label)
-            comm.Barrier()
-            t0 = MPI.Wtime()
-            runs[label]()
-            t1 = MPI.Wtime()
-            if i >= warmup:
-                times[label].append(t1 - t0)
-            if i == warmup + iters - 1:
-                wrong[label] = check(label)
-    return times, wrong
+    rounds = Rounds(len(labels), warmup, iters)
+    wrong: dict[str, int] = {}
+    while not rounds.done:
+        label, last = labels[rounds.current], rounds.last_call
+        reset(label)
+        rounds.call(comm, runs[label])
+        if last:
+            wrong[label] = check(label)
+    return {label: rounds.times[:, j].tolist() for j, label in enumerate(labels)}, wrong
 
 
 def max_of_medians(times: list[float], comm: MPI.Intracomm) -> float:

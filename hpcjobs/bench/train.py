@@ -1,12 +1,13 @@
-"""``hpcjobs bench train``: training throughput of our optimizer against
-Horovod's ``DistributedOptimizer`` and torch DDP, same model, same batch,
-same run -- the shape of Horovod's ``pytorch_synthetic_benchmark.py``.
+"""Training throughput of our optimizer against Horovod's
+``DistributedOptimizer`` and torch DDP, same model, same batch, same run --
+the shape of Horovod's ``pytorch_synthetic_benchmark.py`` (``hpcjobs bench
+train`` runs it).
 
 1. Every implementation gets its own copy of the same model (same initial
-   weights) and one fixed random batch of ``--batch-size`` samples per rank.
-2. ``--num-warmup-batches`` steps of each are run untimed.
-3. ``--num-iters`` rounds follow; in each round every implementation runs
-   ``--num-batches-per-iter`` steps, in an order shuffled per round with a
+   weights) and one fixed random batch of ``batch_size`` samples per rank.
+2. ``warmup_batches`` steps of each are run untimed.
+3. ``iters`` rounds follow; in each round every implementation runs
+   ``batches_per_iter`` steps, in an order shuffled per round with a
    seed (so slow phases of a shared host fall on all alike), and its
    samples/s per rank is recorded. The time of a round is the max over ranks.
 4. ``single`` is one rank training alone (the others wait without spinning):
@@ -29,19 +30,41 @@ Launch::
 from __future__ import annotations
 
 import gc
-import json
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
+import torch
+import torch.nn.functional as F
 from mpi4py import MPI
 
-__all__ = ["IMPLS", "Result", "main"]
+from ..collectives import ALGORITHMS
+from ..comm import agree
+from ..compression import make_compressor
+from ..training import DistributedOptimizer
+from ..training.config import OVERLAPS
+from ..training.models import build_model
+from . import horovod
+from .baselines import available, ensure_process_group, shutdown
 
-# name -> (description); "ours:*" are parsed as ours:<algorithm>[+<compression>[:<param>]][/<overlap>].
-IMPLS = ("single", "ours:auto", "ours:auto/thread", "ours:auto/none", "ours:ring", "ours:auto+fp16", "ddp", "horovod")
-DEFAULT_IMPLS = IMPLS
+__all__ = ["Workload", "Result", "check_impl", "unavailable", "parameters", "bench_train", "table"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch every implementation trains."""
+
+    model: str
+    width: int
+    batch_norm: bool
+    input_size: int  # features per sample
+    num_classes: int
+    batch_size: int  # samples per rank per step
+    fusion_bytes: int  # our bucket size
+    lr: float
+    seed: int
 
 
 @dataclass
@@ -68,24 +91,14 @@ class _Runner:
         self.enter, self.leave = enter, leave
 
 
-def _make_model(args, seed_state):
-    import torch
-
-    from ..training.models import build_model
-
+def _make_model(w: Workload, seed_state):
     torch.set_rng_state(seed_state)
-    return build_model(args.model, (args.input_size,), args.num_classes, width=args.width,
-                       batch_norm=args.batch_norm)
+    return build_model(w.model, (w.input_size,), w.num_classes, width=w.width, batch_norm=w.batch_norm)
 
 
-def _build(name: str, args, comm, seed_state, x, y):
-    import torch
-    import torch.nn.functional as F
-
-    from ..training import DistributedOptimizer
-
-    model = _make_model(args, seed_state)
-    sgd = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
+    model = _make_model(w, seed_state)
+    sgd = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
 
     def loss_step(opt):
         def step():
@@ -97,21 +110,17 @@ def _build(name: str, args, comm, seed_state, x, y):
     if name == "single":
         return _Runner(name, model, loss_step(sgd), alone=True)
     if name.startswith("ours:"):
-        from ..compression import make_compressor
-
-        algorithm, compression, overlap = _parse_ours(name)
+        algorithm, compression, overlap = check_impl(name)
         opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=algorithm,
-                                   compression=make_compressor(compression), fusion_bytes=args.fusion_bytes,
+                                   compression=make_compressor(compression), fusion_bytes=w.fusion_bytes,
                                    overlap=overlap)
         return _Runner(name, model, loss_step(opt), close=opt.close)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        from .baselines import _ensure_process_group
-
-        _ensure_process_group(comm)
+        ensure_process_group(comm)
         ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+        opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=0.9)
 
         def step():
             opt.zero_grad()
@@ -119,9 +128,7 @@ def _build(name: str, args, comm, seed_state, x, y):
             opt.step()
         return _Runner(name, model, step)
     if name == "horovod":
-        from .baselines import _horovod
-
-        hvd = _horovod(comm)
+        hvd = horovod.start(comm)
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
         hvd.shutdown()
 
@@ -131,27 +138,28 @@ def _build(name: str, args, comm, seed_state, x, y):
     raise ValueError(name)
 
 
-def _parse_ours(name: str) -> tuple[str, str, str]:
-    """"ours:<algorithm>[+<compression>[:<param>]][/<overlap>]" -> (algorithm, compression, overlap).
+def check_impl(name: str) -> tuple[str, str, str] | None:
+    """Check an implementation's name; for "ours:<algorithm>[+<compression>
+    [:<param>]][/<overlap>]" return (algorithm, compression, overlap).
 
     Raises:
-        UsageError: an unknown algorithm, compression or overlap.
+        ValueError: an unknown implementation, algorithm, compression or overlap.
     """
-    from ..cli import UsageError
-    from ..collectives import ALGORITHMS
-    from ..compression import make_compressor
-    from ..training.distributed import OVERLAPS
-
+    if name in ("single", "ddp", "horovod"):
+        return None
+    if not name.startswith("ours:"):
+        raise ValueError(f"unknown implementation {name!r}; choose from single, ddp, horovod, "
+                         "ours:<algorithm>[+<compression>][/thread|/none]")
     spec, _, overlap = name[len("ours:"):].partition("/")
     algorithm, _, compression = spec.partition("+")
     for what, value, allowed in (("algorithm", algorithm, ("auto",) + ALGORITHMS),
                                  ("overlap", overlap or "auto", OVERLAPS)):
         if value not in allowed:
-            raise UsageError(f"unknown {what} {value!r} in {name!r}; choose from {', '.join(allowed)}")
+            raise ValueError(f"unknown {what} {value!r} in {name!r}; choose from {', '.join(allowed)}")
     try:
         make_compressor(compression or "none")
     except ValueError as e:
-        raise UsageError(f"{e} (in {name!r})") from None
+        raise ValueError(f"{e} (in {name!r})") from None
     return algorithm, compression or "none", overlap or "auto"
 
 
@@ -185,99 +193,65 @@ def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
 
 
 def _params_agree(runner: _Runner, comm) -> bool:
-    import torch
-
-    from ..comm import agree
-
     flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).numpy()
     return bool(agree(flat, comm).all())
 
 
-def _measure(runners, comm, args, rng, results):
+def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: int, iters: int, rng,
+             results, progress) -> None:
     for r in runners:
         r.enter()
-        for _ in range(args.num_warmup_batches):
+        for _ in range(warmup_batches):
             if r.alone:
-                _time_round(r, comm, 1, args.batch_size)
+                _time_round(r, comm, 1, w.batch_size)
             else:
                 r.step()
         r.leave()
-    for it in range(args.num_iters):
+    for it in range(iters):
         order = list(runners)
         rng.shuffle(order)
         for r in order:
             r.enter()
-            _time_round(r, comm, 1, args.batch_size)  # untimed: first step after a (re)start
-            sps = _time_round(r, comm, args.num_batches_per_iter, args.batch_size)
+            _time_round(r, comm, 1, w.batch_size)  # untimed: first step after a (re)start
+            sps = _time_round(r, comm, batches_per_iter, w.batch_size)
             r.leave()
             results.setdefault(r.name, Result(r.name)).per_rank_sps.append(sps)
-        if comm.Get_rank() == 0 and args.progress:
-            print(f"# round {it + 1}/{args.num_iters}", flush=True)
+        if progress is not None:
+            progress(it + 1)
 
 
-def _configure(p) -> None:
-    from ..cli import parse_bytes, positive_float, positive_int
-    from ..training.models import MODELS
-
-    p.add_argument("--impl", default=",".join(DEFAULT_IMPLS),
-                   help="comma-separated: single, ours:<algorithm>[+<compression>][/thread|/none], ddp, horovod "
-                        f"(default: {','.join(DEFAULT_IMPLS)})")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
-    p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
-    p.add_argument("--batch-norm", action="store_true")
-    p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
-    p.add_argument("--num-classes", type=positive_int, default=10)
-    p.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
-    p.add_argument("--num-warmup-batches", type=positive_int, default=5, help="default: %(default)s")
-    p.add_argument("--num-batches-per-iter", type=positive_int, default=5, help="default: %(default)s")
-    p.add_argument("--num-iters", type=positive_int, default=10, help="timed rounds (default 10)")
-    p.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="our bucket size (default 1M)")
-    p.add_argument("--lr", type=positive_float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
-
-
-def main(args) -> int:
-    import torch
-
-    from ..cli import UsageError
-    from ..comm import print0, private
-    from ..training.cli import set_threads
-    from .baselines import available, shutdown
-
-    comm = private()
-    size = comm.Get_size()
-    names = [n.strip() for n in args.impl.split(",") if n.strip()]
-    for n in names:
-        if n.startswith("ours:"):
-            _parse_ours(n)
-        elif n not in ("single", "ddp", "horovod"):
-            raise UsageError(f"unknown implementation {n!r}; see --help")
-    threads = set_threads(args, comm)
+def unavailable(names: list[str], comm) -> dict[str, str]:
+    """The baselines among ``names`` that cannot run here, with the reason
+    (collective)."""
     skipped = {}
     for n, base in (("ddp", "gloo"), ("horovod", "horovod")):
         if n in names:
             reason = available(base, comm)
             if reason:
                 skipped[n] = reason
-                names.remove(n)
-    torch.manual_seed(args.seed)
+    return skipped
+
+
+def parameters(w: Workload) -> int:
+    """The model's parameter count."""
+    return sum(p.numel() for p in build_model(w.model, (w.input_size,), w.num_classes, width=w.width,
+                                              batch_norm=w.batch_norm).parameters())
+
+
+def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batches: int, batches_per_iter: int,
+                iters: int, progress: Callable[[int], None] | None = None) -> dict[str, Result]:
+    """Measure ``names`` (module docstring); collective. ``progress(round)``
+    is called after each timed round. Returns the results by name, each
+    with ``wrong`` set where the ranks' parameters came out different."""
+    torch.manual_seed(w.seed)
     seed_state = torch.get_rng_state()
-    g = torch.Generator().manual_seed(args.seed + comm.Get_rank())
-    x = torch.randn(args.batch_size, args.input_size, generator=g)
-    y = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
-    nparams = sum(p.numel() for p in _make_model(args, seed_state).parameters())
-    print0(f"# bench train: {args.model} width {args.width} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
-           f"of fp32 gradients), batch {args.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
-           f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")
-    for n, why in skipped.items():
-        print0(f"# {n}: skipped ({why})")
-    rng = random.Random(args.seed)
+    g = torch.Generator().manual_seed(w.seed + comm.Get_rank())
+    x = torch.randn(w.batch_size, w.input_size, generator=g)
+    y = torch.randint(0, w.num_classes, (w.batch_size,), generator=g)
+    rng = random.Random(w.seed)
     results: dict[str, Result] = {}
-    runners = [_build(n, args, comm, seed_state, x, y) for n in names]
-    _measure(runners, comm, args, rng, results)
+    runners = [_build(n, w, comm, seed_state, x, y) for n in names]
+    _measure(runners, comm, w, warmup_batches, batches_per_iter, iters, rng, results, progress)
     wrong = {r.name: int(not _params_agree(r, comm)) for r in runners if not r.alone}
     for r in runners:
         r.close()
@@ -290,44 +264,27 @@ def main(args) -> int:
     shutdown()
     for name, res in results.items():
         res.wrong = wrong.get(name, 0)
-    args.order = [n for n in names if n in results]
-    _report(results, size, comm, args)
-    return 1 if any(wrong.values()) else 0
+    return results
 
 
-def _report(results, size, comm, args) -> None:
-    if comm.Get_rank() != 0:
-        return
+def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list[str], list[dict]]:
+    """The results table (lines to print) and its rows (for JSON): samples/s
+    per rank, scaling efficiency against ``single``, and ratios against
+    ``ddp`` and ``horovod``, all from this run's medians."""
     single, ddp, hvd = results.get("single"), results.get("ddp"), results.get("horovod")
-    print("#")
-    print(f"# {'impl':20s} {'samples/s/rank':>15s} {'+-95%':>8s} {'total samples/s':>16s} {'efficiency':>10s} "
-          f"{'vs ddp':>7s} {'vs horovod':>10s} {'#wrong':>6s}")
+    lines = ["#", f"# {'impl':20s} {'samples/s/rank':>15s} {'+-95%':>8s} {'total samples/s':>16s} "
+                  f"{'efficiency':>10s} {'vs ddp':>7s} {'vs horovod':>10s} {'#wrong':>6s}"]
     rows = []
-    for name in args.order:
+    for name in order:
         res = results[name]
         total = res.median * (1 if name == "single" else size)
         eff = total / (size * single.median) if single and name != "single" else float("nan")
         vs_ddp = res.median / ddp.median if ddp else float("nan")
         vs_hvd = res.median / hvd.median if hvd else float("nan")
-        print(f"  {name:20s} {res.median:15.0f} {res.ci95:8.0f} {total:16.0f} {eff:10.2f} {vs_ddp:7.2f} "
-              f"{vs_hvd:10.2f} {res.wrong:6d}")
+        lines.append(f"  {name:20s} {res.median:15.0f} {res.ci95:8.0f} {total:16.0f} {eff:10.2f} {vs_ddp:7.2f} "
+                     f"{vs_hvd:10.2f} {res.wrong:6d}")
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
                          efficiency=eff, vs_ddp=vs_ddp, vs_horovod=vs_hvd, wrong=res.wrong, rounds=res.per_rank_sps))
-    print("# samples/s/rank: median over rounds; efficiency = total / (ranks x single); "
-          "ratios are of medians from this run", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": size, "config": {k: v for k, v in vars(args).items() if not k.startswith("_")
-                                                 and isinstance(v, (int, float, str, bool, type(None)))},
-                       "results": rows}, f, indent=1)
-        print(f"# wrote {args.json}", flush=True)
-
-
-def _register():
-    from ..cli import arguments, command
-
-    command("bench train", "training throughput: our DistributedOptimizer vs Horovod and torch DDP, one run")(
-        arguments(_configure)(main))
-
-
-_register()
+    lines.append("# samples/s/rank: median over rounds; efficiency = total / (ranks x single); "
+                 "ratios are of medians from this run")
+    return lines, rows

@@ -1,6 +1,6 @@
-"""``hpcjobs tune``: measure every allreduce algorithm that applies here (see
-``_applicable``) and write the tuning table that ``algorithm="auto"`` reads (format in
-``hpcjobs.collectives.select``).
+"""The tuning table: measure every allreduce algorithm that applies here
+(:func:`applicable`) and write the table that ``algorithm="auto"`` reads
+(format in :mod:`hpcjobs.collectives.auto`); ``hpcjobs tune`` runs it.
 
 Run it once per machine or allocation shape, under the same launcher and
 ranks as the jobs that will use it::
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
+
+from mpi4py import MPI
 
 from ..collectives import ALGORITHMS
-from ..collectives.shm import is_single_node
-from .allreduce import Record, format_bytes, implementations, median_records, run, size_sweep
+from .sweep import Record, implementations, median_records, run
 
+__all__ = ["applicable", "best_rows", "merge", "tune", "write"]
 
 # Keep the current row's algorithm while it is within this factor of a size's
 # winner: near-ties (ring and Rabenseifner at 2 ranks are the same exchange)
@@ -65,7 +68,7 @@ def best_rows(*passes: list[Record]) -> list[dict]:
     return rows
 
 
-# auto times a row's candidates where it runs (hpcjobs.collectives.select):
+# auto times a row's candidates where it runs (hpcjobs.collectives.auto):
 # the winner, the algorithms that won sizes near the row, then the runner-ups
 # seen most often in it. Nearby winners come first because a crossover moves
 # between runs here: in one run shm won 16 MB and lost 32-64 MB to the
@@ -104,13 +107,7 @@ def merge(path: str, table: dict, environment: dict) -> dict:
     return data
 
 
-# Sweeps per `hpcjobs tune`. Two runs here 15 s apart disagreed at 16 MB (shm
-# 1.59x ahead of the ring in one, behind in the next); three passes give a
-# median and three looks at which algorithms win near each size.
-PASSES = 3
-
-
-def _applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
+def applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
     """The algorithms worth timing here, and why the others are not.
 
     On one node the hierarchical algorithm is its intra-node stage alone (the
@@ -130,77 +127,26 @@ def _applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
     return names, left_out
 
 
-def _configure(p) -> None:
-    from ..cli import positive_int
-    from .allreduce import add_sweep_arguments
+def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, iters: int | None = None,
+         nodes: int = 1, on_record: Callable[[Record], None] | None = None) -> dict:
+    """Measure ``names`` over ``sizes``, ``passes`` times, and return the
+    table for this many ranks and ``nodes`` (collective).
 
-    p.add_argument("--out", "-O", default="tuning.json", metavar="PATH",
-                   help="tuning file to write or update (default tuning.json)")
-    p.add_argument("--passes", type=positive_int, default=PASSES,
-                   help=f"sweeps to run, one after the other; a size's time is the median over them "
-                        f"(default {PASSES}: here the fastest algorithm at a size can change within seconds)")
-    add_sweep_arguments(p)
-
-
-def main(args) -> int:
-    from ..cli import UsageError
-    from ..comm import print0, private
-    from ..topology import detect_private
-    from .allreduce import apply_placement, unchecked_benchmarks
-    from .report import environment
-
-    if args.min_bytes > args.max_bytes or args.factor < 2:
-        raise UsageError("need --min-bytes <= --max-bytes and --factor >= 2")
-    apply_placement(args)
-    unchecked_benchmarks()
-    comm = private()
-    topo = detect_private(comm)
-    names, left_out = _applicable(is_single_node(comm), topo.num_nodes)
-    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
-    print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
-           f"{len(names)} algorithms x {len(sizes)} sizes x {args.passes} passes")
-    for line in left_out:
-        print0(f"# left out: {line}")
-    done = [0]
-
-    def progress(rec):
-        done[0] += 1
-        if done[0] % len(names) == 0:
-            n = done[0] // len(names)
-            print0(f"#   pass {(n - 1) // len(sizes) + 1}: {format_bytes(rec.size_bytes):>6} done "
-                   f"({n}/{len(sizes) * args.passes})")
-
-    passes = [run(comm, sizes, implementations(names), iters=args.iters, on_record=progress)
-              for _ in range(args.passes)]
-    wrong = sum(r.wrong for records in passes for r in records)
+    Raises:
+        RuntimeError: a wrong result in any pass (no table from a broken run).
+    """
+    runs = [run(comm, sizes, implementations(names), iters=iters, on_record=on_record) for _ in range(passes)]
+    wrong = sum(r.wrong for records in runs for r in records)
     if wrong:
-        print0(f"# {wrong} wrong elements: not writing a tuning table from a broken run")
-        return 1
-    table = {"ranks": comm.Get_size(), "nodes": topo.num_nodes, "passes": args.passes, "rows": best_rows(*passes)}
-    if comm.Get_rank() == 0:
-        data = merge(args.out, table, environment(comm))
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, args.out)
-        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)           "
-              "also timed by auto", flush=True)
-        for row in table["rows"]:
-            last = row["measured"][-1]
-            bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
-            runner_up = f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)"
-            print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  {runner_up:<30}  "
-                  f"{', '.join(row['candidates'][1:]) or '-'}", flush=True)
-        print(f"# written to {args.out}; use it with HPCJOBS_TUNING={os.path.abspath(args.out)}", flush=True)
-    return 0
+        raise RuntimeError(f"{wrong} wrong elements: not writing a tuning table from a broken run")
+    return {"ranks": comm.Get_size(), "nodes": nodes, "passes": passes, "rows": best_rows(*runs)}
 
 
-def _register() -> None:
-    from ..cli import arguments, command
-
-    command("tune", "measure the allreduce algorithms that apply here and write the tuning table auto reads")(
-        arguments(_configure)(main))
-
-
-_register()
+def write(path: str, table: dict, environment: dict) -> None:
+    """Add ``table`` to the tuning file at ``path`` (:func:`merge`), atomically."""
+    data = merge(path, table, environment)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

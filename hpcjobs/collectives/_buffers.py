@@ -1,4 +1,4 @@
-"""Zero-copy views of user buffers, the reduction-op table, and chunk bounds.
+"""Zero-copy views of user buffers, the one op and dtype table, and chunk bounds.
 
 Every collective turns its buffer into a :class:`Flat`: two 1-D numpy views
 of the *same memory* as the user's numpy array or torch CPU tensor, one typed
@@ -7,8 +7,13 @@ for reductions (``data``) and one as same-width unsigned integers for the wire
 float16 or bfloat16, which classic MPI has no datatype for; reductions happen
 here, with numpy ufuncs (or torch for bfloat16, which numpy lacks).
 
-torch is imported only when a torch tensor or bfloat16 shows up, so numpy-only
-jobs do not pay for it.
+:data:`OP_TABLE` is the one place a reduction is spelled for every library the
+suite talks to (numpy, torch, MPI, torch.distributed, Horovod), so the
+baselines and the soak's reference use the op the collectives use.
+
+This module imports numpy alone (torch only when a torch tensor or bfloat16
+shows up), so the command line can read :data:`OPS` and :data:`DTYPES`
+without starting MPI.
 """
 
 from __future__ import annotations
@@ -20,11 +25,28 @@ from typing import Callable
 
 import numpy as np
 
-from ..comm import private
-from .agreement import agree_or_raise
-from .watchdog import guard
 
-OPS = ("sum", "avg", "min", "max", "prod")
+@dataclass(frozen=True)
+class Op:
+    """One reduction, as each library spells it. ``avg`` reduces as a sum;
+    the division by the group size comes once, after (:func:`finish_avg`)."""
+
+    name: str
+    ufunc: np.ufunc  # numpy, in place: ufunc(dst, src, out=dst)
+    torch: str  # the torch function (bfloat16, which numpy lacks)
+    mpi: str  # mpi4py's MPI.<mpi>
+    dist: str  # torch.distributed.ReduceOp.<dist>
+    horovod: str  # horovod.torch.<horovod>
+
+
+OP_TABLE = {op.name: op for op in (
+    Op("sum", np.add, "add", "SUM", "SUM", "Sum"),
+    Op("avg", np.add, "add", "SUM", "SUM", "Sum"),
+    Op("min", np.minimum, "minimum", "MIN", "MIN", "Min"),
+    Op("max", np.maximum, "maximum", "MAX", "MAX", "Max"),
+    Op("prod", np.multiply, "mul", "PROD", "PRODUCT", "Product"),
+)}
+OPS = tuple(OP_TABLE)
 
 # numpy dtype name -> wire dtype of the same width
 _NUMPY_DTYPES = {
@@ -37,7 +59,14 @@ DTYPES = tuple(_NUMPY_DTYPES) + ("bfloat16",)
 # this lookup runs on every collective call. Native byte order only.
 _BY_DTYPE = {np.dtype(name): (name, np.dtype(wire)) for name, wire in _NUMPY_DTYPES.items()}
 
-_UFUNCS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
+
+def numpy_dtype(dtype) -> np.dtype | None:
+    """``dtype`` as a numpy dtype the collectives reduce, or None."""
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    return np_dtype if np_dtype in _BY_DTYPE else None
 
 
 @dataclass(frozen=True)
@@ -132,51 +161,21 @@ def _flat_from_torch(t) -> Flat:
     return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
 
 
-def run(buf, op: str, comm, impl: Callable, **kwargs):
-    """The common frame of every public collective: :func:`prepare` (validate,
-    check that every rank agrees), then run ``impl(flat, op, private_comm,
-    **kwargs)`` unless there is nothing to do (one rank, or zero elements:
-    every rank then returns at once, which is safe because the count is the
-    same on every rank), all under the stall watchdog
-    (:mod:`hpcjobs.collectives.watchdog`). Returns ``buf``."""
-    fn = getattr(impl, "func", impl)
-    what = fn.__name__.lstrip("_")
-    options = repr({k: v for k, v in sorted(kwargs.items()) if v is None or isinstance(v, (bool, int, str))}
-                   ) if kwargs else ""
-    with guard(what):
-        flat, comm = prepare(buf, op, comm, what, options=options)
-        if comm.Get_size() > 1 and flat.count > 0:
-            impl(flat, op, comm, **kwargs)
-    return buf
-
-
-def prepare(buf, op: str, comm, what: str, **fields):
-    """Validate ``buf`` and ``op`` and, with checks on, agree across the
-    ranks of ``comm`` on count, dtype, op, ``what`` and ``fields``
-    (:mod:`hpcjobs.collectives.agreement`). Returns ``(flat, private comm)``.
-
-    Raises:
-        TypeError, ValueError: a bad buffer or op, on this rank alone when
-            checks are off; with checks on, every rank raises a
-            MismatchError naming the rank(s) and their error or values.
-    """
-    comm = private(comm)
-    flat, error = None, None
-    try:
-        check_op(op)
-        flat = as_flat(buf)
-    except (TypeError, ValueError) as e:
-        error = e
-    agree_or_raise(comm, what, {"algorithm": what, "count": flat.count if flat else None,
-                                "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
-    return flat, comm
-
-
 def check_op(op: str) -> str:
     """Return ``op`` if it is a supported reduction, else raise ValueError."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
     return op
+
+
+def torch_view(flat: Flat):
+    """The Flat's memory as a torch CPU tensor of its dtype (no copy), for
+    libraries that take torch tensors (torch.distributed, Horovod)."""
+    import torch
+
+    if flat.dtype == "bfloat16":
+        return _bf16(flat.data)
+    return torch.from_numpy(flat.data)
 
 
 def _bf16(bits: np.ndarray):
@@ -194,15 +193,14 @@ def reducer(op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
     if dtype == "bfloat16":
         import torch
 
-        fn = {"sum": torch.add, "avg": torch.add, "min": torch.minimum,
-              "max": torch.maximum, "prod": torch.mul}[op]
+        fn = getattr(torch, OP_TABLE[op].torch)
 
         def reduce_bf16(dst: np.ndarray, src: np.ndarray) -> None:
             d = _bf16(dst)
             fn(d, _bf16(src), out=d)
 
         return reduce_bf16
-    ufunc = _UFUNCS[op]
+    ufunc = OP_TABLE[op].ufunc
 
     def reduce(dst: np.ndarray, src: np.ndarray) -> None:
         ufunc(dst, src, out=dst)

@@ -20,7 +20,8 @@ cache does? A per-rank cache is not safe: if one rank's signature changes,
 it alone would enter the exchange while the others, on a cache hit, went
 straight on to the data phase -- a hang. Horovod's cache still exchanges a
 bit vector every cycle for the same reason. The exchange is one 9-element
-allreduce (its cost against each algorithm is in the README); benchmarks
+allreduce (its cost against each algorithm: docs/results/reliability.md,
+"What the agreement check costs"); benchmarks
 and callers that have agreed on their layout once (``DistributedOptimizer``)
 turn it off with :func:`set_checks` / ``HPCJOBS_CHECKS=0``.
 """
@@ -30,10 +31,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import zlib
 
 import numpy as np
 from mpi4py import MPI
+
+from ..comm import signature
 
 __all__ = ["MismatchError", "checks_enabled", "set_checks", "checking", "agree_or_raise"]
 
@@ -68,19 +70,13 @@ def checking(enabled: bool):
         _enabled = before
 
 
-def _code(value) -> int:
-    if isinstance(value, bool) or value is None:
-        return int(bool(value)) - (value is None)
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    return zlib.crc32(str(value).encode())
-
-
 @functools.lru_cache(maxsize=1024)
 def _encode(items: tuple, failed: bool) -> np.ndarray:
     # A signature seen before costs a cache lookup, not its encoding (crc32
-    # of the strings): a few microseconds per call on small messages.
-    v = np.array([_code(value) for _, value in items], dtype=np.int64)
+    # of the strings): a few microseconds per call on small messages. The
+    # exchange is comm.extremes' [v, -v] with the failure flag after it, in
+    # one allreduce, built here once per signature.
+    v = signature(value for _, value in items)
     out = np.concatenate([v, -v, [-int(failed)]])
     out.flags.writeable = False
     return out

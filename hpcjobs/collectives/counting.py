@@ -9,20 +9,22 @@ sent. ``hpcjobs model`` uses it to check the byte formulas, and
 The shared-memory algorithms (``shm``, and ``hierarchical``'s stages on
 sub-communicators) move data through shared windows rather than messages
 on the given communicator, so they cannot be counted here: counting asks
-for one of :data:`MESSAGE_ALGORITHMS`, and ``auto`` is resolved among them.
+for one of :data:`~hpcjobs.collectives.names.MESSAGE_ALGORITHMS`, and
+``auto`` is resolved among them.
 """
 
 from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._buffers import Flat, prepare
-from .select import choose, flat_algorithm
+from ._buffers import Flat
+from ._frame import prepare
+from .auto import choose
+from .messages import message_passing
+from .names import MESSAGE_ALGORITHMS
 from .watchdog import guard
 
 __all__ = ["CountingComm", "MESSAGE_ALGORITHMS", "counted_allreduce", "message_algorithm", "send_counted"]
-
-MESSAGE_ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server")
 
 
 class CountingComm:
@@ -72,11 +74,7 @@ def message_algorithm(algorithm: str, nbytes: int, ranks: int) -> str:
     if algorithm == "auto":
         name = choose(nbytes, ranks)
         return name if name in MESSAGE_ALGORITHMS else "ring"
-    if algorithm not in MESSAGE_ALGORITHMS:
-        flat_algorithm(algorithm)  # unknown names get the usual message
-        raise ValueError(f"algorithm {algorithm!r} moves data through shared memory, not messages; "
-                         f"counted collectives take auto or one of {', '.join(MESSAGE_ALGORITHMS)}")
-    return algorithm
+    return message_passing(algorithm).name
 
 
 def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Intracomm | None = None) -> int:
@@ -97,5 +95,5 @@ def send_counted(flat: Flat, op: str, algorithm: str, comm: MPI.Intracomm) -> in
     if comm.Get_size() == 1 or flat.count == 0:
         return 0
     proxy = CountingComm(comm)
-    flat_algorithm(message_algorithm(algorithm, flat.nbytes, comm.Get_size()))(flat, op, proxy)
+    message_passing(message_algorithm(algorithm, flat.nbytes, comm.Get_size())).bound(flat, op, proxy)
     return proxy.sent

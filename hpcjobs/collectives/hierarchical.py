@@ -22,87 +22,70 @@ on the network.
 
 Cost (uniform nodes, ring inside and across): inside a node 2(L-1)/L·N
 bytes per rank; across nodes 2(M-1)/M·N/L bytes per rank for M nodes -- the
-slow links carry 1/L of what a flat ring would put on them.
+slow links carry 1/L of what a flat ring would put on them. Model
+(``costs.COSTS["hierarchical"]``, each level with its own α, β in reality):
+2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ.
+
+Step: :func:`allreduce`.
 """
 
 from __future__ import annotations
 
 from mpi4py import MPI
 
+from ..comm import private
 from ..topology import Topology, detect_private
-from ._buffers import Flat, chunk_bounds, finish_avg, run
-from .ring import _allgather, _reduce_scatter
-from .shm import _shm
-from .tree import _tree_bcast, _tree_reduce
+from . import ring, shm, tree
+from ._buffers import Flat, chunk_bounds, finish_avg
+from ._frame import run
+from .messages import message_passing
+from .names import INTRA
 
-__all__ = ["hierarchical_allreduce"]
-
-INTRA = ("ring", "shm")
-
-
-def _inter_fn(name: str):
-    from .select import flat_algorithm
-
-    fn = flat_algorithm(name)
-    if name in ("hierarchical", "shm"):
-        raise ValueError(f"inter={name!r}: the inter-node stage needs a flat message-passing algorithm")
-    return fn
+__all__ = ["hierarchical_allreduce", "allreduce"]
 
 
-def _hierarchical(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | None = None,
-                  inter: str = "ring", intra: str = "ring", ranks_per_node: int | None = None) -> None:
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | None = None,
+              inter: str = "ring", intra: str = "ring", ranks_per_node: int | None = None) -> None:
+    """The two-level step (module docstring)."""
     topo = topology or detect_private(comm, ranks_per_node)
-    inter_fn = _inter_fn(inter)
+    inter_step = message_passing(inter, "inter").bound
     node, cross = topo.node_comm, topo.cross_comm
     size, L = comm.Get_size(), topo.local_size
     stage = "sum" if op == "avg" else op  # divide once, at the end, by the whole size
     if topo.num_nodes == 1:
-        _intra_allreduce(flat, op, node, intra)
+        (shm.allreduce if intra == "shm" else ring.allreduce)(flat, op, node)
         return
     if L == 1 and topo.uniform:  # one rank per node: only the network stage
-        inter_fn(flat, op, cross)
+        inter_step(flat, op, cross)
         return
     if not topo.uniform:
-        _through_leaders(flat, op, topo, inter_fn, size)
+        _through_leaders(flat, op, topo, inter_step, size)
         return
     main = flat.count // L * L
     if main:
         m = flat.slice(0, main)
-        if intra == "shm":
-            _shm(m, stage, node, reduce_only=True)
-        else:
-            _reduce_scatter(m, stage, node, None)
+        (shm.reduce_scatter if intra == "shm" else ring.reduce_scatter)(m, stage, node)
         b = chunk_bounds(main, L)
         shard = m.slice(b[topo.local_rank], b[topo.local_rank + 1])
-        inter_fn(shard, stage, cross)
+        inter_step(shard, stage, cross)
         if op == "avg":
             finish_avg(shard.data, flat.dtype, size)
-        if intra == "shm":
-            _shm(m, stage, node, gather_only=True)
-        else:
-            _allgather(m, node)
+        (shm.allgather if intra == "shm" else ring.allgather)(m, node)
     if main < flat.count:
-        _through_leaders(flat.slice(main, flat.count), op, topo, inter_fn, size)
+        _through_leaders(flat.slice(main, flat.count), op, topo, inter_step, size)
 
 
-def _through_leaders(flat: Flat, op: str, topo: Topology, inter_fn, size: int) -> None:
+def _through_leaders(flat: Flat, op: str, topo: Topology, inter_step, size: int) -> None:
     """Binomial reduce to local rank 0, allreduce among the local-rank-0
     ranks, binomial broadcast inside the node: the uneven-node fallback, and
     the count % L tail of the uniform path."""
     stage = "sum" if op == "avg" else op
-    _tree_reduce(flat, stage, topo.node_comm)
+    tree.reduce(flat, stage, topo.node_comm)
     if topo.local_rank == 0:
-        inter_fn(flat, stage, topo.cross_comm)
+        inter_step(flat, stage, topo.cross_comm)
         if op == "avg":
             finish_avg(flat.data, flat.dtype, size)
-    _tree_bcast(flat, topo.node_comm)
-
-
-def _intra_allreduce(flat: Flat, op: str, node: MPI.Intracomm, intra: str) -> None:
-    from .ring import _ring_allreduce
-    from .shm import _shm_allreduce
-
-    (_shm_allreduce if intra == "shm" else _ring_allreduce)(flat, op, node)
+    tree.bcast(flat, topo.node_comm)
 
 
 def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -118,7 +101,8 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
         comm: intracommunicator; None for COMM_WORLD.
         topology: a :class:`hpcjobs.topology.Topology` from
             ``detect(comm)``; None detects (and caches) it.
-        inter: the flat algorithm across nodes ("ring", "recursive_doubling", ...).
+        inter: the message-passing algorithm across nodes ("ring",
+            "recursive_doubling", ...).
         intra: "ring" or "shm" (MPI-3 shared memory) inside a node.
         ranks_per_node: simulate nodes of this many consecutive ranks
             (ignored when ``topology`` is given).
@@ -130,12 +114,10 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
         ValueError: unknown ``inter``/``intra``, a topology of another
             communicator, or a bad buffer/op (TypeError: unsupported dtype).
     """
-    from ..comm import private
-
     if intra not in INTRA:
         raise ValueError(f"unknown intra={intra!r}; choose one of {', '.join(INTRA)}")
-    _inter_fn(inter)
+    message_passing(inter, "inter")
     if topology is not None and topology.comm is not private(comm):
         raise ValueError("topology was detected on another communicator; pass detect(comm) for this comm")
-    return run(buf, op, comm, _hierarchical, topology=topology, inter=inter, intra=intra,
+    return run(buf, op, comm, "hierarchical_allreduce", allreduce, topology=topology, inter=inter, intra=intra,
                ranks_per_node=ranks_per_node)

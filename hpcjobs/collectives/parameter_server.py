@@ -15,21 +15,26 @@ Cost: 2 rounds for a worker, 2(P-1) messages at the server. A worker sends N
 bytes; the server receives N(P-1) and sends N(P-1): 2N(P-1) bytes through one
 link, versus 2(P-1)/P·N on every link of a ring. This is the bottleneck the
 ring allreduce was adopted to remove, and why it is here: to measure it.
-Model (server-bound): 2(P-1)(α + Nβ) + (P-1)·Nγ.
+Model (``costs.COSTS["parameter_server"]``, server-bound, every message one
+way): 2(P-1)·(α + Nβ) + (P-1)·Nγ.
+
+Step: :func:`allreduce`.
 """
 
 from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._buffers import Flat, finish_avg, reducer, run, scratch
+from ._buffers import Flat, finish_avg, reducer, scratch
+from ._frame import run
 
-__all__ = ["parameter_server_allreduce"]
+__all__ = ["parameter_server_allreduce", "allreduce"]
 
 _TAG = 15
 
 
-def _parameter_server(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    """The parameter server's step (module docstring)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if rank != 0:
         comm.Send(flat.wire, 0, _TAG)
@@ -47,15 +52,6 @@ def _parameter_server(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
 
 def parameter_server_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     """Allreduce ``buf`` in place through rank 0 as a parameter server
-    (module docstring).
-
-    Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; same
-            count and dtype on every rank.
-        op: "sum", "avg", "min", "max" or "prod".
-        comm: intracommunicator; None for COMM_WORLD (a private Dup is used).
-
-    Returns:
-        ``buf``, reduced in place, bitwise identical on every rank.
-    """
-    return run(buf, op, comm, _parameter_server)
+    (module docstring); arguments, result and errors as
+    :func:`hpcjobs.collectives.recursive_doubling_allreduce`."""
+    return run(buf, op, comm, "parameter_server_allreduce", allreduce)

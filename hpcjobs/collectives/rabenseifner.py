@@ -17,8 +17,11 @@ ranks and N bytes, with the buffer cut into p2 chunks:
 4. Unfold: the odd ranks return the result to their partners.
 
 Cost: 2·log2(p2) rounds (+2 when folding); each rank sends
-2(p2-1)/p2·N bytes and reduces (p2-1)/p2·N. Model:
-2⌈log2 P⌉α + 2(P-1)/P·Nβ + (P-1)/P·Nγ.
+2(p2-1)/p2·N bytes and reduces (p2-1)/p2·N. Model
+(``costs.COSTS["rabenseifner"]``; f = 1 when folding):
+2log2(p2)·α + 2(p2-1)/p2·Nβ + (p2-1)/p2·Nγ + f·(2α + 2Nβ + Nγ).
+
+Step: :func:`allreduce`.
 """
 
 from __future__ import annotations
@@ -26,14 +29,16 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import _fold
-from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run, scratch
+from ._buffers import Flat, chunk_bounds, finish_avg, reducer, scratch
+from ._frame import run
 
-__all__ = ["rabenseifner_allreduce"]
+__all__ = ["rabenseifner_allreduce", "allreduce"]
 
 _TAG = 13
 
 
-def _rabenseifner(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    """Rabenseifner's step (module docstring)."""
     p2, rem = _fold.group(comm.Get_size())
     newrank = _fold.fold_in(flat, op, comm, rem)
     if newrank >= 0:
@@ -46,7 +51,8 @@ def _rabenseifner(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         while dist >= 1:
             partner = _fold.real_rank(newrank ^ dist, rem)
             mid = (lo + hi) // 2
-            (keep_lo, keep_hi), (give_lo, give_hi) = ((mid, hi), (lo, mid)) if newrank & dist else ((lo, mid), (mid, hi))
+            keep, give = ((mid, hi), (lo, mid)) if newrank & dist else ((lo, mid), (mid, hi))
+            (keep_lo, keep_hi), (give_lo, give_hi) = keep, give
             n = b[keep_hi] - b[keep_lo]
             comm.Sendrecv(wire[b[give_lo]:b[give_hi]], partner, _TAG, tmp[:n].view(wire.dtype), partner, _TAG)
             reduce(data[b[keep_lo]:b[keep_hi]], tmp[:n])
@@ -65,18 +71,7 @@ def _rabenseifner(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
 
 
 def rabenseifner_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
-    """Allreduce ``buf`` in place with Rabenseifner's algorithm (module docstring).
-
-    Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; same
-            count and dtype on every rank.
-        op: "sum", "avg", "min", "max" or "prod".
-        comm: intracommunicator; None for COMM_WORLD (a private Dup is used).
-
-    Returns:
-        ``buf``, reduced in place, bitwise identical on every rank.
-
-    Raises:
-        TypeError, ValueError: unsupported buffer, dtype or op.
-    """
-    return run(buf, op, comm, _rabenseifner)
+    """Allreduce ``buf`` in place with Rabenseifner's algorithm (module
+    docstring); arguments, result and errors as
+    :func:`hpcjobs.collectives.recursive_doubling_allreduce`."""
+    return run(buf, op, comm, "rabenseifner_allreduce", allreduce)

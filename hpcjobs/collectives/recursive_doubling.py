@@ -14,8 +14,11 @@ Steps, for P ranks and a buffer of N bytes (Thakur, Rabenseifner & Gropp 2005):
 
 Cost: log2(p2) rounds (+2 when folding); each rank sends N·log2(p2) bytes
 and reduces as many. Best for small messages, where the α·rounds term
-dominates; the ring sends only 2(P-1)/P·N but takes 2(P-1) rounds. Model:
-⌈log2 P⌉α + ⌈log2 P⌉·Nβ + ⌈log2 P⌉·Nγ.
+dominates; the ring sends only 2(P-1)/P·N but takes 2(P-1) rounds. Model
+(``costs.COSTS["recursive_doubling"]``; f = 1 when folding):
+log2(p2)·(α + Nβ + Nγ) + f·(2α + 2Nβ + Nγ).
+
+Step: :func:`allreduce`.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from . import _fold
-from ._buffers import Flat, finish_avg, reducer, run, scratch
+from ._buffers import Flat, finish_avg, reducer, scratch
+from ._frame import run
 
-__all__ = ["recursive_doubling_allreduce"]
+__all__ = ["recursive_doubling_allreduce", "allreduce"]
 
 _TAG = 12
 
 
-def _recursive_doubling(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    """The recursive-doubling step (module docstring)."""
     p2, rem = _fold.group(comm.Get_size())
     newrank = _fold.fold_in(flat, op, comm, rem)
     if newrank >= 0:
@@ -51,16 +56,10 @@ def _recursive_doubling(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
 def recursive_doubling_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     """Allreduce ``buf`` in place by recursive doubling (module docstring).
 
-    Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; same
-            count and dtype on every rank.
-        op: "sum", "avg", "min", "max" or "prod".
-        comm: intracommunicator; None for COMM_WORLD (a private Dup is used).
-
-    Returns:
-        ``buf``, reduced in place, bitwise identical on every rank.
-
-    Raises:
-        TypeError, ValueError: unsupported buffer, dtype or op.
+    Same arguments and result as :func:`hpcjobs.collectives.ring_allreduce`
+    without the pipelining: a numpy array or torch CPU tensor, the same
+    count and dtype on every rank, reduced in place and bitwise identical
+    on every rank; TypeError or ValueError for an unsupported buffer,
+    dtype or op.
     """
-    return run(buf, op, comm, _recursive_doubling)
+    return run(buf, op, comm, "recursive_doubling_allreduce", allreduce)

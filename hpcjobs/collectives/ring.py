@@ -20,7 +20,8 @@ Steps, for a buffer of N bytes cut into P chunks (chunk ``i`` is
 Cost: 2(P-1) rounds; each rank sends (and receives) 2(P-1)/P·N bytes and
 reduces (P-1)/P·N bytes -- independent of P for large N, which is why the ring
 wins on bandwidth and loses on latency (see ``recursive_doubling`` for the
-latency-optimal variant). Model: 2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ.
+latency-optimal variant). Model (``costs.COSTS["ring"]``):
+2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ.
 
 Pipelined mode (``pipeline=True``): each round's chunk is cut into segments
 of ``segment_bytes``; the next segment's receive is posted (``Irecv``, double
@@ -30,6 +31,10 @@ has nothing to overlap and receives whole chunks in place in both modes.
 
 Only buffer-based MPI calls are used (``Sendrecv``, ``Isend``/``Irecv``) on
 the suite's private duplicate of the communicator.
+
+Steps (``hpcjobs.collectives._frame``), which other modules compose:
+:func:`reduce_scatter`, :func:`allgather`, :func:`allreduce` and
+:func:`allgatherv`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import private
-from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, run, scratch
+from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, scratch
+from ._frame import run
 from .agreement import agree_or_raise
 from .watchdog import guard
 
@@ -48,10 +54,14 @@ __all__ = [
     "ring_reduce_scatter",
     "ring_allgather",
     "ring_allgatherv",
+    "reduce_scatter",
+    "allgather",
+    "allgatherv",
+    "allreduce",
 ]
 
 # Measured with `hpcjobs bench allreduce --segment-bytes 64K,256K,1M,4M` at 2
-# ranks on the CI machine (README, "Pipelined ring"): 1 MiB was the best of the
+# ranks (docs/results/allreduce.md, "Pipelined ring"): 1 MiB was the best of the
 # pipelined variants from 8 MB up; 64-128 KiB lose to the per-message
 # rendezvous cost, 4 MiB segments are whole chunks and pipeline nothing.
 DEFAULT_SEGMENT_BYTES = 1 << 20
@@ -59,7 +69,11 @@ DEFAULT_SEGMENT_BYTES = 1 << 20
 _TAG = 7
 
 
-def _reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_count: int | None) -> None:
+def reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
+    """Step 1: rank r ends with chunk r reduced over all ranks (divided, for
+    avg); the rest of ``flat`` holds partial results. ``segment_bytes``
+    pipelines each round in segments of that size (None: whole chunks)."""
+    segment_count = None if segment_bytes is None else max(1, segment_bytes // flat.itemsize)
     size, rank = comm.Get_size(), comm.Get_rank()
     bounds = chunk_bounds(flat.count, size)
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -103,7 +117,8 @@ def _reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_count: int
         finish_avg(data[bounds[rank]:bounds[rank + 1]], flat.dtype, size)
 
 
-def _allgather(flat: Flat, comm: MPI.Intracomm) -> None:
+def allgather(flat: Flat, comm: MPI.Intracomm) -> None:
+    """Step 2: every rank receives every chunk from the rank that owns it."""
     size, rank = comm.Get_size(), comm.Get_rank()
     bounds = chunk_bounds(flat.count, size)
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -114,7 +129,10 @@ def _allgather(flat: Flat, comm: MPI.Intracomm) -> None:
                       wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
 
 
-def _allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.ndarray]]:
+def allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.ndarray]]:
+    """The step of :func:`ring_allgatherv`: no check, on a private communicator
+    of two or more ranks (``compressed_allreduce`` runs it through a
+    byte-counting proxy)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     parts = [np.ascontiguousarray(p).reshape(-1) for p in parts]
     n = len(parts)
@@ -123,7 +141,7 @@ def _allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.nd
     sizes = np.zeros((size, n), dtype=np.int64)
     sizes[rank] = [p.nbytes for p in parts]
     if n:
-        _allgather(as_flat(sizes), comm)
+        allgather(as_flat(sizes), comm)
     # 2. the blobs, rank after rank, in one byte buffer; round s moves the
     #    blob of rank r-s to the right neighbour, as in the equal-block ring.
     #    Each array starts on an 8-byte boundary, so the views stay aligned.
@@ -157,23 +175,14 @@ def _check_segment_bytes(pipeline: bool, segment_bytes) -> int | None:
     return int(segment_bytes)
 
 
-def _segments(flat: Flat, segment_bytes: int | None) -> int | None:
-    # A segment holds at least one element.
-    return None if segment_bytes is None else max(1, segment_bytes // flat.itemsize)
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
+    """The ring allreduce's step: :func:`reduce_scatter`, then :func:`allgather`."""
+    reduce_scatter(flat, op, comm, segment_bytes)
+    allgather(flat, comm)
 
 
-def _ring_reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
-    _reduce_scatter(flat, op, comm, _segments(flat, segment_bytes))
-
-
-def _ring_allgather(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
-    _allgather(flat, comm)
-
-
-def _ring_allreduce(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int | None = None) -> None:
-    """Internal entry point on a validated Flat and a private communicator."""
-    _reduce_scatter(flat, op, comm, _segments(flat, segment_bytes))
-    _allgather(flat, comm)
+def _allgather_step(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    allgather(flat, comm)  # moves, does not reduce: op is not used
 
 
 def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -200,7 +209,8 @@ def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    return run(buf, op, comm, _ring_reduce_scatter, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
+    return run(buf, op, comm, "ring_reduce_scatter", reduce_scatter,
+               segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
 
 
 def ring_allgather(buf, comm: MPI.Comm | None = None):
@@ -217,7 +227,7 @@ def ring_allgather(buf, comm: MPI.Comm | None = None):
     Returns:
         ``buf``, filled in place.
     """
-    return run(buf, "sum", comm, _ring_allgather)
+    return run(buf, "sum", comm, "ring_allgather", _allgather_step)
 
 
 def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray]]:
@@ -241,7 +251,7 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
         # lengths may differ; the number of arrays and their dtypes may not
         agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
                                                  "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
-        return _allgatherv(parts, comm)
+        return allgatherv(parts, comm)
 
 
 def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -265,4 +275,4 @@ def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    return run(buf, op, comm, _ring_allreduce, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
+    return run(buf, op, comm, "ring_allreduce", allreduce, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))

@@ -29,10 +29,10 @@ must first take the line out of that peer's cache. What that costs depends
 on where the host runs the ranks' cores; in the CI VM's slow spells those
 stores took 7x longer and this algorithm fell to a quarter of its speed,
 while a kernel copy, which reads the sender's memory and writes only the
-receiver's, slowed far less (README, "All algorithms"). Streaming
-(non-temporal) stores into the stages cut that toll about 3x but were
-1.4-1.9x slower in calm spells, and still trailed the ring in slow ones
-(where ``auto`` picks the ring): ordinary stores it is.
+receiver's, slowed far less (docs/results/allreduce.md, "Shared memory,
+staged"). Streaming (non-temporal) stores into the stages cut that toll
+about 3x but were 1.4-1.9x slower in calm spells, and still trailed the
+ring in slow ones (where ``auto`` picks the ring): ordinary stores it is.
 
 Cost per rank for N bytes over L ranks: 2⌈N/block_bytes⌉ barriers, no
 messages. Each rank reads N from its own buffer and (L-1)/L·N from peers'
@@ -41,7 +41,8 @@ barrier per block, staging block k's result with block k+1's pieces,
 measured no faster: the barriers are not what costs.)
 
 The same stages give :func:`shm_reduce_scatter` and :func:`shm_allgather`,
-the intra-node halves used by ``hierarchical_allreduce(intra="shm")``.
+the intra-node halves used by ``hierarchical_allreduce(intra="shm")``; their
+steps are :func:`reduce_scatter`, :func:`allgather` and :func:`allreduce`.
 Windows are allocated on first use per communicator, reused by every later
 call, and freed when the communicator is freed.
 
@@ -67,8 +68,9 @@ reads (L-1)/L·N from its peers twice and N/L of its own, and writes N into its
 own buffer, against 2N stores for the staged path. At 2 ranks on the CI
 machine (``bench allreduce --buffers symmetric``) that was 2.1-2.2x
 ``MPI_Allreduce``'s busbw at 16 MB and 3.0x at 64 MB, against 1.2x and 2.0x
-staged (README, "Symmetric buffers"). Anything else (one rank with a
-private array, another offset) runs the staged path on every rank.
+staged (docs/results/allreduce.md, "Symmetric buffers"). Anything else (one
+rank with a private array, another offset) runs the staged path on every
+rank.
 """
 
 from __future__ import annotations
@@ -78,12 +80,16 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ..comm import extremes
 from . import symmetric
-from ._buffers import Flat, chunk_bounds, finish_avg, reducer, run
+from ._buffers import Flat, chunk_bounds, finish_avg, reducer
+from ._frame import run
+from ._shared import free_window, is_single_node, shared_window
 
-__all__ = ["DEFAULT_BLOCK_BYTES", "shm_allreduce", "shm_reduce_scatter", "shm_allgather", "is_single_node"]
+__all__ = ["DEFAULT_BLOCK_BYTES", "shm_allreduce", "shm_reduce_scatter", "shm_allgather", "reduce_scatter",
+           "allgather", "allreduce"]
 
-# Measured at 2 ranks on the CI machine (README, "All algorithms"), blocks of
+# Measured at 2 ranks (docs/results/allreduce.md, "Shared memory, staged"), blocks of
 # 256 KiB to 2 MiB side by side, 12 runs: 512 KiB was 7-30% ahead of 2 MiB at
 # 2-16 MB (a rank's piece, stage and peer's piece then fit its 1 MiB L2), level
 # at 64 MB, and 5-10% behind at 1 MB (two blocks' barriers instead of one);
@@ -101,9 +107,7 @@ class _Windows:
     next_stage: int = 0  # alternates across blocks *and* calls (module docstring)
 
     def free(self) -> None:
-        if self.win != MPI.WIN_NULL:
-            self.win.Unlock_all()
-            self.win.Free()
+        free_window(self.win)
         self.stages = []
 
 
@@ -113,19 +117,6 @@ def _free_windows(comm, keyval, state):
 
 
 _WIN_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_windows)
-_NODE_KEYVAL = MPI.Comm.Create_keyval()
-
-
-def is_single_node(comm: MPI.Intracomm) -> bool:
-    """Whether every rank of ``comm`` can share memory with every other
-    (collective on first call per communicator; cached)."""
-    cached = comm.Get_attr(_NODE_KEYVAL)
-    if cached is None:
-        shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        cached = shared.Get_size() == comm.Get_size()
-        shared.Free()
-        comm.Set_attr(_NODE_KEYVAL, cached)
-    return cached
 
 
 def _windows(comm: MPI.Intracomm, block_bytes: int) -> _Windows:
@@ -140,17 +131,8 @@ def _windows(comm: MPI.Intracomm, block_bytes: int) -> _Windows:
     if state is not None:
         # Grow only: frees the old window (collective; block_bytes is the same on every rank).
         comm.Delete_attr(_WIN_KEYVAL)
-    # Each rank's part page-aligned on its own, not packed after its neighbour's.
-    info = MPI.Info.Create()
-    info.Set("alloc_shared_noncontig", "true")
-    win = MPI.Win.Allocate_shared(2 * block_bytes, 1, info, comm=comm)
-    info.Free()
-    win.Lock_all(MPI.MODE_NOCHECK)
-    stages = []
-    for p in range(comm.Get_size()):
-        mem, _ = win.Shared_query(p)
-        raw = np.frombuffer(mem, dtype=np.uint8, count=2 * block_bytes)
-        stages.append((raw[:block_bytes], raw[block_bytes:]))
+    win, segments = shared_window(2 * block_bytes, comm)
+    stages = [(raw[:block_bytes], raw[block_bytes:]) for raw in segments]
     state = _Windows(win, block_bytes, stages)
     comm.Set_attr(_WIN_KEYVAL, state)
     return state
@@ -192,9 +174,8 @@ def _zero_copy(flat: Flat, comm: MPI.Intracomm):
     # The byte count too: with the agreement check off, ranks could differ in
     # it, and a view sliced past a peer's segment would come out short.
     dtype, n = flat.data.dtype, flat.nbytes
-    local = np.array([alloc_id, offset, n, -alloc_id, -offset, -n], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MIN)  # also the opening barrier
-    if local[0] < 0 or (local[:3] != -local[3:]).any():
+    lo, hi = extremes(np.array([alloc_id, offset, n], dtype=np.int64), comm)  # also the opening barrier
+    if lo[0] < 0 or (lo != hi).any():
         return None
     alloc = found[0]
     alloc.win.Sync()
@@ -269,8 +250,24 @@ def _shm(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BL
             data[qlo:qhi] = plan.staged(state.stages[q][s], flat, q, qhi - qlo)
 
 
-def _shm_allreduce(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    """The shm allreduce's step (module docstring)."""
     _shm(flat, op, comm, block_bytes)
+
+
+def reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    """Steps 1-3 alone: rank r ends with shard r (``chunk_bounds(count, P)[r:r+2]``)
+    reduced; the rest of ``flat`` is left as it was."""
+    _shm(flat, op, comm, block_bytes, reduce_only=True)
+
+
+def allgather(flat: Flat, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BLOCK_BYTES) -> None:
+    """Steps 4-5 alone: every rank copies shard r from rank r."""
+    _shm(flat, "sum", comm, block_bytes, gather_only=True)
+
+
+def _allgather_step(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int) -> None:
+    allgather(flat, comm, block_bytes)  # moves, does not reduce: op is not used
 
 
 def _check_block_bytes(block_bytes) -> int:
@@ -298,7 +295,7 @@ def shm_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
         ValueError: the ranks of ``comm`` are not all on one node; a bad
             buffer, op or block size (TypeError for an unsupported dtype).
     """
-    return run(buf, op, comm, _shm_allreduce, block_bytes=_check_block_bytes(block_bytes))
+    return run(buf, op, comm, "shm_allreduce", allreduce, block_bytes=_check_block_bytes(block_bytes))
 
 
 def shm_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -308,10 +305,10 @@ def shm_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
 
     Same arguments as :func:`shm_allreduce`; returns ``buf``.
     """
-    return run(buf, op, comm, _shm, block_bytes=_check_block_bytes(block_bytes), reduce_only=True)
+    return run(buf, op, comm, "shm_reduce_scatter", reduce_scatter, block_bytes=_check_block_bytes(block_bytes))
 
 
 def shm_allgather(buf, comm: MPI.Comm | None = None, *, block_bytes: int = DEFAULT_BLOCK_BYTES):
     """Copy shard r of rank r's ``buf`` into every rank's ``buf``, through
     shared memory (the inverse of :func:`shm_reduce_scatter`); returns ``buf``."""
-    return run(buf, "sum", comm, _shm, block_bytes=_check_block_bytes(block_bytes), gather_only=True)
+    return run(buf, "sum", comm, "shm_allgather", _allgather_step, block_bytes=_check_block_bytes(block_bytes))

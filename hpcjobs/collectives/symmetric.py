@@ -37,14 +37,14 @@ were made on is freed.
 from __future__ import annotations
 
 import weakref
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import private
-from ._buffers import _BY_DTYPE, DTYPES
+from ..comm import extremes, private, signature
+from ._buffers import DTYPES, as_flat, numpy_dtype
+from ._shared import free_window, is_single_node, shared_window
 
 __all__ = ["symmetric_empty", "symmetric_free", "is_symmetric", "spans", "locate", "peer_segments"]
 
@@ -70,9 +70,7 @@ class _Allocation:
         if self in _ALLOCATIONS:
             _ALLOCATIONS.remove(self)
         self.segments, self.peers = [], []
-        if self.win != MPI.WIN_NULL:
-            self.win.Unlock_all()
-            self.win.Free()
+        free_window(self.win)
 
 
 # Every live allocation of this process, searched by address. Usually one or two.
@@ -100,13 +98,9 @@ def _dtype(dtype):
         if name not in DTYPES:
             raise TypeError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
         return np.dtype(name), dtype
-    try:
-        np_dtype = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)} (bfloat16 as torch.bfloat16)"
-                        ) from None
-    if np_dtype not in _BY_DTYPE:
-        raise TypeError(f"unsupported dtype {np_dtype}; supported: {', '.join(DTYPES)} (bfloat16 as torch.bfloat16)")
+    np_dtype = numpy_dtype(dtype)
+    if np_dtype is None:
+        raise TypeError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)} (bfloat16 as torch.bfloat16)")
     return np_dtype, None
 
 
@@ -134,8 +128,6 @@ def symmetric_empty(shape, dtype=np.float32, comm: MPI.Comm | None = None):
             every rank).
         TypeError: an unsupported dtype.
     """
-    from .shm import is_single_node
-
     global _last_id
     comm = private(comm)
     np_dtype, torch_dtype = _dtype(dtype)
@@ -146,10 +138,7 @@ def symmetric_empty(shape, dtype=np.float32, comm: MPI.Comm | None = None):
     if not is_single_node(comm):
         raise ValueError("symmetric buffers live in shared memory: every rank of the communicator must be on one "
                          "node (allocate on the node's communicator, hpcjobs.topology.detect().node_comm)")
-    signature = np.array([nbytes, zlib.crc32(f'{np_dtype} {torch_dtype}'.encode()), _last_id + 1], dtype=np.int64)
-    lo, hi = np.empty_like(signature), np.empty_like(signature)
-    comm.Allreduce(signature, lo, op=MPI.MIN)
-    comm.Allreduce(signature, hi, op=MPI.MAX)
+    lo, hi = extremes(signature([nbytes, f"{np_dtype} {torch_dtype}", _last_id + 1]), comm)
     if lo[0] != hi[0] or lo[1] != hi[1]:
         raise ValueError(f"symmetric_empty: the ranks asked for different sizes or dtypes (this rank: shape "
                          f"{shape}, {torch_dtype or np_dtype}; bytes range {lo[0]}-{hi[0]} over the ranks)")
@@ -157,15 +146,7 @@ def symmetric_empty(shape, dtype=np.float32, comm: MPI.Comm | None = None):
     # so ranks of one communicator that report the same id hold the same
     # allocation (shm's placement exchange relies on it).
     _last_id = int(hi[2])
-    info = MPI.Info.Create()
-    info.Set("alloc_shared_noncontig", "true")  # each rank's segment page-aligned on its own
-    win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=comm)
-    info.Free()
-    win.Lock_all(MPI.MODE_NOCHECK)
-    segments = []
-    for p in range(comm.Get_size()):
-        mem, _ = win.Shared_query(p)
-        segments.append(np.frombuffer(mem, dtype=np.uint8, count=nbytes))
+    win, segments = shared_window(nbytes, comm)
     own = segments[comm.Get_rank()]
     alloc = _Allocation(_last_id, win, comm, own.__array_interface__["data"][0], nbytes, segments)
     _ALLOCATIONS.append(alloc)
@@ -198,8 +179,6 @@ def _find(data: np.ndarray) -> tuple[_Allocation, int] | None:
 def is_symmetric(buf) -> bool:
     """Whether ``buf`` (numpy array or torch tensor) lies in a live
     symmetric allocation of this rank (local; no communication)."""
-    from ._buffers import as_flat
-
     return _find(as_flat(buf).data) is not None
 
 
@@ -246,8 +225,6 @@ def symmetric_free(buf) -> None:
     Raises:
         ValueError: ``buf`` is not in a live symmetric allocation.
     """
-    from ._buffers import as_flat
-
     found = next(((a, 0) for a in _ALLOCATIONS if a.handed_out is not None and a.handed_out() is buf), None)
     found = found or _find(as_flat(buf).data)
     if found is None:

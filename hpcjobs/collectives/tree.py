@@ -14,24 +14,29 @@ Cost: 2⌈log2 P⌉ rounds; every rank but 0 sends N bytes in the reduce, and a
 rank with c children sends c·N in the broadcast (rank 0: ⌈log2 P⌉·N). Its
 latency term equals recursive doubling's twice over, and rank 0's link
 carries log2 P full buffers, so it suits small messages and is here as the
-classic reference. Model: 2⌈log2 P⌉(α + Nβ) + ⌈log2 P⌉·Nγ.
+classic reference. Model (``costs.COSTS["tree"]``; every hop one way):
+2⌈log2(P)⌉·(α + Nβ) + ⌈log2(P)⌉·Nγ.
+
+Steps: :func:`reduce`, :func:`bcast` (``hierarchical`` composes them) and
+:func:`allreduce`.
 """
 
 from __future__ import annotations
 
 from mpi4py import MPI
 
-from ._buffers import Flat, finish_avg, reducer, run, scratch
+from ._buffers import Flat, finish_avg, reducer, scratch
+from ._frame import run
 
-__all__ = ["tree_allreduce"]
+__all__ = ["tree_allreduce", "reduce", "bcast", "allreduce"]
 
 _TAG = 14
 
 
-def _tree_reduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+def reduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     """Step 1: binomial reduce; rank 0 ends with the reduction (not divided)."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    reduce = reducer(op, flat.dtype)
+    reduce_into = reducer(op, flat.dtype)
     tmp = scratch(flat.count, flat.data.dtype)
     mask = 1
     while mask < size:
@@ -40,11 +45,11 @@ def _tree_reduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
             return
         if rank + mask < size:
             comm.Recv(tmp.view(flat.wire.dtype), rank + mask, _TAG)
-            reduce(flat.data, tmp)
+            reduce_into(flat.data, tmp)
         mask <<= 1
 
 
-def _tree_bcast(flat: Flat, comm: MPI.Intracomm) -> None:
+def bcast(flat: Flat, comm: MPI.Intracomm) -> None:
     """Step 2: binomial broadcast of rank 0's buffer."""
     size, rank = comm.Get_size(), comm.Get_rank()
     mask = 1
@@ -59,24 +64,16 @@ def _tree_bcast(flat: Flat, comm: MPI.Intracomm) -> None:
         mask >>= 1
 
 
-def _tree(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
-    _tree_reduce(flat, op, comm)
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+    """The tree's step: :func:`reduce`, divide on rank 0 for avg, :func:`bcast`."""
+    reduce(flat, op, comm)
     if op == "avg" and comm.Get_rank() == 0:
         finish_avg(flat.data, flat.dtype, comm.Get_size())
-    _tree_bcast(flat, comm)
+    bcast(flat, comm)
 
 
 def tree_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
     """Allreduce ``buf`` in place: binomial-tree reduce to rank 0, then
-    binomial broadcast (module docstring).
-
-    Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; same
-            count and dtype on every rank.
-        op: "sum", "avg", "min", "max" or "prod".
-        comm: intracommunicator; None for COMM_WORLD (a private Dup is used).
-
-    Returns:
-        ``buf``, reduced in place, bitwise identical on every rank.
-    """
-    return run(buf, op, comm, _tree)
+    binomial broadcast (module docstring); arguments, result and errors as
+    :func:`hpcjobs.collectives.recursive_doubling_allreduce`."""
+    return run(buf, op, comm, "tree_allreduce", allreduce)

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..collectives import ring
 from ..collectives._buffers import as_flat
 from ..collectives.agreement import agree_or_raise
 from ..collectives.counting import CountingComm, message_algorithm, send_counted
-from ..collectives.ring import _allgatherv
 from ..collectives.watchdog import guard
 from ..comm import private
 from .base import Compressor
@@ -119,7 +119,7 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
             mean = compressor.decompress(parts if isinstance(payload, tuple) else parts[0], ctx)
         else:
             proxy = CountingComm(comm)
-            rows = _allgatherv([_numpy(p) for p in parts], proxy) if size > 1 else [[_numpy(p) for p in parts]]
+            rows = ring.allgatherv([_numpy(p) for p in parts], proxy) if size > 1 else [[_numpy(p) for p in parts]]
             sent += proxy.sent
             mean = None
             for row in rows:  # rank order: the same sum on every rank

@@ -1,5 +1,8 @@
 """Compressors by name, for command lines and configs: ``NAME[:PARAM]``.
 
+This module imports torch only when it makes a compressor, so the command
+line can offer :data:`COMPRESSIONS` without it.
+
 =========  ==========================  =========================
 name       compressor                  PARAM (default)
 =========  ==========================  =========================
@@ -16,7 +19,7 @@ powersgd   PowerSGDCompressor          rank (2)
 
 from __future__ import annotations
 
-__all__ = ["COMPRESSIONS", "make_compressor", "check_spec"]
+__all__ = ["COMPRESSIONS", "make_compressor"]
 
 COMPRESSIONS = ("none", "fp16", "bf16", "topk", "randomk", "qsgd", "sign", "powersgd")
 _PARAM = {"topk": float, "randomk": float, "qsgd": int, "powersgd": int}
@@ -30,8 +33,12 @@ def make_compressor(spec: str, seed: int = 0):
         ValueError: an unknown name, a parameter where none is taken, or a
             bad parameter value.
     """
-    from . import (BF16Compressor, FP16Compressor, PowerSGDCompressor, QSGDCompressor, RandomKCompressor,
-                   SignCompressor, TopKCompressor)
+    from .fp16 import BF16Compressor, FP16Compressor
+    from .powersgd import PowerSGDCompressor
+    from .qsgd import QSGDCompressor
+    from .randomk import RandomKCompressor
+    from .sign import SignCompressor
+    from .topk import TopKCompressor
 
     name, sep, param = str(spec).partition(":")
     if name not in COMPRESSIONS:
@@ -60,14 +67,3 @@ def make_compressor(spec: str, seed: int = 0):
     if name == "sign":
         return SignCompressor()
     return PowerSGDCompressor(2 if value is None else value, seed=seed)
-
-
-def check_spec(spec: str) -> str:
-    """``spec`` if it names a compressor (an argparse type: the error says why not)."""
-    import argparse
-
-    try:
-        make_compressor(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec

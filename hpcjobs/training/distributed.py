@@ -15,12 +15,12 @@
 
 How it works, per step:
 
-1. **Buckets.** At construction the parameters are laid out, in reverse
-   order of ``named_parameters`` (roughly the order backward produces their
-   gradients), into flat buckets of at most ``fusion_bytes`` per dtype, as
-   DDP and Horovod's tensor fusion do: one allreduce per bucket instead of
-   one per tensor. Every rank checks with one small ``MPI_Allreduce`` that
-   all ranks built the same layout.
+1. **Buckets** (:mod:`hpcjobs.training.buckets`). At construction the
+   parameters are laid out, in reverse order of ``named_parameters``
+   (roughly the order backward produces their gradients), into flat buckets
+   of at most ``fusion_bytes`` per dtype, as DDP and Horovod's tensor fusion
+   do: one allreduce per bucket instead of one per tensor. Every rank checks
+   with one small ``MPI_Allreduce`` that all ranks built the same layout.
 2. **Hooks.** A ``post_accumulate_grad`` hook on each parameter copies its
    gradient into the bucket on the last of ``backward_passes_per_step``
    passes (earlier passes just accumulate in ``.grad``, as torch does).
@@ -61,52 +61,23 @@ a rank bound to a single core, ``overlap="auto"`` chooses ``"none"``.
 
 from __future__ import annotations
 
-import io
-import os
 import queue
 import sys
 import threading
 import time
-import zlib
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, allreduce
-from ..collectives.counting import MESSAGE_ALGORITHMS, counted_allreduce
-from ..comm import agree, private
+from ..collectives import ALGORITHMS, MESSAGE_ALGORITHMS, allreduce
+from ..collectives.counting import counted_allreduce
+from ..comm import private
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
+from ..runtime import cores_per_rank
+from .buckets import Bucket, check_layout, layout
+from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 
-__all__ = ["DEFAULT_FUSION_BYTES", "NONFINITE", "OVERLAPS", "DistributedOptimizer", "NonFiniteGradientError",
-           "broadcast_parameters",
-           "broadcast_optimizer_state", "cores_per_rank"]
-
-# Horovod fuses up to 64 MiB and DDP starts at 25 MiB, both tuned for GPUs
-# and large models. On CPU ranks the models are small; 1 MiB buckets still
-# amortise the per-message latency and leave several buckets to overlap.
-DEFAULT_FUSION_BYTES = 1 << 20
-OVERLAPS = ("auto", "thread", "none")
-NONFINITE = ("ignore", "skip", "abort")
-
-
-@dataclass
-class _Slot:
-    name: str
-    param: torch.Tensor
-    offset: int
-    numel: int
-
-
-@dataclass
-class _Bucket:
-    index: int
-    dtype: torch.dtype
-    slots: list[_Slot]
-    buffer: torch.Tensor
-    pending: set = field(default_factory=set)  # slot positions whose gradient has not arrived
-    done: threading.Event = field(default_factory=threading.Event)
+__all__ = ["DistributedOptimizer", "NonFiniteGradientError"]
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -210,9 +181,11 @@ class DistributedOptimizer:
                              "pass model.named_parameters() for the model the optimizer was built on")
         opt_ids = {id(p) for p in opt_params}
         named = [(n, p) for n, p in named if id(p) in opt_ids and p.requires_grad]
-        self._buckets = self._layout(named)
-        self._check_agreement(named)
-        self._slot_of: dict[int, tuple[_Bucket, int]] = {}
+        self._buckets = layout(named, self.fusion_bytes, self._fused)
+        check_layout(self._comm, named, self._buckets, {
+            "fusion_bytes": self.fusion_bytes, "backward_passes_per_step": self.backward_passes_per_step,
+            "algorithm": self.algorithm, "compression/error feedback": f"{compression!r} ef={error_feedback}"})
+        self._slot_of: dict[int, tuple[Bucket, int]] = {}
         self._passes: dict[int, int] = {}
         self._handles = []
         for b in self._buckets:
@@ -231,55 +204,11 @@ class DistributedOptimizer:
 
     # -- layout and agreement ---------------------------------------------
 
-    def _layout(self, named) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        open_: dict[torch.dtype, list[_Slot]] = {}  # the bucket being filled, per dtype
-
-        def close(dtype):
-            slots = open_.pop(dtype)
-            count = slots[-1].offset + slots[-1].numel
-            buckets.append(_Bucket(len(buckets), dtype, slots, torch.zeros(count, dtype=dtype)))
-
-        for name, p in reversed(named):
-            if p.device.type != "cpu":
-                raise ValueError(f"parameter {name} is on {p.device}; DistributedOptimizer reduces CPU tensors "
-                                 "(CUDA parameters need a CUDA-aware MPI, not supported yet)")
-            slots = open_.setdefault(p.dtype, [])
-            offset = slots[-1].offset + slots[-1].numel if slots else 0
-            slots.append(_Slot(name, p, offset, p.numel()))
-            if not self._fused or (offset + p.numel()) * p.element_size() >= self.fusion_bytes:
-                close(p.dtype)
-        for dtype in list(open_):
-            close(dtype)
-        return buckets
-
-    def _check_agreement(self, named) -> None:
-        sig = "|".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in named)
-        layout = "|".join(",".join(s.name for s in b.slots) for b in self._buckets)
-        local = np.array([len(named), sum(p.numel() for _, p in named), zlib.crc32(sig.encode()),
-                          zlib.crc32(layout.encode()), self.fusion_bytes, self.backward_passes_per_step,
-                          zlib.crc32(self.algorithm.encode()),
-                          zlib.crc32(f"{self.compression!r} ef={self.memory is not None}".encode())],
-                         dtype=np.int64)
-        same = agree(local, self._comm)
-        if same.all():
-            return
-        what = ["number of parameters", "number of elements", "parameter names/shapes/dtypes",
-                "bucket layout", "fusion_bytes", "backward_passes_per_step", "algorithm",
-                "compression/error feedback"]
-        differ = [w for w, ok in zip(what, same) if not ok]
-        everyone = self._comm.allgather((len(named), int(local[1]), self.fusion_bytes, self.algorithm,
-                                         repr(self.compression), self.memory is not None))
-        raise ValueError(f"DistributedOptimizer: ranks disagree on {', '.join(differ)}; per rank "
-                         f"(params, elements, fusion_bytes, algorithm, compression, error feedback): "
-                         + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone)))
-
     # -- per step ------------------------------------------------------------
 
     def _reset_buckets(self) -> None:
         for b in self._buckets:
-            b.pending = set(range(len(b.slots)))
-            b.done.clear()
+            b.reset()
         for k in self._passes:
             self._passes[k] = 0
         self._next = 0
@@ -295,9 +224,7 @@ class DistributedOptimizer:
             raise RuntimeError(f"gradient of {name} computed {n} times before step(); "
                                f"backward_passes_per_step is {self.backward_passes_per_step}")
         bucket, pos = self._slot_of[key]
-        slot = bucket.slots[pos]
-        bucket.buffer[slot.offset:slot.offset + slot.numel].copy_(param.grad.reshape(-1))
-        bucket.pending.discard(pos)
+        bucket.fill(pos)
         if not bucket.pending:
             self._launch_ready()
 
@@ -328,7 +255,7 @@ class DistributedOptimizer:
             finally:
                 bucket.done.set()
 
-    def _reduce(self, bucket: _Bucket) -> None:
+    def _reduce(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
         if self.compression is not None:
             single = len(bucket.slots) == 1
@@ -353,14 +280,7 @@ class DistributedOptimizer:
         """
         t0 = time.perf_counter()
         for bucket in self._buckets:
-            for pos in list(bucket.pending):
-                slot = bucket.slots[pos]
-                view = bucket.buffer[slot.offset:slot.offset + slot.numel]
-                if slot.param.grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(slot.param.grad.reshape(-1))
-            bucket.pending.clear()
+            bucket.fill_missing()
         self._launch_ready()
         if self.overlap == "thread":
             for bucket in self._buckets:
@@ -373,12 +293,7 @@ class DistributedOptimizer:
             self._reset_buckets()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
         for bucket in self._buckets:
-            for slot in bucket.slots:
-                avg = bucket.buffer[slot.offset:slot.offset + slot.numel].view_as(slot.param)
-                if slot.param.grad is None:
-                    slot.param.grad = avg.clone()
-                else:
-                    slot.param.grad.copy_(avg)
+            bucket.unpack()
         self._reset_buckets()
         self._step += 1
         self.stats["wait_s"] += time.perf_counter() - t0
@@ -404,13 +319,7 @@ class DistributedOptimizer:
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose averaged gradient (after
         :meth:`synchronize`) holds a NaN or an Inf."""
-        bad = []
-        for bucket in self._buckets:
-            if torch.isfinite(bucket.buffer).all():
-                continue
-            bad += [s.name for s in bucket.slots
-                    if not torch.isfinite(bucket.buffer[s.offset:s.offset + s.numel]).all()]
-        return bad
+        return [name for bucket in self._buckets for name in bucket.nonfinite()]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -479,76 +388,3 @@ class DistributedOptimizer:
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self._optimizer).__name__}, ranks={self.size}, "
                 f"algorithm={self.algorithm!r}, buckets={len(self._buckets)}, overlap={self.overlap!r})")
-
-
-def cores_per_rank(comm: MPI.Comm) -> int:
-    """Cores this rank may use: its affinity when the launcher bound it
-    (e.g. mpirun's default binding to one core), else the node's cores
-    shared among the ranks of ``comm`` on this node. Collective over ``comm``."""
-    cpus = os.cpu_count() or 1
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local = node.Get_size()
-    node.Free()
-    return max(1, allowed) if allowed < cpus else max(1, allowed // local)
-
-
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    if not t.is_contiguous():
-        raise ValueError("broadcast needs contiguous tensors")
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    elif t.dtype == torch.bool:
-        t = t.view(torch.uint8)
-    return t.numpy()
-
-
-def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
-    """Overwrite every tensor in ``params`` with root's, in place.
-
-    Args:
-        params: ``model.state_dict()`` (parameters and buffers),
-            ``model.named_parameters()``, or an iterable of tensors -- the same
-            tensors in the same order on every rank.
-        root_rank: whose values win.
-        comm: None for COMM_WORLD.
-    """
-    comm = private(comm)
-    if not 0 <= root_rank < comm.Get_size():
-        raise ValueError(f"root_rank {root_rank} not in [0, {comm.Get_size()})")
-    items = params.items() if isinstance(params, dict) else params
-    tensors = [t[1] if isinstance(t, tuple) else t for t in items]
-    sig = np.array([len(tensors), zlib.crc32(";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors).encode())],
-                   dtype=np.int64)
-    if not agree(sig, comm).all():
-        counts = comm.allgather(len(tensors))
-        raise ValueError(f"broadcast_parameters: ranks hold different tensors (counts per rank {counts}, "
-                         "or different shapes/dtypes)")
-    with torch.no_grad():
-        for t in tensors:
-            data = t.data if isinstance(t, torch.nn.Parameter) else t
-            comm.Bcast(_as_numpy(data), root=root_rank)
-
-
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
-    """Give every rank root's optimizer state (momentum buffers, Adam
-    moments, step counts, hyper-parameters).
-
-    The state dict is serialised with ``torch.save`` on root, sent as bytes
-    (buffer ``Bcast``) and loaded with ``weights_only=True``.
-    """
-    comm = private(comm)
-    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    if comm.Get_rank() == root_rank:
-        raw = io.BytesIO()
-        torch.save(inner.state_dict(), raw)
-        payload = np.frombuffer(raw.getbuffer(), dtype=np.uint8).copy()
-        n = np.array([payload.size], dtype=np.int64)
-    else:
-        n = np.zeros(1, dtype=np.int64)
-    comm.Bcast(n, root=root_rank)
-    if comm.Get_rank() != root_rank:
-        payload = np.empty(int(n[0]), dtype=np.uint8)
-    comm.Bcast(payload, root=root_rank)
-    if comm.Get_rank() != root_rank:
-        inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))

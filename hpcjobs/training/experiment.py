@@ -1,4 +1,5 @@
-"""``hpcjobs experiment large-batch``: Goyal et al.'s table in miniature.
+"""Goyal et al.'s large-minibatch table in miniature (``hpcjobs experiment
+large-batch`` runs it).
 
 Goyal et al. 2017 train ResNet-50 on ImageNet with minibatches from 256 to
 64k, every run with the linear scaling rule (lr = 0.1 * kn/256), and show
@@ -28,19 +29,21 @@ Launch::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-from ..cli import UsageError, arguments, command, nonnegative_float, positive_float, positive_int
-from .cli import add_comm_arguments, add_model_data_arguments, set_threads
-from .loop import TrainConfig, train
+from mpi4py import MPI
+
+from .config import TrainConfig
+from .loop import train
 from .schedule import WARMUPS
 
-__all__ = ["batch_sizes", "run_grid", "summarize", "markdown_table"]
+__all__ = ["batch_sizes", "check_grid", "run_grid", "summarize", "markdown_table", "plot"]
 
 
 def batch_sizes(lo: int, hi: int) -> list[int]:
@@ -61,47 +64,61 @@ def _runs(batches, warmups, seeds, base_batch):
                     yield b, w, seed
 
 
-def run_grid(args, comm, log=print) -> list[dict]:
-    """Every run of the grid; returns one record per run (with its history)."""
+def check_grid(min_batch: int, max_batch: int, base_batch: int, warmups: list[str], size: int) -> None:
+    """Refuse a grid that cannot run on ``size`` ranks.
+
+    Raises:
+        ValueError: naming the bad value and the rule.
+    """
+    bad = [w for w in warmups if w not in WARMUPS]
+    if bad or not warmups:
+        raise ValueError(f"the warmups are a subset of {','.join(WARMUPS)}, got {','.join(warmups)}")
+    if min_batch > max_batch:
+        raise ValueError(f"the smallest batch ({min_batch}) is larger than the largest ({max_batch})")
+    batches = batch_sizes(min_batch, max_batch)
+    if base_batch not in batches:
+        raise ValueError(f"the base batch {base_batch} must be one of the grid's batches {batches}")
+    indivisible = [b for b in batches if b % size]
+    if indivisible:
+        raise ValueError(f"global batches {indivisible} do not divide by {size} ranks; pick a smallest batch "
+                         f"that is a multiple of {size}")
+
+
+def run_grid(template: TrainConfig, batches: list[int], warmups: list[str], seeds: int, base_batch: int,
+             out_dir: str | Path, comm: MPI.Intracomm, log: Callable[[str], None] = print) -> list[dict]:
+    """Every run of the grid (module docstring): ``template`` with each
+    global batch, warmup and seed, the rate scaled linearly from
+    ``template.lr`` at ``base_batch``. Appends each run to
+    ``out_dir``/runs.jsonl (rank 0) and returns one record per run (with
+    its history)."""
     size = comm.Get_size()
-    batches = batch_sizes(args.min_batch, args.max_batch)
-    bad = [b for b in batches if b % size]
-    if bad:
-        raise UsageError(f"global batches {bad} do not divide by {size} ranks; pick --min-batch a multiple of {size}")
-    base = args.base_batch or args.min_batch
-    seeds = list(range(args.seeds))
-    plan = list(_runs(batches, args.warmups, seeds, base))
-    out_dir = Path(args.out)
-    runs_path = out_dir / "runs.jsonl"
+    plan = list(_runs(batches, warmups, range(seeds), base_batch))
+    runs_path = Path(out_dir) / "runs.jsonl"
     if comm.Get_rank() == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        runs_path.parent.mkdir(parents=True, exist_ok=True)
         runs_path.write_text("")
     results = []
     t_start = time.perf_counter()
     for i, (b, warmup, seed) in enumerate(plan):
-        cfg = TrainConfig(model=args.model, width=args.width, batch_norm=args.batch_norm, dataset=args.dataset,
-                          data_dir=args.data_dir, num_samples=args.num_samples, data_seed=args.data_seed,
-                          batch_per_rank=b // size, optimizer="sgd", lr=args.lr, base_batch=base,
-                          momentum=args.momentum, weight_decay=args.weight_decay,
-                          warmup="none" if warmup == "all" else warmup, warmup_epochs=args.warmup_epochs,
-                          algorithm=args.algorithm, compression=args.compression,
-                          error_feedback=args.error_feedback, fusion_bytes=args.fusion_bytes,
-                          overlap=args.overlap, epochs=args.epochs, seed=seed, quiet=True, progress=False)
+        cfg = dataclasses.replace(template, batch_per_rank=b // size, backward_passes_per_step=1,
+                                  base_batch=base_batch, warmup="none" if warmup == "all" else warmup, seed=seed,
+                                  quiet=True, progress=False)
         t0 = time.perf_counter()
         history = train(cfg, comm)
         last = history[-1]
-        rec = {"global_batch": b, "k": b / base, "warmup": warmup, "seed": seed,
-               "lr_peak": args.lr * b / base, "test_error": 1 - last["test_acc"],
-               "diverged": not math.isfinite(last["loss"]), "train_loss": last["loss"], "epochs_run": len(history), "seconds": time.perf_counter() - t0,
-               "history": history}
+        rec = {"global_batch": b, "k": b / base_batch, "warmup": warmup, "seed": seed,
+               "lr_peak": template.lr * b / base_batch, "test_error": 1 - last["test_acc"],
+               "diverged": not math.isfinite(last["loss"]), "train_loss": last["loss"], "epochs_run": len(history),
+               "seconds": time.perf_counter() - t0, "history": history}
         results.append(rec)
         if comm.Get_rank() == 0:
             with open(runs_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (i + 1) * (len(plan) - i - 1)
-            log(f"[{i + 1}/{len(plan)}] batch {b:5d} (k={b / base:g}) warmup {warmup:8s} seed {seed}: "
-                f"test error {100 * rec['test_error']:.2f}%{' (diverged)' if rec['diverged'] else ''}  ({rec['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
+            log(f"[{i + 1}/{len(plan)}] batch {b:5d} (k={b / base_batch:g}) warmup {warmup:8s} seed {seed}: "
+                f"test error {100 * rec['test_error']:.2f}%{' (diverged)' if rec['diverged'] else ''}  "
+                f"({rec['seconds']:.1f} s, ~{eta / 60:.1f} min left)")
     return results
 
 
@@ -214,70 +231,3 @@ def _curves(results, warmups, batch, base_batch, path) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
-
-
-def _configure(p) -> None:
-    add_model_data_arguments(p)
-    # Tuned here (README, "Large-minibatch SGD"): the 1-D CNN at lr 0.02 per 32 samples is
-    # near the largest stable rate at the base batch, which is where warmup matters.
-    p.set_defaults(num_samples=20000, model="cnn1d")
-    g = p.add_argument_group("grid")
-    g.add_argument("--min-batch", type=positive_int, default=32, help="smallest global batch (default 32)")
-    g.add_argument("--max-batch", type=positive_int, default=4096, help="largest, reached by doubling (default 4096)")
-    g.add_argument("--base-batch", type=positive_int, help="the batch --lr is for (default: --min-batch)")
-    g.add_argument("--warmups", type=lambda s: [w.strip() for w in s.split(",") if w.strip()],
-                   default=list(WARMUPS), help="comma-separated subset of none,constant,gradual (default: all)")
-    g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
-    g.add_argument("--epochs", type=positive_int, default=20, help="every run trains this long (default 20)")
-    g.add_argument("--lr", type=positive_float, default=0.02, help="rate at the base batch (default 0.02)")
-    g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
-    g.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="default: %(default)s")
-    g.add_argument("--warmup-epochs", type=nonnegative_float, default=5.0, help="default: %(default)s (Goyal)")
-    add_comm_arguments(p)
-    g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
-    g.add_argument("--out", "-O", default="results/large-batch", metavar="DIR",
-                   help="runs.jsonl, table.md and PNG plots go here (default: %(default)s)")
-
-
-@command("experiment large-batch",
-         "Goyal et al.'s large-minibatch table on MNIST-1D: test error vs batch for no/constant/gradual warmup")
-@arguments(_configure)
-def main(args) -> int:
-    from mpi4py import MPI
-
-    from ..comm import print0
-
-    comm = MPI.COMM_WORLD
-    bad = [w for w in args.warmups if w not in WARMUPS]
-    if bad or not args.warmups:
-        raise UsageError(f"--warmups takes a subset of {','.join(WARMUPS)}, got {','.join(args.warmups)}")
-    if args.min_batch > args.max_batch:
-        raise UsageError("--min-batch must be <= --max-batch")
-    if args.backward_passes_per_step != 1:
-        raise UsageError("the experiment uses one backward pass per step")
-    base = args.base_batch or args.min_batch
-    if base not in batch_sizes(args.min_batch, args.max_batch):
-        raise UsageError(f"--base-batch {base} must be one of the grid's batches "
-                         f"{batch_sizes(args.min_batch, args.max_batch)}")
-    set_threads(args, comm)
-    print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples} samples), "
-           f"{comm.Get_size()} ranks, batches {batch_sizes(args.min_batch, args.max_batch)}, "
-           f"warmups {','.join(args.warmups)}, {args.seeds} seed(s), {args.epochs} epochs, lr {args.lr} per "
-           f"{base} samples, {args.warmup_epochs:g} warmup epochs")
-    try:
-        results = run_grid(args, comm, log=print0)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if comm.Get_rank() == 0:
-        out = Path(args.out)
-        summary = summarize(results)
-        table = markdown_table(summary, base, args.lr)
-        (out / "table.md").write_text(
-            f"# Large-minibatch SGD on MNIST-1D ({comm.Get_size()} ranks)\n\n"
-            f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
-            f"Model {args.model}, {args.num_samples} MNIST-1D samples (80% train), SGD momentum {args.momentum}, "
-            f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
-        print(table, flush=True)
-        written = plot(results, summary, out, base)
-        print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {', '.join(written)}", flush=True)
-    return 0

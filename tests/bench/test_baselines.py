@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_close, make_buffer, rank_input
+from conftest import OPS, assert_close, make_buffer, rank_input
 from hpcjobs.bench import baselines
 from hpcjobs.bench.baselines import available, gloo_allreduce, horovod_allreduce, horovod_supports, mpi_allreduce
-
-OPS = ("sum", "avg", "min", "max", "prod")
 
 
 def _require_horovod():
@@ -65,7 +63,7 @@ def test_horovod_gloo_after_horovods_mpi_controller_is_refused_with_the_reason()
     buf = np.ones(8, dtype=np.float32)
     horovod_allreduce(buf)  # the MPI controller runs in this process
     assert "must come first" in available("horovod-gloo", MPI.COMM_WORLD)
-    with pytest.raises(baselines.BaselineUnavailable, match="horovod-gloo must come first"):
+    with pytest.raises(baselines.Unavailable, match="horovod-gloo must come first"):
         horovod_allreduce(buf, controller="gloo")
 
 
@@ -136,7 +134,6 @@ def test_nccl_named_in_impl_is_checked_and_skipped_with_the_reason():
     """--impl nccl goes through the same availability check as --baselines:
     without a GPU the row is skipped with the reason, the rest still runs."""
     import torch
-
     from launch import mpirun
 
     if torch.cuda.is_available():

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from hpcjobs.bench.allreduce import Record
-from hpcjobs.bench.tune import _applicable, best_rows, merge
+from hpcjobs.bench.sweep import Record
+from hpcjobs.bench.tune import applicable, best_rows, merge
 from hpcjobs.collectives import ALGORITHMS
-from hpcjobs.collectives.select import choose
+from hpcjobs.collectives.auto import choose
 
 
 def _rec(size, impl, t):
@@ -90,7 +90,7 @@ def test_several_passes_rank_by_median_and_pool_nearby_winners():
     (False, 1, {"shm", "hierarchical"}),
 ])
 def test_tune_times_only_the_algorithms_that_differ_here(shared_memory, nodes, out):
-    names, left_out = _applicable(shared_memory, nodes)
+    names, left_out = applicable(shared_memory, nodes)
     assert set(ALGORITHMS) - set(names) == out
     assert names == [a for a in ALGORITHMS if a not in out]  # in ALGORITHMS' order
     assert sorted(line.split(":")[0] for line in left_out) == sorted(out)

@@ -5,14 +5,18 @@
 import numpy as np
 import pytest
 
-from conftest import COUNT_LABELS, check_allreduce, count_for, make_buffer, rank_input
-from hpcjobs.collectives import (ALGORITHMS, allreduce, hierarchical_allreduce, parameter_server_allreduce,
-                                 rabenseifner_allreduce, recursive_doubling_allreduce, shm_allreduce,
-                                 tree_allreduce)
+from conftest import BUFFERS, COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, rank_input
+from hpcjobs.collectives import (
+    ALGORITHMS,
+    allreduce,
+    hierarchical_allreduce,
+    parameter_server_allreduce,
+    rabenseifner_allreduce,
+    recursive_doubling_allreduce,
+    shm_allreduce,
+    tree_allreduce,
+)
 
-OPS = ("sum", "avg", "min", "max", "prod")
-BUFFERS = [("numpy", d) for d in ("float16", "float32", "float64", "int32", "int64")] + \
-          [("torch", d) for d in ("float32", "int64", "bfloat16")]
 FAMILY = [a for a in ALGORITHMS if a not in ("ring", "ring_pipelined")] + ["auto"]
 
 

@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import COUNT_LABELS, check_allreduce, count_for, make_buffer, mpi_reference, rank_input
+from conftest import ALL_BUFFERS as BUFFERS
+from conftest import COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, mpi_reference, rank_input
 from hpcjobs.collectives import chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
 
-OPS = ("sum", "avg", "min", "max", "prod")
-BUFFERS = [("numpy", d) for d in ("float16", "float32", "float64", "int32", "int64")] + \
-          [("torch", d) for d in ("float16", "float32", "float64", "int32", "int64", "bfloat16")]
 MODES = ("plain", "pipelined")
 
 
@@ -129,15 +127,15 @@ def test_fortran_ordered_and_multidimensional_arrays_are_reduced_elementwise():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_second_call_allocates_no_full_size_copy():
+@pytest.mark.parametrize("mode", [False, True])
+def test_second_call_allocates_no_full_size_copy(mode):
     import tracemalloc
 
     comm = MPI.COMM_WORLD
     buf = np.ones(1 << 20, dtype=np.float64)  # 8 MB
-    for mode in (False, True):
-        ring_allreduce(buf, "sum", comm, pipeline=mode)  # warms the scratch space
-        tracemalloc.start()
-        ring_allreduce(buf, "sum", comm, pipeline=mode)
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        assert peak < buf.nbytes // 100, f"pipeline={mode}: {peak} bytes allocated"
+    ring_allreduce(buf, "sum", comm, pipeline=mode)  # warms the scratch space
+    tracemalloc.start()
+    ring_allreduce(buf, "sum", comm, pipeline=mode)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < buf.nbytes // 100, f"pipeline={mode}: {peak} bytes allocated"

@@ -77,10 +77,10 @@ def test_a_rank_in_another_collective_or_holding_the_gil_is_named():
     assert out.returncode != 0
     assert elapsed < TIMEOUT + SLACK, elapsed
     # Whichever rank times out first reports; all four ranks are accounted for.
-    assert re.search(r"did not complete within 3 s; ranks not in (ring_allreduce: 1, 3|recursive_doubling: 0, 1, 2);",
-                     out.stderr)
+    assert re.search(r"did not complete within 3 s; ranks not in "
+                     r"(ring_allreduce: 1, 3|recursive_doubling_allreduce: 0, 1, 2);", out.stderr)
     assert "rank 1: no answer within 3 s (dead, exiting, or stuck in code that holds the GIL)" in out.stderr
-    assert re.search(r"rank 3: waiting \d+ s in recursive_doubling \(call #2\)", out.stderr)
+    assert re.search(r"rank 3: waiting \d+ s in recursive_doubling_allreduce \(call #2\)", out.stderr)
     assert re.search(r"rank 2: waiting \d+ s in ring_allreduce \(call #2\)", out.stderr)
 
 

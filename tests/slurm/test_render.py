@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from hpcjobs.cli import UsageError
-from hpcjobs.slurm import TEMPLATES, RenderOptions, bind_gpu, launch_command, render, template_path
+from hpcjobs.cli.slurm_render import check_job_args
+from hpcjobs.runtime import bind_gpu
+from hpcjobs.slurm import TEMPLATES, RenderOptions, launch_command, render, template_path
 
 GOLDEN = Path(__file__).parent / "golden"
 OPTIONS = RenderOptions(nodes=4, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=6, time="1-02:00:00",
@@ -64,16 +66,23 @@ def test_job_args_survive_the_shell_exactly(tmp_path):
 @pytest.mark.parametrize("kwargs,words", [
     (dict(time="90 minutes"), "not a Slurm time"), (dict(time="1:2:3:4"), "not a Slurm time"),
     (dict(time="25:99"), "below 60"), (dict(time="1:60:00"), "below 60"), (dict(time="2-24"), "below 24"),
-    (dict(job_args=("--algorithm", "bogus")), "hpcjobs train: error: argument --algorithm: invalid choice"),
-    (dict(job_args=("--epochs", "0")), "hpcjobs train: error: argument --epochs: must be positive"),
-    (dict(job_args=("--no-such-flag",)), "unrecognized arguments: --no-such-flag"),
     (dict(job_name="x; rm -rf /"), "--job-name"), (dict(partition="-p"), "--partition"),
     (dict(account="a b"), "--account"), (dict(nodes=0), "--nodes must be a positive integer"),
     (dict(gpus_per_node=-1), "--gpus-per-node"),
 ])
 def test_bad_values_are_refused(kwargs, words):
-    with pytest.raises(UsageError, match=words.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         render(template_path("train").read_text(), RenderOptions(**kwargs))
+
+
+@pytest.mark.parametrize("job_args,words", [
+    (("--algorithm", "bogus"), "hpcjobs train: error: argument --algorithm: invalid choice"),
+    (("--epochs", "0"), "hpcjobs train: error: argument --epochs: must be positive"),
+    (("--no-such-flag",), "unrecognized arguments: --no-such-flag"),
+])
+def test_job_arguments_the_templates_commands_refuse_are_refused(job_args, words):
+    with pytest.raises(UsageError, match=words.replace("(", r"\(")):
+        check_job_args(template_path("train").read_text(), job_args)
 
 
 @pytest.mark.parametrize("time", ["30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:00", "59:59", "0",
@@ -88,6 +97,7 @@ def test_slurm_time_formats_are_accepted(time):
     ("allreduce", ("--max-bytes", "1M")), ("tune", ("--factor", "4")), ("nccl", ("--iters", "5")),
 ])
 def test_job_arguments_that_a_templates_command_takes_are_accepted(template, args):
+    check_job_args(template_path(template).read_text(), args)  # raises if refused
     assert "JOB_ARGS=(" + " ".join(args) + ")" in render(template_path(template).read_text(),
                                                          RenderOptions(job_args=args))
 
@@ -100,8 +110,8 @@ def test_each_template_runs_a_command_with_the_job_arguments():
         "tune": [("tune",)], "horovod": [("bench", "allreduce")], "nccl": [("bench", "allreduce")]}
 
 
-def test_unknown_template_is_a_usage_error():
-    with pytest.raises(UsageError, match="no template 'resnet'"):
+def test_unknown_template_is_refused():
+    with pytest.raises(ValueError, match="no template 'resnet'"):
         template_path("resnet")
 
 
@@ -154,7 +164,7 @@ def test_launch_with_mpirun_in_cpu_mode():
                                    SLURM_NTASKS_PER_NODE="4(x2)"), ["tune"])
     assert cmd[:8] == ["mpirun", "-n", "8", "--map-by", "ppr:4:node", "-x", "FOO", cmd[7]]
     assert "HPCJOBS_BIND_GPU" not in env
-    with pytest.raises(UsageError, match="srun or mpirun"):
+    with pytest.raises(ValueError, match="srun or mpirun"):
         launch_command(dict(JOB, HPCJOBS_LAUNCHER="pdsh"), ["tune"])
 
 

@@ -120,13 +120,13 @@ def test_each_ranks_own_state_comes_back_from_a_mid_epoch_checkpoint(tmp_path):
         return mpirun_script(2, f"""
 import os, signal, sys
 from hpcjobs.cli import main
-from hpcjobs.training import loop
-save = loop._checkpoint
+from hpcjobs.training import checkpoint
+save = checkpoint.write
 def checkpoint_then_die(cfg, comm, model, inner, opt, history, epoch, step, partial):
     save(cfg, comm, model, inner, opt, history, epoch, step, partial)
     if comm.Get_rank() == 0 and (epoch, step) == {kill}:
         os.kill(os.getpid(), signal.SIGKILL)
-loop._checkpoint = checkpoint_then_die
+checkpoint.write = checkpoint_then_die
 sys.exit(main({args + extra + (["--resume"] if resume else [])!r}))
 """, timeout=300)
 

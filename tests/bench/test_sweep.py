@@ -6,11 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.bench.allreduce import Record, expected_output, implementations, make_input, run
+from conftest import DTYPES, OPS
 from hpcjobs.bench.baselines import mpi_supports
-
-OPS = ("sum", "avg", "min", "max", "prod")
-DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+from hpcjobs.bench.sweep import Record, expected_output, implementations, make_input, run
 
 
 def _values(arr, dtype):
@@ -113,8 +111,8 @@ def test_a_staged_implementation_is_fed_and_read_back_outside_the_timed_call(dty
     """The nccl row's path with a CPU copy in place of the GPU: the input
     reaches the copy before every call, the checked result is the copy's,
     and the host buffer the others share is left alone meanwhile."""
-    from hpcjobs.bench.allreduce import Impl
     from hpcjobs.bench.baselines import nccl_supports, tensor_allreduce
+    from hpcjobs.bench.sweep import Impl
 
     comm = MPI.COMM_WORLD
     seen = []
@@ -149,7 +147,7 @@ def test_json_report_holds_records_and_environment(tmp_path_factory):
 
 
 def test_auto_is_compared_with_the_fastest_of_our_other_algorithms_per_size():
-    from hpcjobs.bench.allreduce import auto_against_best
+    from hpcjobs.bench.sweep import auto_against_best
 
     def rec(size, impl, t):
         return Record(size, size // 4, "float32", "sum", impl, 2, 10, t, 0.0, 0.0, 0)
@@ -162,7 +160,7 @@ def test_auto_is_compared_with_the_fastest_of_our_other_algorithms_per_size():
 
 
 def test_median_records_take_each_rows_median_time_and_recompute_its_bandwidths():
-    from hpcjobs.bench.allreduce import median_records
+    from hpcjobs.bench.sweep import median_records
 
     def rec(size, impl, t, wrong=0):
         return Record(size, size // 4, "float32", "sum", impl, 4, 10, t, 0.0, 0.0, wrong)

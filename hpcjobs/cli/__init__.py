@@ -1,0 +1,243 @@
+"""``hpcjobs <command>``: the suite's command line, run under mpirun or srun.
+
+Launch, e.g.::
+
+    mpirun -n 4 hpcjobs bench allreduce --max-bytes 64M
+    srun -N 2 --ntasks-per-node 4 --mpi=pmix hpcjobs bench allreduce
+
+Every command is one module of this package with ``configure(parser)``
+(its flags) and ``run(args) -> exit code``, listed in :data:`COMMANDS`. The
+library never imports this package; a command imports the library inside
+``run``. Only the command asked for is imported and configured, and building
+its parser starts no MPI: the names and defaults it offers come from modules
+that import neither MPI nor torch (``hpcjobs.collectives.names``,
+``hpcjobs.training.config``, ...). So ``--help`` and the login-node commands
+(``slurm render / submit / launch``), which check a job's flags with
+:func:`parse_error`, never initialise MPI.
+
+Every rank parses the same command line, so a usage error exits 2 on every
+rank and nothing starts; the library's ValueErrors from the checks a
+command makes before it runs are usage errors too (:func:`args.usage`). An
+exception on one rank once work has begun aborts the whole job (MPI_Abort)
+rather than leaving the other ranks waiting in a collective forever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from importlib import import_module
+
+from .args import UsageError, nonnegative_float
+
+__all__ = ["COMMANDS", "Command", "UsageError", "build_parser", "main", "parse_error"]
+
+
+@dataclass(frozen=True)
+class Command:
+    path: str  # "bench allreduce"
+    module: str  # hpcjobs.cli.<module> has configure(parser) and run(args)
+    help: str
+    mpi: bool = True  # False: runs on a login node or the batch host; MPI is never initialised
+    passthrough: bool = False  # takes the job's arguments after --
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        return tuple(self.path.split())
+
+
+COMMANDS = (
+    Command("info", "info", "print the MPI library, versions and world size (every rank with --all-ranks)"),
+    Command("topology", "topology", "print which ranks share a node, as the hierarchical collectives see it"),
+    Command("bench allreduce", "bench_allreduce",
+            "time every allreduce implementation over a size sweep (nccl-tests table)"),
+    Command("bench train", "bench_train",
+            "training throughput: our DistributedOptimizer vs Horovod and torch DDP, one run"),
+    Command("bench compression", "bench_compression",
+            "gradient compression: bytes, codec time and allreduce time per compressor, and (--train) "
+            "MNIST-1D accuracy with and without error feedback"),
+    Command("tune", "tune", "measure the allreduce algorithms that apply here and write the tuning table auto reads"),
+    Command("model", "model", "fit alpha/beta/gamma here, predict every algorithm, compare with measured; count bytes"),
+    Command("train", "train", "data-parallel training on our allreduce (MNIST-1D, digits, synthetic, MNIST, CIFAR-10)"),
+    Command("experiment large-batch", "experiment",
+            "Goyal et al.'s large-minibatch table on MNIST-1D: test error vs batch for no/constant/gradual warmup"),
+    Command("soak", "soak", "many random allreduces (sizes, dtypes, ops, algorithms) checked against MPI_Allreduce, "
+            "with each rank's memory watched"),
+    Command("slurm render", "slurm_render",
+            "print a job script: a template from slurm/ with your values, validated and quoted",
+            mpi=False, passthrough=True),
+    Command("slurm submit", "slurm_submit", "render a template and sbatch it; prints the job id",
+            mpi=False, passthrough=True),
+    Command("slurm launch", "slurm_launch",
+            "inside a job script: start the ranks with srun or mpirun (see the templates)",
+            mpi=False, passthrough=True),
+)
+_BY_WORDS = {c.words: c for c in COMMANDS}
+
+
+def build_parser(command: Command | None = None) -> tuple[argparse.ArgumentParser, dict]:
+    """The parser of ``hpcjobs``: every command listed, only ``command``'s
+    flags added (its module imported). Returns the parser and the parsers
+    of the command groups ("bench", "slurm"), for help on an incomplete
+    command."""
+    parser = argparse.ArgumentParser(
+        prog="hpcjobs",
+        description="MPI job suite for distributed training: hand-written collectives, "
+                    "benchmarked against MPI_Allreduce, torch.distributed and Horovod. "
+                    "Run under mpirun/srun, e.g. `mpirun -n 4 hpcjobs bench allreduce`.",
+    )
+    parser.add_argument("--timeout", type=nonnegative_float, default=None, metavar="SECONDS",
+                        help="abort the job when one collective waits longer than this for the other ranks "
+                             "(default: $HPCJOBS_TIMEOUT or 300; 0: never); a warning comes at min(60, half)")
+    parser.add_argument("--no-checks", action="store_true",
+                        help="skip the cross-rank agreement check before each collective (one small allreduce; "
+                             "also HPCJOBS_CHECKS=0); the benchmarks skip it anyway")
+    groups = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    group_parsers: dict[tuple[str, ...], argparse.ArgumentParser] = {}
+    for cmd in COMMANDS:
+        words = cmd.words
+        for depth in range(1, len(words)):
+            prefix = words[:depth]
+            if prefix not in groups:
+                sub = groups[prefix[:-1]].add_parser(prefix[-1], help=f"{prefix[-1]} commands")
+                group_parsers[prefix] = sub
+                groups[prefix] = sub.add_subparsers(dest=f"command_{depth}", metavar="COMMAND")
+        p = groups[words[:-1]].add_parser(words[-1], help=cmd.help, description=cmd.help)
+        p.set_defaults(_command=cmd)
+        if cmd is command:
+            import_module(f"{__name__}.{cmd.module}").configure(p)
+    return parser, group_parsers
+
+
+def _requested(argv: list[str]) -> Command | None:
+    """The command ``argv`` names, found by parsing it with no command's
+    flags added (so that no command module is imported for it)."""
+    parser, _ = build_parser(None)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            args, _ = parser.parse_known_args([a for a in argv if a not in ("-h", "--help")])
+        except SystemExit:
+            return None
+    return getattr(args, "_command", None)
+
+
+def parse_error(argv: list[str]) -> str | None:
+    """The usage error ``hpcjobs ARGV`` would exit 2 with (argparse's
+    checks: flags, types, choices), or None when it parses. For job scripts,
+    to refuse a command line before a job is submitted or its ranks start;
+    starts no MPI."""
+    command = _requested(argv)
+    parser, _ = build_parser(command)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
+            args = parser.parse_args(argv)
+    except SystemExit as e:
+        if not e.code:
+            return None  # --help
+        errors = [line for line in out.getvalue().splitlines() if ": error: " in line]
+        return errors[-1] if errors else out.getvalue().strip()
+    if getattr(args, "_command", None) is None:
+        return f"hpcjobs {' '.join(argv)}: not a command (see hpcjobs --help)"
+    return None
+
+
+def _check_environment(command: Command) -> None:
+    """The job parameters read from the environment, checked before anything
+    runs (a bad one would otherwise surface as a traceback mid-job).
+
+    Raises:
+        ValueError: naming the variable and the rule.
+    """
+    from ..topology import check_ranks_per_node
+
+    check_ranks_per_node(None)  # HPCJOBS_RANKS_PER_NODE
+    tuning = os.environ.get("HPCJOBS_TUNING")
+    if tuning and command.path != "tune":  # tune writes tables, it does not read this one
+        from ..collectives.auto import load_tuning
+
+        try:
+            load_tuning(tuning)
+        except ValueError as e:
+            raise ValueError(f"HPCJOBS_TUNING: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is handed to the command untouched (the
+    # job's arguments for `slurm render/submit/launch`), not parsed here.
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    command = _requested(argv)
+    parser, groups = build_parser(command)
+    args = parser.parse_args(argv)
+    args.passthrough = passthrough
+    if getattr(args, "_command", None) is None:
+        given = tuple(a for a in argv if not a.startswith("-"))
+        (groups.get(given[:1]) or parser).print_help(sys.stderr)
+        return 2
+    run = import_module(f"{__name__}.{command.module}").run
+    prog = f"hpcjobs {command.path}"
+    if passthrough and not command.passthrough:
+        print(f"{prog}: error: unexpected arguments after --: {' '.join(passthrough)}", file=sys.stderr)
+        return 2
+    if not command.mpi:
+        try:
+            return int(run(args) or 0)
+        except UsageError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+            return 2
+    return _run_ranks(command, run, args, prog)
+
+
+def _run_ranks(command: Command, run, args, prog: str) -> int:
+    """A command on every rank: the environment checked, the GPU bound, MPI
+    started, then ``run``; errors mapped to exit codes."""
+    try:  # they read HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING and HPCJOBS_CHECKS at import
+        from ..collectives import agreement, watchdog
+    except ValueError as e:
+        print(f"hpcjobs: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        _check_environment(command)
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from ..runtime import bind_gpu
+
+    bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
+    if args.timeout is not None:
+        watchdog.set_timeout(args.timeout)
+    if args.no_checks:
+        agreement.set_checks(False)
+    from mpi4py import MPI
+
+    from ..comm import expect_world_size, world
+
+    try:
+        expect_world_size()
+    except RuntimeError as e:
+        # Every rank is alone in its own world here: each says so and fails.
+        print(f"hpcjobs: error on rank {MPI.COMM_WORLD.Get_rank()}: {e}", file=sys.stderr, flush=True)
+        return 1
+    world()  # collective: the private world and the stall watchdog's, so a timeout can name missing ranks
+    try:
+        return int(run(args) or 0)
+    except UsageError as e:
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        sys.stderr.flush()
+        if MPI.COMM_WORLD.Get_size() > 1:
+            print(f"hpcjobs: rank {MPI.COMM_WORLD.Get_rank()} failed; aborting the job", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(1)
+        return 1

@@ -1,0 +1,151 @@
+"""What every command shares: argument types, the usage error, the flags of
+the commands that sweep message sizes, and the checks that run before
+anything is measured."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+__all__ = ["UsageError", "usage", "parse_bytes", "positive_int", "nonnegative_int", "positive_float",
+           "nonnegative_float", "comma_list", "add_sweep_arguments", "sweep_sizes", "apply_placement",
+           "check_outputs", "dataclass_values"]
+
+
+class UsageError(Exception):
+    """A bad command line found after parsing (two arguments that disagree,
+    a value the library refuses). Every rank raises it before any
+    communication; ``main`` prints it argparse-style and exits 2."""
+
+
+@contextlib.contextmanager
+def usage():
+    """Inside: a ValueError or TypeError from the library is a usage error.
+
+    For the checks a command makes before anything runs, alike on every rank
+    (the library raises ValueError naming the value and the rule). Errors
+    once work has begun are not usage errors and end the job as such."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '4K', '64M', '1G' (powers of 1024) -> bytes; > 0."""
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8, 4K, 64M)")
+    value = int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2).upper()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _bounded(cast, kind: str, ok, rule: str):
+    """An argparse type: ``cast(text)`` that must satisfy ``ok``."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {kind}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = _bounded(int, "an integer", lambda v: v > 0, "positive")
+nonnegative_int = _bounded(int, "an integer", lambda v: v >= 0, ">= 0")
+positive_float = _bounded(float, "a number", lambda v: v > 0 and v != float("inf"), "positive")
+nonnegative_float = _bounded(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0")
+
+
+def comma_list(text: str) -> list[str]:
+    """'a, b,c' -> ['a', 'b', 'c']."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser, factor: int = 2) -> None:
+    """--min-bytes/--max-bytes/--factor/--iters/--ranks-per-node, shared by
+    every command that sweeps message sizes (bench allreduce, tune, model)."""
+    p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE",
+                   help="smallest message, e.g. 8, 4K (default 8)")
+    p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
+                   help="largest message (default 64M)")
+    p.add_argument("--factor", "-f", type=positive_int, default=factor,
+                   help=f"size multiplier between rows (default {factor})")
+    p.add_argument("--iters", "-n", type=positive_int, default=None,
+                   help="timed iterations per row (default: 200 for small messages down to 10 for large)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="simulate nodes of N consecutive ranks for hierarchical and auto "
+                        "(sets HPCJOBS_RANKS_PER_NODE; default: detect)")
+
+
+def sweep_sizes(args) -> list[int]:
+    """The message sizes of --min-bytes/--max-bytes/--factor (usage error if they disagree)."""
+    from ..bench.sweep import size_sweep
+
+    if args.min_bytes > args.max_bytes:
+        raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
+    if args.factor < 2:
+        raise UsageError("--factor must be at least 2")
+    return size_sweep(args.min_bytes, args.max_bytes, args.factor)
+
+
+def apply_placement(args) -> None:
+    """--ranks-per-node and --tuning, shared by the commands that run our
+    collectives: checked before anything is measured (usage error, exit 2)."""
+    from ..collectives import auto
+
+    if getattr(args, "ranks_per_node", None):
+        os.environ["HPCJOBS_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    if getattr(args, "tuning", None):
+        with usage():
+            auto.load_tuning(args.tuning)
+        auto.set_tuning(args.tuning)
+
+
+def _output_problem(flag: str, path: str, directory: bool) -> str | None:
+    """Why ``path`` cannot be written, after creating the directories it needs; None if it can."""
+    p = Path(path)
+    folder = p if directory else p.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"{flag} {path}: cannot create the directory {folder}: {e.strerror}"
+    if not directory and p.is_dir():
+        return f"{flag} {path}: is a directory; give a file name"
+    if not os.access(folder, os.W_OK):
+        return f"{flag} {path}: the directory {folder} is not writable"
+    return None
+
+
+def check_outputs(comm, outputs: list[tuple[str, str | None, bool]]) -> None:
+    """Before anything is measured: rank 0 makes sure every output it will
+    write can be written (``(flag, path, is a directory)``; None paths are
+    skipped), creating the directories they need, and every rank raises the
+    same usage error if one cannot. ``comm`` None: this process alone."""
+    problem = None
+    if comm is None or comm.Get_rank() == 0:
+        problem = next((why for flag, path, directory in outputs if path
+                        for why in [_output_problem(flag, path, directory)] if why), None)
+    if comm is not None:
+        problem = comm.bcast(problem, root=0)
+    if problem:
+        raise UsageError(problem)
+
+
+def dataclass_values(cls, args) -> dict:
+    """The fields of dataclass ``cls`` that ``args`` sets (flags named like
+    the fields; those left at None take the dataclass's default)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name, None) is not None}

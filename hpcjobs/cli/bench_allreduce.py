@@ -1,0 +1,166 @@
+"""``hpcjobs bench allreduce``: every implementation, same buffers, one run,
+printed as the nccl-tests table (the engine: :mod:`hpcjobs.bench.sweep`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..bench.names import BASELINES, BUFFERS
+from ..collectives import ALGORITHMS, DTYPES, OPS
+from .args import (UsageError, add_sweep_arguments, apply_placement, check_outputs, comma_list, nonnegative_int,
+                   parse_bytes, positive_int, sweep_sizes, usage)
+
+
+def configure(p) -> None:
+    add_sweep_arguments(p)
+    p.add_argument("--impl", default="ring,ring_pipelined",
+                   help=f"comma-separated algorithms of ours, or 'all' (from: {', '.join((*ALGORITHMS, 'auto'))}; "
+                        "add +check, e.g. ring+check, for the same with the cross-rank agreement check, "
+                        "which is otherwise off here; default %(default)s)")
+    p.add_argument("--baselines", default="mpi",
+                   help=f"comma-separated baselines, 'all' or 'none' (from: {', '.join(BASELINES)}; "
+                        "default %(default)s); one that cannot run here is skipped with the reason, except "
+                        "horovod when HPCJOBS_REQUIRE_HOROVOD=1")
+    p.add_argument("--tuning", metavar="PATH", default=None,
+                   help="tuning table for auto, from `hpcjobs tune` (default: $HPCJOBS_TUNING, else built in)")
+    p.add_argument("--dtype", "-d", default="float32", choices=DTYPES)
+    p.add_argument("--op", "-o", default="sum", choices=OPS)
+    p.add_argument("--framework", default="numpy", choices=("numpy", "torch"), help="buffer type (default numpy)")
+    p.add_argument("--buffers", default="private", choices=BUFFERS,
+                   help="private: ordinary arrays (default); symmetric: every size's buffer in shared memory "
+                        "(symmetric_empty, one node), where shm reduces straight out of the peers' buffers "
+                        "instead of staging; every row runs on that same buffer")
+    p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
+    p.add_argument("--passes", type=positive_int, default=1,
+                   help="run the whole sweep this many times, auto measuring afresh in each, then print each "
+                        "row's median over the passes (default 1). On a shared machine load comes in spells of "
+                        "seconds, longer than a row takes: one pass can catch a spell that the median rides over")
+    p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
+                   help="ring_pipelined segment size(s); several give one row each (default: the ring's own, 1M)")
+    p.add_argument("--json", metavar="PATH", help="also write the records and the environment as JSON")
+    p.add_argument("--csv", metavar="PATH", help="also write the records as CSV")
+    p.add_argument("--out", metavar="DIR",
+                   help="write a report there: report.md with the table and environment, busbw.png, "
+                        "latency.png, records.json, records.csv (plots need matplotlib)")
+
+
+def _names(args) -> tuple[list[str], list[str]]:
+    """(our implementations, baselines) from --impl and --baselines."""
+    names = [*ALGORITHMS, "auto"] if args.impl == "all" else comma_list(args.impl)
+    base = {"all": list(BASELINES), "none": []}.get(args.baselines, comma_list(args.baselines))
+    unknown = [n for n in base if n not in BASELINES]
+    if unknown:
+        raise UsageError(f"unknown baseline {unknown[0]!r}; choose from {', '.join(BASELINES)}, all, none")
+    # A baseline named in --impl goes through the same availability check.
+    base += [n for n in names if n in BASELINES and n not in base]
+    return [n for n in names if n not in BASELINES], base
+
+
+def run(args) -> int:
+    from ..bench import sweep
+    from ..bench.baselines import available, shutdown
+    from ..bench.report import environment, header, preamble, row, write_csv, write_json, write_report
+    from ..collectives import auto
+    from ..collectives._shared import is_single_node
+    from ..comm import print0, private
+    from ..topology import detect_private
+
+    sizes = sweep_sizes(args)
+    names, base = _names(args)
+    apply_placement(args)
+    sweep.unchecked_benchmarks()
+    try:
+        segs = [parse_bytes(s) for s in comma_list(args.segment_bytes)] if args.segment_bytes else []
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--segment-bytes: {e}") from None
+    with usage():
+        impls = sweep.implementations(names, segs)
+    comm = private()
+    if args.buffers == "symmetric" and not is_single_node(comm):
+        raise UsageError("--buffers symmetric needs every rank on one node (symmetric buffers are shared memory)")
+    check_outputs(comm, [("--json", args.json, False), ("--csv", args.csv, False), ("--out", args.out, True)])
+    skipped = {}
+    for name in base:
+        reason = available(name, comm)
+        if reason is None:
+            impls.update(sweep.implementations([name]))
+        elif name == "horovod" and os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
+            raise RuntimeError(f"HPCJOBS_REQUIRE_HOROVOD=1 but horovod cannot run: {reason}")
+        else:
+            skipped[name] = reason
+    env = environment(comm)
+    topo = detect_private(comm)  # what the hierarchical and auto rows see
+    env["nodes"] = f"{topo.num_nodes} ({topo.source}; ranks per node {','.join(map(str, topo.local_sizes))})"
+    for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
+                              f"{args.framework} buffers ({args.buffers}); time = max over ranks of each rank's median"):
+        print0(line)
+    for name, reason in skipped.items():
+        print0(f"# {name}: skipped: {reason}")
+    for label, impl in impls.items():
+        if not impl.supports(args.dtype):
+            print0(f"# {label}: has no {args.dtype} allreduce; its rows are left out")
+    print0(header())
+    settings = dict(dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup, framework=args.framework,
+                    buffers=args.buffers)
+    first = {label: impl for label, impl in impls.items() if not impl.late}
+    late = {label: impl for label, impl in impls.items() if impl.late}
+    passes = []
+    try:
+        for n in range(args.passes):
+            if args.passes > 1:
+                auto.remeasure()  # each pass measures as a fresh job would
+                print0(f"# pass {n + 1} of {args.passes}")
+            records = sweep.run(comm, sizes, first, on_record=lambda r: print0(row(r)), **settings)
+            if late:
+                print0(f"# {', '.join(late)}: measured after the others, each in its own pass beside "
+                       "MPI_Allreduce as an anchor (Horovod's background thread keeps ~half a core busy on rank 0 "
+                       "once initialised)")
+                records += sweep.late_passes(comm, sizes, late, records, on_record=lambda r: print0(row(r)),
+                                             log=lambda line: print0(f"# {line}"), **settings)
+            for label, impl in impls.items():
+                if impl.settled is not None:  # auto, with or without +check
+                    print0(f"# {label} kept: {sweep.kept_summary(records, label, args.dtype, args.op, comm)}")
+            _verdicts(records, impls)
+            passes.append(records)
+    finally:
+        shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
+    records = sweep.median_records(passes)  # of one pass: its own records
+    if args.passes > 1:
+        env["passes"] = args.passes
+        print0(f"# median over {args.passes} passes")
+        print0(header())
+        for r in records:
+            print0(row(r))
+        _verdicts(records, impls, f", medians over {args.passes} passes")
+    wrong = sum(r.wrong for r in records)
+    print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if comm.Get_rank() == 0:
+        if args.json:
+            write_json(args.json, records, env)
+            print0(f"# records written to {args.json}")
+        if args.csv:
+            write_csv(args.csv, records)
+            print0(f"# records written to {args.csv}")
+        if args.out:
+            command = " ".join(["hpcjobs", *sys.argv[1:]])
+            title = f"hpcjobs bench allreduce, {comm.Get_size()} ranks"
+            paths = write_report(args.out, records, env, title, command)
+            print0(f"# report written to {paths[0]}")
+    return 1 if wrong else 0
+
+
+def _verdicts(records, impls: dict, over: str = "") -> None:
+    """How auto did against the best of ours, and our best against each baseline."""
+    from ..bench import sweep
+    from ..comm import print0
+
+    line = sweep.auto_against_best(records) if "auto" in impls else None
+    if line:
+        print0(f"# auto vs the best of ours{over}: {line}")
+    for label in impls:
+        if label in BASELINES or label.startswith("mpi/"):  # mpi/tuned:N: a forced Open MPI algorithm
+            line = sweep.best_against(records, label)
+            if line:
+                print0(f"# our best vs {label}{over} (its time / ours; above 1 we are faster): {line}")

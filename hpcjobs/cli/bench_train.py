@@ -1,0 +1,72 @@
+"""``hpcjobs bench train``: training throughput of our optimizer against
+Horovod's ``DistributedOptimizer`` and torch DDP, same model, same run
+(:mod:`hpcjobs.bench.train`).
+
+    mpirun -n 2 hpcjobs bench train --model mlp --width 1024 --batch-size 64
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..bench.names import TRAIN_IMPLS
+from ..training.models import MODELS
+from .args import check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int, usage
+
+
+def configure(p) -> None:
+    p.add_argument("--impl", default=",".join(TRAIN_IMPLS),
+                   help="comma-separated: single, ours:<algorithm>[+<compression>][/thread|/none], ddp, horovod "
+                        f"(default: {','.join(TRAIN_IMPLS)})")
+    p.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
+    p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
+    p.add_argument("--batch-norm", action="store_true")
+    p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
+    p.add_argument("--num-classes", type=positive_int, default=10)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
+    p.add_argument("--num-warmup-batches", type=positive_int, default=5, help="default: %(default)s")
+    p.add_argument("--num-batches-per-iter", type=positive_int, default=5, help="default: %(default)s")
+    p.add_argument("--num-iters", type=positive_int, default=10, help="timed rounds (default 10)")
+    p.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="our bucket size (default 1M)")
+    p.add_argument("--lr", type=positive_float, default=0.01)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def run(args) -> int:
+    from ..bench.train import Workload, bench_train, check_impl, parameters, table, unavailable
+    from ..comm import print0, private
+    from ..runtime import set_threads
+
+    comm = private()
+    size = comm.Get_size()
+    names = comma_list(args.impl)
+    with usage():
+        for n in names:
+            check_impl(n)
+    check_outputs(comm, [("--json", args.json, False)])
+    threads = set_threads(args.threads, comm)
+    skipped = unavailable(names, comm)
+    names = [n for n in names if n not in skipped]
+    w = Workload(**dataclass_values(Workload, args))
+    nparams = parameters(w)
+    print0(f"# bench train: {w.model} width {w.width} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
+           f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
+           f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")
+    for n, why in skipped.items():
+        print0(f"# {n}: skipped ({why})")
+    progress = (lambda done: print0(f"# round {done}/{args.num_iters}")) if args.progress else None
+    results = bench_train(comm, names, w, args.num_warmup_batches, args.num_batches_per_iter, args.num_iters,
+                          progress)
+    lines, rows = table(results, size, [n for n in names if n in results])
+    if comm.Get_rank() == 0:
+        print("\n".join(lines), flush=True)
+        if args.json:
+            config = {k: v for k, v in vars(args).items()
+                      if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))}
+            with open(args.json, "w") as f:
+                json.dump({"ranks": size, "config": config, "results": rows}, f, indent=1)
+            print(f"# wrote {args.json}", flush=True)
+    return 1 if any(r.wrong for r in results.values()) else 0

@@ -1,0 +1,77 @@
+"""``hpcjobs experiment large-batch``: Goyal et al.'s large-minibatch table on
+MNIST-1D (:mod:`hpcjobs.training.experiment`).
+
+    mpirun -n 2 hpcjobs experiment large-batch --out results/large-batch
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..training.schedule import WARMUPS
+from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
+                   positive_int, usage)
+from .train import add_comm_arguments, add_model_data_arguments
+
+
+def configure(p) -> None:
+    add_model_data_arguments(p)
+    # Tuned here (docs/results/large-batch.md, "Test error against global batch"): the 1-D CNN at lr 0.02 per
+    # 32 samples is near the largest stable rate at the base batch, which is where warmup matters.
+    p.set_defaults(num_samples=20000, model="cnn1d")
+    g = p.add_argument_group("grid")
+    g.add_argument("--min-batch", type=positive_int, default=32, help="smallest global batch (default 32)")
+    g.add_argument("--max-batch", type=positive_int, default=4096, help="largest, reached by doubling (default 4096)")
+    g.add_argument("--base-batch", type=positive_int, help="the batch --lr is for (default: --min-batch)")
+    g.add_argument("--warmups", type=comma_list, default=list(WARMUPS),
+                   help="comma-separated subset of none,constant,gradual (default: all)")
+    g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
+    g.add_argument("--epochs", type=positive_int, default=20, help="every run trains this long (default 20)")
+    g.add_argument("--lr", type=positive_float, default=0.02, help="rate at the base batch (default 0.02)")
+    g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="default: %(default)s")
+    g.add_argument("--warmup-epochs", type=nonnegative_float, default=5.0, help="default: %(default)s (Goyal)")
+    add_comm_arguments(p)
+    g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
+    g.add_argument("--out", "-O", default="results/large-batch", metavar="DIR",
+                   help="runs.jsonl, table.md and PNG plots go here (default: %(default)s)")
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ..comm import print0
+    from ..runtime import set_threads
+    from ..training.config import TrainConfig
+    from ..training.experiment import batch_sizes, check_grid, markdown_table, plot, run_grid, summarize
+
+    comm = MPI.COMM_WORLD
+    if args.backward_passes_per_step != 1:
+        raise UsageError("the experiment uses one backward pass per step")
+    base = args.base_batch or args.min_batch
+    with usage():
+        check_grid(args.min_batch, args.max_batch, base, args.warmups, comm.Get_size())
+        template = TrainConfig(**{**dataclass_values(TrainConfig, args), "optimizer": "sgd", "base_batch": base})
+        template.validate()
+    check_outputs(comm, [("--out", args.out, True)])
+    set_threads(args.threads, comm)
+    batches = batch_sizes(args.min_batch, args.max_batch)
+    print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples} samples), "
+           f"{comm.Get_size()} ranks, batches {batches}, warmups {','.join(args.warmups)}, {args.seeds} seed(s), "
+           f"{args.epochs} epochs, lr {args.lr} per {base} samples, {args.warmup_epochs:g} warmup epochs")
+    with usage():  # a configuration the data cannot take: raised on every rank alike
+        results = run_grid(template, batches, args.warmups, args.seeds, base, args.out, comm, log=print0)
+    if comm.Get_rank() == 0:
+        out = Path(args.out)
+        summary = summarize(results)
+        table = markdown_table(summary, base, args.lr)
+        (out / "table.md").write_text(
+            f"# Large-minibatch SGD on MNIST-1D ({comm.Get_size()} ranks)\n\n"
+            f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
+            f"Model {args.model}, {args.num_samples} MNIST-1D samples (80% train), SGD momentum {args.momentum}, "
+            f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
+        print(table, flush=True)
+        written = plot(results, summary, out, base)
+        print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {', '.join(written)}", flush=True)
+    return 0

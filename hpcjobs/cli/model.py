@@ -1,0 +1,68 @@
+"""``hpcjobs model``: the alpha-beta-gamma model fitted here, every algorithm
+predicted against measured, and the bytes each one really sends
+(:mod:`hpcjobs.perfmodel`)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .args import UsageError, add_sweep_arguments, apply_placement, check_outputs, sweep_sizes
+
+
+def configure(p) -> None:
+    add_sweep_arguments(p, factor=4)
+    p.add_argument("--out", metavar="DIR", help="write model.json and model.png (predicted vs measured)")
+
+
+def run(args) -> int:
+    from ..bench.sweep import implementations, unchecked_benchmarks
+    from ..bench.sweep import run as sweep
+    from ..collectives.costs import COSTS
+    from ..comm import print0, private
+    from ..perfmodel import MODELED, compare, count_bytes, formula_bytes, measure, write
+    from ..topology import detect_private
+
+    sizes = sweep_sizes(args)
+    apply_placement(args)
+    unchecked_benchmarks()
+    comm = private()
+    P = comm.Get_size()
+    if P < 2:
+        raise UsageError("the cost model needs at least 2 ranks (mpirun -n 2 or more)")
+    check_outputs(comm, [("--out", args.out, True)])
+    topo = detect_private(comm)
+    print0(f"# hpcjobs model: {P} ranks on {topo.num_nodes} node(s); measuring alpha, beta, gamma")
+    m = measure(comm)
+    print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {1 / m.beta / 1e9:.2f} GB/s (exchange), "
+           f"{1 / m.beta_pingpong / 1e9:.2f} GB/s (ping-pong)    gamma = {1 / m.gamma / 1e9:.2f} GB/s reduced")
+    names = [a for a in MODELED if a != "hierarchical" or topo.num_nodes > 1]
+    records = sweep(comm, sizes, implementations(names), iters=args.iters)
+    rows = compare(records, P, m, topo.local_size if topo.uniform else None)
+    print0("# predicted: the formulas costed with measured per-size message and reduction costs;")
+    print0("# linear: the same formulas with the fitted alpha + n*beta and n*gamma")
+    print0("#    size(B)  algorithm              measured(us)  predicted(us)   error   linear(us)   error")
+    for r in rows:
+        print0(f"{r['size_bytes']:>12}  {r['algorithm']:<20} {r['measured_us']:>13.1f} {r['predicted_us']:>14.1f} "
+               f"{r['rel_error']:>+7.0%} {r['linear_us']:>12.1f} {r['linear_rel_error']:>+7.0%}")
+    print0("# |error| over the rows >= 1 MB, mean (max): per-size model | linear model")
+    for name in names:
+        big = [x for x in rows if x["algorithm"] == name and x["size_bytes"] >= 1 << 20]
+        if big:
+            e = [abs(x["rel_error"]) for x in big]
+            le = [abs(x["linear_rel_error"]) for x in big]
+            print0(f"#   {name:<20} {statistics.mean(e):>4.0%} ({max(e):.0%})  |  "
+                   f"{statistics.mean(le):>4.0%} ({max(le):.0%})")
+    print0("# bytes rank 0 sends, counted (parameter server: rank 0 is the server), against the formula:")
+    print0("#    size(B)  algorithm            sent(B)  received(B)  formula")
+    counted = []
+    for nbytes in (1 << 20, 16 << 20):
+        for name in ("ring", "recursive_doubling", "parameter_server"):
+            sent, received = count_bytes(name, nbytes, comm)
+            counted.append({"size_bytes": nbytes, "algorithm": name, "sent": sent, "received": received})
+            want = formula_bytes(name, nbytes, P)
+            print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} = {want}"
+                   f" ({'matches' if sent == want else f'counted {sent}'})")
+    if args.out and comm.Get_rank() == 0:
+        write(args.out, m, rows, counted, P)
+        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
+    return 0

@@ -1,0 +1,66 @@
+"""``hpcjobs slurm render``: print a job script, a template from ``slurm/``
+with the user's values, validated and quoted (:mod:`hpcjobs.slurm`). Runs on
+a login node: no MPI.
+
+    hpcjobs slurm render allreduce --nodes 4 --ntasks-per-node 8 --gpus-per-node 8 \\
+        --time 01:00:00 --partition gpu -- --max-bytes 1G > job.sbatch
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..slurm import TEMPLATES, RenderOptions, job_commands, render, template_path
+from .args import UsageError, positive_int, usage
+
+
+def configure(p) -> None:
+    p.add_argument("template", help=f"one of {', '.join(TEMPLATES)}, or a path to a .sbatch file")
+    p.add_argument("--nodes", "-N", type=positive_int, help="nodes")
+    p.add_argument("--ntasks-per-node", type=positive_int, help="ranks per node (= GPUs per node)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (0 = CPU mode)")
+    p.add_argument("--cpus-per-task", type=positive_int, help="cores per rank")
+    p.add_argument("--time", "-t", help="wall-clock limit (HH:MM:SS, D-HH:MM:SS, ...)")
+    p.add_argument("--job-name", "-J", help="job name (letters, digits, _ . -)")
+    p.add_argument("--partition", "-p", help="partition (else sbatch's default or SBATCH_PARTITION)")
+    p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
+    p.add_argument("--cpu", action="store_true", help="CPU mode: no GPU request, HPCJOBS_CPU=1 by default")
+    p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"
+
+
+def check_job_args(template: str, job_args: tuple[str, ...]) -> None:
+    """Refuse job arguments that no command of the template accepts (a
+    template may run one of several, e.g. train or large-batch), before
+    anything is submitted; starts no MPI.
+
+    Raises:
+        UsageError: naming the command and argparse's complaint.
+    """
+    from . import parse_error
+
+    commands = job_commands(template)
+    if not job_args or not commands:
+        return
+    errors = [parse_error([*cmd, *job_args]) for cmd in commands]
+    if all(errors):
+        raise UsageError(f"the job's arguments after -- would fail in the job: {errors[0]}")
+
+
+def script(args) -> str:
+    """The job script ``args`` describe: the template read, the job's
+    arguments checked, the values filled in (usage errors for bad ones)."""
+    opts = RenderOptions(nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
+                         cpus_per_task=args.cpus_per_task, time=args.time, job_name=args.job_name,
+                         partition=args.partition, account=args.account, cpu=args.cpu,
+                         job_args=tuple(args.passthrough))
+    with usage():
+        template = template_path(args.template).read_text()
+        opts.validate()
+    check_job_args(template, opts.job_args)
+    with usage():
+        return render(template, opts)
+
+
+def run(args) -> int:
+    sys.stdout.write(script(args))
+    return 0

@@ -1,0 +1,180 @@
+"""``hpcjobs train``: data-parallel training on our collectives
+(:func:`hpcjobs.training.loop.train`).
+
+    mpirun -n 4 hpcjobs train --dataset mnist1d --num-samples 40000 --model cnn1d \\
+        --batch-per-rank 64 --lr 0.05 --base-batch 32 --warmup gradual --epochs 20 \\
+        --metrics results/train.jsonl --checkpoint results/train.pt --resume
+
+Its flags are :class:`~hpcjobs.training.config.TrainConfig`'s fields, named
+alike, with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..collectives import ALGORITHMS
+from ..compression.names import COMPRESSIONS, make_compressor
+from ..training.config import NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
+from ..training.data import DATASETS
+from ..training.models import MODELS
+from ..training.schedule import DECAYS, WARMUPS
+from .args import (UsageError, check_outputs, dataclass_values, nonnegative_float, nonnegative_int, parse_bytes,
+                   positive_float, positive_int, usage)
+
+DEFAULTS = TrainConfig()
+
+
+def _milestones(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"milestones are comma-separated epochs, got {text!r}") from None
+
+
+def compression_spec(spec: str) -> str:
+    """``spec`` if it names a compressor (an argparse type: the error says why not)."""
+    try:
+        make_compressor(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
+def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
+    """Model and data flags, shared with ``experiment large-batch``."""
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", choices=MODELS, default=DEFAULTS.model, help="default: %(default)s")
+    g.add_argument("--width", type=positive_int, help="hidden units (mlp, default 256) or channels (cnn1d, default 32)")
+    g.add_argument("--batch-norm", action="store_true", help="BatchNorm after hidden layers (per-worker statistics)")
+    g.add_argument("--dataset", choices=DATASETS, default=DEFAULTS.dataset, help="default: %(default)s")
+    g.add_argument("--data-dir", metavar="DIR",
+                   help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs)")
+    g.add_argument("--num-samples", type=positive_int,
+                   help="mnist1d samples to generate (default 5000, 80%% train) or synthetic size (default 8192)")
+    g.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed,
+                   help="seed of the generated data (default: %(default)s)")
+
+
+def add_optim_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default=DEFAULTS.optimizer,
+                   help="default: %(default)s (with --momentum)")
+    g.add_argument("--lr", type=positive_float, default=DEFAULTS.lr,
+                   help="rate for --base-batch samples (default %(default)s)")
+    g.add_argument("--base-batch", type=positive_int,
+                   help="the batch --lr is tuned for; the rate is scaled by global/base (linear scaling rule). "
+                        "Default: the global batch (no scaling)")
+    g.add_argument("--momentum", type=nonnegative_float, default=DEFAULTS.momentum, help="default: %(default)s")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=DEFAULTS.weight_decay,
+                   help="default: %(default)s")
+    g.add_argument("--no-decay-bn-bias", action="store_true", help="no weight decay on biases and BatchNorm")
+    g.add_argument("--trust-coefficient", type=positive_float, default=DEFAULTS.trust_coefficient,
+                   help="LARS eta (default %(default)s)")
+    g.add_argument("--warmup", choices=WARMUPS, default=DEFAULTS.warmup, help="default: %(default)s")
+    g.add_argument("--warmup-epochs", type=nonnegative_float, default=DEFAULTS.warmup_epochs,
+                   help="default: %(default)s")
+    g.add_argument("--decay", choices=DECAYS, default=DEFAULTS.decay, help="after warmup (default: %(default)s)")
+    g.add_argument("--milestones", type=_milestones, default=DEFAULTS.milestones,
+                   help="step decay epochs, e.g. 30,60,80")
+    g.add_argument("--gamma", type=positive_float, default=DEFAULTS.gamma,
+                   help="step decay factor (default %(default)s)")
+    g.add_argument("--no-momentum-correction", dest="momentum_correction", action="store_false",
+                   help="emulate the uncorrected v <- m*v + lr*g momentum when the rate changes (ablation)")
+
+
+def add_comm_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("communication")
+    g.add_argument("--algorithm", choices=("auto",) + ALGORITHMS, default=DEFAULTS.algorithm,
+                   help="allreduce (default: %(default)s)")
+    g.add_argument("--compression", type=compression_spec, default=DEFAULTS.compression, metavar="NAME[:PARAM]",
+                   help=f"gradient compression: {', '.join(COMPRESSIONS)}; topk:RATIO, randomk:RATIO, "
+                        "qsgd:LEVELS, powersgd:RANK (default: %(default)s)")
+    g.add_argument("--error-feedback", action="store_true",
+                   help="add back what compression dropped at the next step (needs --compression)")
+    g.add_argument("--fusion-bytes", type=parse_bytes, default=DEFAULTS.fusion_bytes,
+                   help="largest gradient bucket (default 1M)")
+    g.add_argument("--overlap", choices=OVERLAPS, default=DEFAULTS.overlap,
+                   help="thread: reduce buckets during backward; none: after it (default: %(default)s)")
+    g.add_argument("--nonfinite", choices=NONFINITE, default=DEFAULTS.nonfinite,
+                   help="when an averaged gradient holds NaN/Inf: ignore, skip the step (warn), or abort naming "
+                        "the parameters (default: %(default)s; a NaN loss still ends the run after its epoch)")
+    g.add_argument("--backward-passes-per-step", type=positive_int, default=DEFAULTS.backward_passes_per_step,
+                   help="micro-batches accumulated locally per step (default %(default)s)")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_model_data_arguments(p)
+    g = p.add_argument_group("batch")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--batch-per-rank", "-b", type=positive_int,
+                   help=f"samples per rank per pass (default {DEFAULTS.batch_per_rank})")
+    b.add_argument("--global-batch", "-B", type=positive_int,
+                   help="samples per step over all ranks; must divide by ranks x passes")
+    add_optim_arguments(p)
+    add_comm_arguments(p)
+    g = p.add_argument_group("run")
+    g.add_argument("--epochs", type=positive_int, default=DEFAULTS.epochs, help="default: %(default)s")
+    g.add_argument("--seed", type=nonnegative_int, default=DEFAULTS.seed,
+                   help="model init and data order (default %(default)s)")
+    g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
+    g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")
+    g.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here after every epoch (atomic)")
+    g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
+                   help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint if it exists (start fresh if it does not)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    g.add_argument("--quiet", "-q", action="store_true", help="no per-epoch lines on stdout")
+
+
+def config_from_args(args, size: int) -> TrainConfig:
+    """The TrainConfig the flags describe: every field a flag of the same
+    name sets, the dataclass's default for the rest; ``--global-batch``
+    becomes the batch per rank.
+
+    Raises:
+        UsageError: a global batch that does not divide, or a configuration
+            TrainConfig refuses.
+    """
+    values = dataclass_values(TrainConfig, args)
+    if getattr(args, "global_batch", None):
+        passes = values.get("backward_passes_per_step", DEFAULTS.backward_passes_per_step)
+        if args.global_batch % (size * passes):
+            raise UsageError(f"--global-batch {args.global_batch} does not divide by {size} ranks x {passes} passes")
+        values["batch_per_rank"] = args.global_batch // (size * passes)
+    with usage():
+        cfg = TrainConfig(**values)
+        cfg.validate()
+    return cfg
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ..runtime import set_threads
+    from ..training.checkpoint import CheckpointError
+    from ..training.loop import train
+
+    comm = MPI.COMM_WORLD
+    if args.resume and not args.checkpoint:
+        raise UsageError("--resume needs --checkpoint PATH")
+    if args.checkpoint_every and not args.checkpoint:
+        raise UsageError("--checkpoint-every needs --checkpoint PATH")
+    cfg = config_from_args(args, comm.Get_size())
+    check_outputs(comm, [("--metrics", args.metrics, False), ("--checkpoint", args.checkpoint, False)])
+    set_threads(args.threads, comm)
+    try:
+        with usage():  # a configuration the data cannot take: raised on every rank alike
+            history = train(cfg, comm)
+    except (CheckpointError, FileNotFoundError) as e:
+        if comm.Get_rank() == 0:
+            print(f"hpcjobs train: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    if comm.Get_rank() == 0 and history and not cfg.quiet:
+        last = history[-1]
+        print(f"# train: final test accuracy {last['test_acc']:.4f} (error {100 * (1 - last['test_acc']):.2f}%), "
+              f"{last['samples_per_s']:.0f} samples/s, communication {100 * last['comm_share']:.1f}% of epoch time",
+              flush=True)
+    return 0

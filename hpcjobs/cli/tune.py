@@ -1,0 +1,69 @@
+"""``hpcjobs tune``: measure the allreduce algorithms that apply here and
+write the tuning table ``algorithm="auto"`` reads (:mod:`hpcjobs.bench.tune`)."""
+
+from __future__ import annotations
+
+import os
+
+from .args import add_sweep_arguments, apply_placement, check_outputs, positive_int, sweep_sizes
+
+# Sweeps per `hpcjobs tune`. Two runs here 15 s apart disagreed at 16 MB (shm
+# 1.59x ahead of the ring in one, behind in the next); three passes give a
+# median and three looks at which algorithms win near each size.
+PASSES = 3
+
+
+def configure(p) -> None:
+    p.add_argument("--out", "-O", default="tuning.json", metavar="PATH",
+                   help="tuning file to write or update (default tuning.json)")
+    p.add_argument("--passes", type=positive_int, default=PASSES,
+                   help=f"sweeps to run, one after the other; a size's time is the median over them "
+                        f"(default {PASSES}: here the fastest algorithm at a size can change within seconds)")
+    add_sweep_arguments(p)
+
+
+def run(args) -> int:
+    from ..bench import tune
+    from ..bench.report import environment
+    from ..bench.sweep import format_bytes, unchecked_benchmarks
+    from ..collectives._shared import is_single_node
+    from ..comm import print0, private
+    from ..topology import detect_private
+
+    sizes = sweep_sizes(args)
+    apply_placement(args)
+    unchecked_benchmarks()
+    comm = private()
+    check_outputs(comm, [("--out", args.out, False)])
+    topo = detect_private(comm)
+    names, left_out = tune.applicable(is_single_node(comm), topo.num_nodes)
+    print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
+           f"{len(names)} algorithms x {len(sizes)} sizes x {args.passes} passes")
+    for line in left_out:
+        print0(f"# left out: {line}")
+    done = [0]
+
+    def progress(rec):
+        done[0] += 1
+        if done[0] % len(names) == 0:
+            n = done[0] // len(names)
+            print0(f"#   pass {(n - 1) // len(sizes) + 1}: {format_bytes(rec.size_bytes):>6} done "
+                   f"({n}/{len(sizes) * args.passes})")
+
+    try:
+        table = tune.tune(comm, sizes, names, args.passes, args.iters, topo.num_nodes, on_record=progress)
+    except RuntimeError as e:  # a wrong result: every rank counted the same
+        print0(f"# {e}")
+        return 1
+    if comm.Get_rank() == 0:
+        tune.write(args.out, table, environment(comm))
+        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)           "
+              "also timed by auto", flush=True)
+        for row in table["rows"]:
+            last = row["measured"][-1]
+            bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
+            runner_up = f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)"
+            print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  {runner_up:<30}  "
+                  f"{', '.join(row['candidates'][1:]) or '-'}", flush=True)
+        print(f"# written to {args.out}; use it with HPCJOBS_TUNING={os.path.abspath(args.out)}", flush=True)
+    return 0

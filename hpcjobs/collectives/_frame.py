@@ -1,0 +1,99 @@
+"""The frame every public collective runs in, around its step function.
+
+The collectives have two layers. A *step* is the algorithm itself:
+``step(flat, op, comm, **options) -> None`` works in place on a validated
+:class:`~hpcjobs.collectives._buffers.Flat` and the suite's private
+communicator, every rank calling it with the same arguments; it checks
+nothing, so steps compose (``hierarchical`` runs ``ring.reduce_scatter`` and
+``shm.allgather`` on sub-communicators, ``auto`` runs whichever it chose).
+The steps are the modules' public functions without a prefix
+(``ring.allreduce``, ``tree.reduce``, ``shm.allgather``, ...).
+
+A *public collective* (``ring_allreduce(buf, ...)``) is :func:`run` around
+its step: validate the buffer and op, check that every rank agrees on the
+call (:mod:`~hpcjobs.collectives.agreement`), watch for stalls
+(:mod:`~hpcjobs.collectives.watchdog`), then run the step.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..comm import private
+from ._buffers import as_flat, check_op
+from .agreement import agree_or_raise
+from .watchdog import guard
+
+__all__ = ["run", "prepare", "Algorithm"]
+
+
+def run(buf, op: str, comm, name: str, step: Callable, **options):
+    """Run ``step(flat, op, private_comm, **options)`` on ``buf`` as the
+    public collective ``name``.
+
+    :func:`prepare` first (validate, and check that every rank agrees on
+    ``name``, count, dtype, op and the options that are numbers, strings or
+    None), then the step, unless there is nothing to do (one rank, or zero
+    elements: every rank then returns at once, which is safe because the
+    count is the same on every rank), all under the stall watchdog.
+
+    Args:
+        name: what the agreement check and the watchdog call this collective,
+            e.g. "ring_allreduce".
+
+    Returns:
+        ``buf``, reduced in place.
+    """
+    checked = repr({k: v for k, v in sorted(options.items()) if v is None or isinstance(v, (bool, int, str))}
+                   ) if options else ""
+    with guard(name):
+        flat, comm = prepare(buf, op, comm, name, options=checked)
+        if comm.Get_size() > 1 and flat.count > 0:
+            step(flat, op, comm, **options)
+    return buf
+
+
+def prepare(buf, op: str, comm, name: str, **fields):
+    """Validate ``buf`` and ``op`` and, with checks on, agree across the
+    ranks of ``comm`` on count, dtype, op, ``name`` and ``fields``.
+    Returns ``(flat, private comm)``.
+
+    Raises:
+        TypeError, ValueError: a bad buffer or op, on this rank alone when
+            checks are off; with checks on, every rank raises a
+            MismatchError naming the rank(s) and their error or values.
+    """
+    comm = private(comm)
+    flat, error = None, None
+    try:
+        check_op(op)
+        flat = as_flat(buf)
+    except (TypeError, ValueError) as e:
+        error = e
+    agree_or_raise(comm, name, {"algorithm": name, "count": flat.count if flat else None,
+                                "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
+    return flat, comm
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """An allreduce algorithm by name: its step, the options it passes, and
+    the public function ``allreduce(algorithm=name)`` is the same call as
+    (the name the agreement check and the watchdog use), so that ranks
+    calling either agree."""
+
+    name: str
+    public: str
+    step: Callable
+    options: dict = field(default_factory=dict)
+
+    @property
+    def bound(self) -> Callable:
+        """``step(flat, op, comm)`` with the options bound."""
+        return functools.partial(self.step, **self.options) if self.options else self.step
+
+    def run(self, buf, op: str, comm):
+        """The public collective on ``buf``: :func:`run`."""
+        return run(buf, op, comm, self.public, self.step, **self.options)

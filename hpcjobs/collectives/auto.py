@@ -1,0 +1,303 @@
+"""``algorithm="auto"``: pick an allreduce algorithm from a measured tuning
+table, and keep measuring.
+
+The tuning table (written by ``hpcjobs tune``) lists, for a number of ranks
+and nodes, the fastest algorithm up to each message size, and the
+contenders that came close there::
+
+    {"version": 1, "tables": [{"ranks": 2, "nodes": 1,
+        "rows": [{"max_bytes": 4096, "algorithm": "recursive_doubling",
+                  "candidates": ["recursive_doubling", "tree"]},
+                 {"max_bytes": null, "algorithm": "shm"}]}]}
+
+``auto`` reads the file named by ``HPCJOBS_TUNING`` (or :func:`set_tuning`),
+takes the table with the same ranks and nodes, else the same nodes and the
+nearest ranks, else the nearest overall, and falls back on
+:data:`DEFAULT_TABLE` when there is no file. It reads the node layout
+(``hpcjobs.topology``, ``HPCJOBS_RANKS_PER_NODE``) once per communicator and
+caches each decision on it per size, so a call costs a dictionary lookup.
+
+Where a row lists several candidates, ``auto`` also times them in place: on
+a shared node the fastest algorithm at a size changes with the load beside
+it (the shared-memory one most: it relies on the last-level cache, which
+neighbours share), so a table measured a minute ago can be wrong by 3x now.
+The first calls at a size run each candidate in turn, in
+:class:`hpcjobs.timing.Rounds` as ``hpcjobs bench`` times: twice untimed
+(the first calls on a buffer pay for allocation and cold caches), then
+:func:`timed_rounds` times (5, or 15 for small messages), each call timed
+from a barrier, in a fresh order each round; then one small
+``MPI_Allreduce`` (maximum over ranks) of those times gives every rank the
+same numbers, and every rank keeps the candidate with the lowest median
+time. It measures again every :data:`REMEASURE_EVERY` calls at that size.
+Horovod's autotuner times its own settings online the same way.
+Only candidates that give bitwise the same result are compared (every
+algorithm does for min and max, for integers, and at two ranks), so which
+one wins never changes a run's numbers; floating-point sums over three or
+more ranks follow the table alone.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from ..comm import private
+from ..timing import Rounds
+from ..topology import detect_private
+from ._buffers import Flat, as_flat
+from ._frame import Algorithm
+from ._shared import is_single_node
+from .names import ALGORITHMS
+
+__all__ = ["DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose", "kept",
+           "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "timed_rounds"]
+
+# Used when no tuning file exists: from `hpcjobs tune` at 2 ranks on the CI
+# machine (docs/results/allreduce.md, "The tuning table"), generalised: the
+# latency-optimal algorithm for small messages, shared memory on one node for
+# large ones, and the two-level algorithm across nodes.
+# The candidates are the algorithms that won or came second in that range
+# across several `hpcjobs tune` runs here, in the host's calm and busy spells.
+DEFAULT_TABLE = {
+    "version": 1,
+    "tables": [
+        {"ranks": 2, "nodes": 1, "rows": [
+            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
+             "candidates": ["recursive_doubling", "parameter_server", "tree"]},
+            # Where latency gives way to bandwidth: here each of the three won some runs.
+            {"max_bytes": 64 << 10, "algorithm": "shm",
+             "candidates": ["shm", "recursive_doubling", "parameter_server"]},
+            {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
+            {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
+        {"ranks": 16, "nodes": 2, "rows": [
+            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
+             "candidates": ["recursive_doubling", "tree"]},
+            {"max_bytes": None, "algorithm": "hierarchical", "candidates": ["hierarchical", "ring_pipelined"]}]},
+    ],
+}
+# Calls at one message size between two measurements of its candidates.
+REMEASURE_EVERY = 1000
+# Untimed turns of every candidate before a measurement's timed rounds. On a
+# fresh buffer the shared-memory algorithm's first two calls here took 1.5-2x
+# its steady time (the others' about 1.3x); one turn left its first timed
+# round in that, enough to lose a 1 MB measurement it wins by 1.3x.
+UNTIMED_TURNS = 2
+# Timed calls of each candidate per measurement, of which the median counts:
+# in a busy spell here one call in three or four of the shared-memory
+# algorithm's is 2-3x slow, which a median of five rides over. A measurement
+# is then (2 + 5) calls per candidate, 2% of the calls between measurements.
+TIMED_ROUNDS = 5
+# Up to SMALL_BYTES a call takes ~10 us here, and one call's noise (about
+# 1 us) is larger than the gaps between the latency-bound algorithms; the
+# median of 15 halves the error of a median of 5, for half a millisecond.
+SMALL_TIMED_ROUNDS, SMALL_BYTES = 15, 16 << 10
+
+
+def timed_rounds(nbytes: int) -> int:
+    """Timed calls of each candidate in one measurement at ``nbytes``."""
+    return SMALL_TIMED_ROUNDS if nbytes <= SMALL_BYTES else TIMED_ROUNDS
+
+
+_tuning_path: str | None = None
+
+
+def set_tuning(path: str | None) -> None:
+    """Use this tuning file for ``auto`` from now on (None: ``HPCJOBS_TUNING``
+    or the built-in default). Clears cached decisions (:func:`remeasure`)."""
+    global _tuning_path
+    _tuning_path = path
+    load_tuning.cache_clear()
+    remeasure()
+
+
+def remeasure() -> None:
+    """Forget what ``auto`` measured, on every communicator: its next call at
+    each size times the candidates again, as it does every
+    :data:`REMEASURE_EVERY` calls. Call it on every rank, between
+    collectives; ``hpcjobs bench --passes`` does before each pass, so that
+    each pass measures as a fresh job would."""
+    global _decisions_generation, _last
+    _decisions_generation += 1
+    _last = (None, None)
+
+
+@functools.lru_cache(maxsize=4)
+def load_tuning(path: str | None) -> dict:
+    """Read and check a tuning file; None gives :data:`DEFAULT_TABLE`.
+
+    Raises:
+        ValueError: the file is missing, not JSON, or names an unknown algorithm.
+    """
+    if path is None:
+        return DEFAULT_TABLE
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"cannot read tuning table {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tuning table {path} is not JSON: {e}") from None
+    tables = data.get("tables") if isinstance(data, dict) else None
+    if not tables:
+        raise ValueError(f"tuning table {path} has no 'tables'")
+    for t in tables:
+        for row in t.get("rows", []):
+            for name in [row.get("algorithm"), *row.get("candidates", [])]:
+                if name not in ALGORITHMS:
+                    raise ValueError(f"tuning table {path}: unknown algorithm {name!r}")
+        if not t.get("rows") or t["rows"][-1].get("max_bytes") is not None:
+            raise ValueError(f"tuning table {path}: each table's last row needs max_bytes null (no upper bound)")
+    return data
+
+
+def _pick_table(data: dict, ranks: int, nodes: int) -> dict:
+    def distance(t):
+        return (t["nodes"] != nodes, abs(t["nodes"] - nodes), abs(t["ranks"] - ranks))
+
+    return min(data["tables"], key=distance)
+
+
+def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None) -> dict:
+    table = _pick_table(tuning or load_tuning(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None), ranks, nodes)
+    rows = table["rows"]
+    bounds = [r["max_bytes"] for r in rows[:-1]]
+    return rows[bisect.bisect_left(bounds, nbytes)]
+
+
+def _placed(name: str, one_node: bool) -> str:
+    return name if name != "shm" or one_node else "hierarchical"
+
+
+def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> str:
+    """The algorithm the table gives ``auto`` for ``nbytes`` over ``ranks``
+    ranks on ``nodes`` nodes (what it runs until it has timed the others)."""
+    return _placed(_row(nbytes, ranks, nodes, tuning)["algorithm"], nodes == 1)
+
+
+def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> list[str]:
+    """The table's choice first, then the row's other contenders: its
+    ``candidates``, or for a table without them (an older ``hpcjobs tune``)
+    the runner-ups it measured."""
+    row = _row(nbytes, ranks, nodes, tuning)
+    names = row.get("candidates") or [row["algorithm"], *(m.get("runner_up") for m in row.get("measured", []))]
+    names = [n for n in names if n in ALGORITHMS]  # a hand-edited table's "measured" may name anything
+    return list(dict.fromkeys(_placed(n, nodes == 1) for n in [row["algorithm"], *names]))
+
+
+def same_bits(dtype: str, op: str, ranks: int) -> bool:
+    """Whether every algorithm gives bitwise the same result: min and max,
+    integers (wrap-around sums and products do not depend on order), and any
+    op at two ranks (a + b, once). Floating-point sums over three or more
+    ranks round differently in different orders."""
+    return op in ("min", "max") or ranks <= 2 or not (dtype == "bfloat16" or dtype.startswith("float"))
+
+
+class _Timing:
+    """``auto``'s decision at one message size, and its measurement.
+
+    A measurement is one :class:`~hpcjobs.timing.Rounds` of the candidates:
+    :data:`UNTIMED_TURNS` untimed rounds (the first calls on a buffer are
+    slow: allocation, cold caches, and on this VM fresh pages stay slow for
+    a few passes), then :func:`timed_rounds` timed ones, one turn per call.
+    After the last one the times are maxed over ranks and the candidate with
+    the lowest median kept, until :data:`REMEASURE_EVERY` calls after the
+    measurement began (at least one call: :func:`settled` must become
+    true). ``left`` counts the calls to go before the next measurement.
+    """
+
+    __slots__ = ("names", "fns", "fn", "timed", "rounds", "left")
+
+    def __init__(self, names: list[str], registry: dict[str, Algorithm], nbytes: int):
+        self.names = names
+        self.fns = [registry[n].bound for n in names]
+        self.fn = self.fns[0]
+        self.timed = timed_rounds(nbytes)
+        self.rounds = Rounds(len(names), UNTIMED_TURNS, self.timed) if len(names) > 1 else None
+        self.left = 0 if len(names) > 1 else float("inf")
+
+    def measure(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
+        """One call of the measurement, in the candidates' turn order."""
+        rounds = self.rounds
+        rounds.call(comm, self.fns[rounds.current], flat, op, comm)
+        if rounds.done:  # agree on the fastest
+            comm.Allreduce(MPI.IN_PLACE, rounds.times, op=MPI.MAX)
+            # The median, not the best round: the shared-memory algorithm
+            # swings between fast and 3x slower calls in a busy spell, and
+            # its best call would hide that.
+            self.fn = self.fns[int(np.argmin(np.median(rounds.times, axis=0)))]
+            self.left = max(1, REMEASURE_EVERY - rounds.calls)
+            self.rounds = Rounds(len(self.names), UNTIMED_TURNS, self.timed)
+
+
+# Decisions live on the communicator (MPI attribute), so they go with it;
+# the latest communicator's are also kept here, which skips MPI_Comm_get_attr
+# (half a microsecond) on the usual run of calls on one communicator.
+_DECISIONS_KEYVAL = MPI.Comm.Create_keyval()
+_decisions_generation = 0
+_last: tuple = (None, None)
+
+
+def _decisions(comm: MPI.Intracomm) -> dict:
+    decisions = comm.Get_attr(_DECISIONS_KEYVAL)
+    if decisions is None or decisions.get("generation") != _decisions_generation:
+        decisions = {"generation": _decisions_generation}
+        comm.Set_attr(_DECISIONS_KEYVAL, decisions)
+    return decisions
+
+
+def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry: dict) -> _Timing:
+    topo = decisions.get("topology")
+    if topo is None:  # the layout, read once per communicator (and set_tuning)
+        topo = decisions["topology"] = detect_private(comm)
+    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
+    # One simulated node may still span hosts: shm needs real shared memory.
+    names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
+    if not same_bits(flat.dtype, op, comm.Get_size()):
+        names = names[:1]
+    timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)
+    return timing
+
+
+def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algorithm]) -> None:
+    """The step of ``algorithm="auto"``: the kept candidate (or the
+    measurement's next one) from ``registry``, the algorithms by name."""
+    global _last
+    last_comm, decisions = _last
+    if last_comm is not comm:  # (set_tuning clears _last)
+        decisions = _decisions(comm)
+        _last = (comm, decisions)
+    timing = decisions.get((flat.data.nbytes, flat.dtype, op)) or _timing(flat, op, comm, decisions, registry)
+    if timing.left:  # the usual call: the kept algorithm, no method call in between
+        timing.left -= 1
+        timing.fn(flat, op, comm)
+    else:
+        timing.measure(flat, op, comm)
+
+
+def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None) -> _Timing | None:
+    return _decisions(private(comm)).get((nbytes, dtype, op))
+
+
+def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
+    """Whether ``auto`` has done measuring for ``buf``'s size and dtype and
+    ``op`` on ``comm``: its next such call runs the algorithm it kept (until
+    the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
+    first call. The same on every rank, so ranks may loop on it, as
+    ``hpcjobs bench`` does to time what ``auto`` settles on."""
+    flat = as_flat(buf)
+    timing = _decision(flat.data.nbytes, flat.dtype, op, comm)
+    return timing is not None and timing.left > 0
+
+
+def kept(nbytes: int, dtype: str, op: str = "sum", comm: MPI.Comm | None = None) -> str | None:
+    """The algorithm ``auto`` runs now for ``nbytes`` of ``dtype`` (its name,
+    e.g. "float32" or "bfloat16") and ``op`` on ``comm``: the table's choice
+    until its contenders are timed, then the fastest. None before its first
+    call there."""
+    timing = _decision(nbytes, dtype, op, comm)
+    return None if timing is None else timing.names[timing.fns.index(timing.fn)]

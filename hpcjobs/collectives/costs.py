@@ -1,0 +1,136 @@
+"""Each algorithm's cost, in one place.
+
+The α-β-γ model (Hockney's, with Thakur & Gropp's reduction term): a message
+of n bytes costs α + n·β, reducing n bytes costs n·γ. For N bytes over P ranks:
+
+==================  =====================================================================
+symbol              meaning
+==================  =====================================================================
+p2                  the largest power of two <= P
+f                   1 when P is not a power of two (the fold: two more messages of N
+                    bytes and one reduction), else 0
+L, M                ranks per node and nodes (hierarchical)
+⌈x⌉                 x rounded up
+==================  =====================================================================
+
+:data:`COSTS` holds, per algorithm, the formula (which every algorithm's
+module docstring, ``docs/algorithms.md`` and ``hpcjobs model`` print), the
+bytes rank 0 sends, and the critical path as messages and reductions,
+which :func:`hpcjobs.perfmodel.predict` costs with measured per-size costs.
+A test checks that the critical path with linear costs is the formula.
+
+shm has no entry: it sends no messages, and its time is memory traffic
+(its module docstring counts it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+__all__ = ["Cost", "COSTS", "Costing", "evaluate"]
+
+
+class Costing(Protocol):
+    """Seconds for one step of an algorithm, by size in bytes."""
+
+    def message(self, n: float) -> float:
+        """An exchange: n bytes each way at once."""
+
+    def oneway(self, n: float) -> float:
+        """One message of n bytes, nothing coming back."""
+
+    def reduce(self, n: float) -> float:
+        """Reducing n bytes into n bytes."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    formula: str  # seconds, in α, β, γ
+    sent: str  # bytes rank 0 sends (P a power of two): the ring's on every rank, the tree's and server's root
+    path: Callable[[float, int, int, Costing], float]  # (N, P, L, costing) -> seconds on the critical path
+
+
+def _fold(N: float, P: int, c: Costing) -> float:
+    p2 = 1 << (P.bit_length() - 1)
+    return 0.0 if p2 == P else 2 * c.message(N) + c.reduce(N)
+
+
+def _log2_p2(P: int) -> int:
+    return P.bit_length() - 1
+
+
+def _ring(N: float, P: int, L: int, c: Costing) -> float:
+    return 2 * (P - 1) * c.message(N / P) + (P - 1) * c.reduce(N / P) if P > 1 else 0.0
+
+
+def _recursive_doubling(N: float, P: int, L: int, c: Costing) -> float:
+    return _log2_p2(P) * (c.message(N) + c.reduce(N)) + _fold(N, P, c)
+
+
+def _rabenseifner(N: float, P: int, L: int, c: Costing) -> float:
+    halves = [N / (2 << k) for k in range(_log2_p2(P))]  # N/2, N/4, ..., N/p2
+    return sum(2 * c.message(h) + c.reduce(h) for h in halves) + _fold(N, P, c)
+
+
+def _tree(N: float, P: int, L: int, c: Costing) -> float:
+    return math.ceil(math.log2(P)) * (2 * c.oneway(N) + c.reduce(N))
+
+
+def _parameter_server(N: float, P: int, L: int, c: Costing) -> float:
+    return (P - 1) * (2 * c.oneway(N) + c.reduce(N))
+
+
+def _hierarchical(N: float, P: int, L: int, c: Costing) -> float:
+    M = -(-P // L)
+    return _ring(N, L, L, c) + _ring(N / L, M, M, c)
+
+
+_RING = Cost("2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ", "2(P-1)/P·N", _ring)
+COSTS = {
+    "ring": _RING,
+    "ring_pipelined": _RING,
+    "recursive_doubling": Cost("log2(p2)·(α + Nβ + Nγ) + f·(2α + 2Nβ + Nγ)", "log2(P)·N", _recursive_doubling),
+    "rabenseifner": Cost("2log2(p2)·α + 2(p2-1)/p2·Nβ + (p2-1)/p2·Nγ + f·(2α + 2Nβ + Nγ)", "2(P-1)/P·N",
+                         _rabenseifner),
+    "tree": Cost("2⌈log2(P)⌉·(α + Nβ) + ⌈log2(P)⌉·Nγ", "⌈log2(P)⌉·N", _tree),
+    "parameter_server": Cost("2(P-1)·(α + Nβ) + (P-1)·Nγ", "(P-1)·N", _parameter_server),
+    "hierarchical": Cost("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ",
+                         "2(L-1)/L·N + 2(M-1)/M·N/L", _hierarchical),
+}
+
+_TOKEN = re.compile(r"\s*(log2|p2|[PNLMfαβγ]|\d+|[()+\-/·⌈⌉])")
+_NAMES = {"α": "alpha", "β": "beta", "γ": "gamma", "⌈": "ceil(", "⌉": ")", "·": "*"}
+
+
+def _python(formula: str) -> str:
+    """The formula as a Python expression: names spelled out, implicit
+    products made explicit ("2(P-1)/P·Nβ" -> "2*(P-1)/P*N*beta")."""
+    tokens, pos = [], 0
+    while pos < len(formula.rstrip()):
+        m = _TOKEN.match(formula, pos)
+        if not m:
+            raise ValueError(f"cannot read {formula!r} at {formula[pos:]!r}")
+        tokens.append(m.group(1))
+        pos = m.end()
+    out = []
+    for prev, tok in zip([None, *tokens], tokens):
+        ends_value = prev is not None and (prev[0].isalnum() or prev in ("α", "β", "γ", ")", "⌉")) and prev != "log2"
+        starts_value = tok[0].isalnum() or tok in ("α", "β", "γ", "(", "⌈")
+        if ends_value and starts_value:
+            out.append("*")
+        out.append(_NAMES.get(tok, tok))
+    return "".join(out)
+
+
+def evaluate(formula: str, **values: float) -> float:
+    """A formula of this module at the given ``P``, ``N``, ``alpha`` ... ;
+    ``p2`` and ``f`` follow from ``P``, ``M`` from ``P`` and ``L``."""
+    P = int(values["P"])
+    p2 = 1 << (P.bit_length() - 1)
+    scope = {"p2": p2, "f": int(p2 != P), "ceil": math.ceil, "log2": math.log2, **values}
+    if "L" in values:
+        scope["M"] = -(-P // int(values["L"]))
+    return eval(_python(formula), {"__builtins__": {}}, scope)  # our own formulas, above

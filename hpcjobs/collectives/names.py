@@ -1,0 +1,20 @@
+"""The names the collectives are chosen by.
+
+Here, apart from the code, so that the command line can offer and check them
+without starting MPI (``hpcjobs slurm render`` checks a job's flags on a login
+node). The registries behind them -- :data:`hpcjobs.collectives.select.STEPS`
+and :data:`hpcjobs.collectives.messages.MESSAGE_STEPS` -- hold these names in
+this order, and a test keeps them so.
+"""
+
+__all__ = ["ALGORITHMS", "MESSAGE_ALGORITHMS", "INTRA"]
+
+# allreduce(algorithm=...): every algorithm, besides "auto".
+ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server",
+              "hierarchical", "shm")
+# The algorithms that move data only in messages on the communicator they
+# are given: they run across nodes, their bytes can be counted, and they
+# carry compressed payloads and hierarchical's inter-node stage.
+MESSAGE_ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server")
+# hierarchical_allreduce(intra=...): the reduce-scatter and allgather inside a node.
+INTRA = ("ring", "shm")

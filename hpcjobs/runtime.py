@@ -1,0 +1,88 @@
+"""The process a rank runs in: its GPU, its cores, and the session folders
+killed launches leave behind.
+
+This module imports neither MPI nor torch at import time: :func:`bind_gpu`
+must run before torch first looks at CUDA, and the scripts clear stale
+session folders before any MPI starts (``python -m hpcjobs.runtime``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+__all__ = ["bind_gpu", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
+
+
+def bind_gpu() -> None:
+    """In a rank process: with ``HPCJOBS_BIND_GPU=1``, keep only the GPU of
+    this rank's local index visible (before torch touches CUDA). The local
+    index is the MPI's own (``OMPI_COMM_WORLD_LOCAL_RANK``,
+    ``MPI_LOCALRANKID``) or ``SLURM_LOCALID`` under srun -- under mpirun
+    ``SLURM_LOCALID`` is 0 on every rank."""
+    if os.environ.get("HPCJOBS_BIND_GPU") != "1":
+        return
+    local = next((os.environ[k] for k in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+                  if os.environ.get(k, "").isdigit()), None)
+    if local is None:
+        return
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    index = int(local)
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
+    os.environ["LOCAL_RANK"] = local
+
+
+def cores_per_rank(comm) -> int:
+    """Cores this rank may use: its affinity when the launcher bound it
+    (e.g. mpirun's default binding to one core), else the node's cores
+    shared among the ranks of ``comm`` on this node. Collective over ``comm``."""
+    from mpi4py import MPI  # comm exists, so MPI is up already
+
+    cpus = os.cpu_count() or 1
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_size()
+    node.Free()
+    return max(1, allowed) if allowed < cpus else max(1, allowed // local)
+
+
+def set_threads(threads: int | None, comm) -> int:
+    """Give torch ``threads`` threads in this rank (None: :func:`cores_per_rank`);
+    returns how many. Collective over ``comm``."""
+    import torch
+
+    n = threads or cores_per_rank(comm)
+    torch.set_num_threads(n)
+    return n
+
+
+def clear_stale_mpi_sessions(tmpdir: str | None = None) -> list[Path]:
+    """Remove this user's Open MPI session folders whose ``mpirun`` is gone;
+    return them.
+
+    Open MPI 5's mpirun keeps its session in ``$TMPDIR/ompi.<its pid>`` and
+    removes it when it exits, but not when it is killed (scancel, a time
+    limit, the OOM killer). A later mpirun on that node that is given the
+    same pid finds the old rendezvous file and stops with "The PMIx server's
+    listener thread failed to start". A folder whose pid is alive is left
+    alone: a folder of ours can only belong to a live mpirun of ours. The
+    scripts (``scripts/lib.sh``) and ``hpcjobs slurm launch`` call this."""
+    base = Path(tmpdir or os.environ.get("TMPDIR") or "/tmp")
+    removed = []
+    for d in sorted(base.glob("ompi.*")):
+        pid = d.name.removeprefix("ompi.")
+        if not pid.isdigit() or d.is_symlink() or not d.is_dir() or d.stat().st_uid != os.getuid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live process of ours with this pid: its mpirun
+        except (ProcessLookupError, PermissionError):  # none, or someone else's: our mpirun is gone
+            pass
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+if __name__ == "__main__":  # scripts/lib.sh: clean_stale_mpi_sessions
+    clear_stale_mpi_sessions()

@@ -1,0 +1,74 @@
+"""Give every rank the same starting point: rank ``root_rank``'s parameters,
+buffers and optimizer state, sent with buffer ``MPI_Bcast``."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from ..comm import agree, private, signature
+from .distributed import DistributedOptimizer
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    if not t.is_contiguous():
+        raise ValueError("broadcast needs contiguous tensors")
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    elif t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.numpy()
+
+
+def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
+    """Overwrite every tensor in ``params`` with root's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (parameters and buffers),
+            ``model.named_parameters()``, or an iterable of tensors -- the same
+            tensors in the same order on every rank.
+        root_rank: whose values win.
+        comm: None for COMM_WORLD.
+    """
+    comm = private(comm)
+    if not 0 <= root_rank < comm.Get_size():
+        raise ValueError(f"root_rank {root_rank} not in [0, {comm.Get_size()})")
+    items = params.items() if isinstance(params, dict) else params
+    tensors = [t[1] if isinstance(t, tuple) else t for t in items]
+    if not agree(signature([len(tensors), ";".join(f"{t.dtype}{tuple(t.shape)}" for t in tensors)]), comm).all():
+        counts = comm.allgather(len(tensors))
+        raise ValueError(f"broadcast_parameters: ranks hold different tensors (counts per rank {counts}, "
+                         "or different shapes/dtypes)")
+    with torch.no_grad():
+        for t in tensors:
+            data = t.data if isinstance(t, torch.nn.Parameter) else t
+            comm.Bcast(_as_numpy(data), root=root_rank)
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
+    """Give every rank root's optimizer state (momentum buffers, Adam
+    moments, step counts, hyper-parameters).
+
+    The state dict is serialised with ``torch.save`` on root, sent as bytes
+    (buffer ``Bcast``) and loaded with ``weights_only=True``.
+    """
+    comm = private(comm)
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if comm.Get_rank() == root_rank:
+        raw = io.BytesIO()
+        torch.save(inner.state_dict(), raw)
+        payload = np.frombuffer(raw.getbuffer(), dtype=np.uint8).copy()
+        n = np.array([payload.size], dtype=np.int64)
+    else:
+        n = np.zeros(1, dtype=np.int64)
+    comm.Bcast(n, root=root_rank)
+    if comm.Get_rank() != root_rank:
+        payload = np.empty(int(n[0]), dtype=np.uint8)
+    comm.Bcast(payload, root=root_rank)
+    if comm.Get_rank() != root_rank:
+        inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))

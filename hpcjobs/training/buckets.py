@@ -1,0 +1,132 @@
+"""Fused gradient buckets: how ``DistributedOptimizer`` lays the parameters
+out, and how a bucket is filled from the gradients and emptied back into them.
+
+Parameters go into flat buckets of at most ``fusion_bytes`` per dtype, in
+reverse order of ``named_parameters`` (roughly the order backward produces
+their gradients), as DDP and Horovod's tensor fusion do: one allreduce per
+bucket instead of one per tensor. :func:`check_layout` makes sure every rank
+built the same buckets before any is reduced.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from mpi4py import MPI
+
+from ..comm import agree, signature
+
+__all__ = ["Slot", "Bucket", "layout", "check_layout"]
+
+
+@dataclass
+class Slot:
+    """One parameter's place in a bucket: elements ``[offset, offset + numel)``."""
+
+    name: str
+    param: torch.Tensor
+    offset: int
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    dtype: torch.dtype
+    slots: list[Slot]
+    buffer: torch.Tensor
+    pending: set = field(default_factory=set)  # slot positions whose gradient has not arrived
+    done: threading.Event = field(default_factory=threading.Event)  # reduced (the communication thread's)
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        return self.buffer[slot.offset:slot.offset + slot.numel]
+
+    def reset(self) -> None:
+        """Before a step: every gradient still to come."""
+        self.pending = set(range(len(self.slots)))
+        self.done.clear()
+
+    def fill(self, pos: int) -> None:
+        """Copy slot ``pos``'s gradient in; it has arrived."""
+        slot = self.slots[pos]
+        self.view(slot).copy_(slot.param.grad.reshape(-1))
+        self.pending.discard(pos)
+
+    def fill_missing(self) -> None:
+        """The gradients that never arrived: their ``.grad`` if they have
+        one, else zeros."""
+        for pos in list(self.pending):
+            slot = self.slots[pos]
+            if slot.param.grad is None:
+                self.view(slot).zero_()
+            else:
+                self.fill(pos)
+        self.pending.clear()
+
+    def unpack(self) -> None:
+        """Copy the reduced values back into every parameter's ``.grad``."""
+        for slot in self.slots:
+            avg = self.view(slot).view_as(slot.param)
+            if slot.param.grad is None:
+                slot.param.grad = avg.clone()
+            else:
+                slot.param.grad.copy_(avg)
+
+    def nonfinite(self) -> list[str]:
+        """Names of the parameters whose values here hold a NaN or an Inf."""
+        if torch.isfinite(self.buffer).all():
+            return []
+        return [s.name for s in self.slots if not torch.isfinite(self.view(s)).all()]
+
+
+def layout(named: list[tuple[str, torch.Tensor]], fusion_bytes: int, fused: bool = True) -> list[Bucket]:
+    """The buckets for ``named`` parameters: up to ``fusion_bytes`` each, per
+    dtype, or one per parameter with ``fused=False``.
+
+    Raises:
+        ValueError: a parameter not on the CPU.
+    """
+    buckets: list[Bucket] = []
+    open_: dict[torch.dtype, list[Slot]] = {}  # the bucket being filled, per dtype
+
+    def close(dtype):
+        slots = open_.pop(dtype)
+        count = slots[-1].offset + slots[-1].numel
+        buckets.append(Bucket(len(buckets), dtype, slots, torch.zeros(count, dtype=dtype)))
+
+    for name, p in reversed(named):
+        if p.device.type != "cpu":
+            raise ValueError(f"parameter {name} is on {p.device}; DistributedOptimizer reduces CPU tensors "
+                             "(CUDA parameters need a CUDA-aware MPI, not supported yet)")
+        slots = open_.setdefault(p.dtype, [])
+        offset = slots[-1].offset + slots[-1].numel if slots else 0
+        slots.append(Slot(name, p, offset, p.numel()))
+        if not fused or (offset + p.numel()) * p.element_size() >= fusion_bytes:
+            close(p.dtype)
+    for dtype in list(open_):
+        close(dtype)
+    return buckets
+
+
+def check_layout(comm: MPI.Intracomm, named: list, buckets: list[Bucket], settings: dict) -> None:
+    """Check that every rank of ``comm`` has the same parameters, buckets and
+    ``settings`` (name -> value: fusion_bytes, algorithm, ...); collective.
+
+    Raises:
+        ValueError: on every rank, naming what differs and each rank's values.
+    """
+    params = "|".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in named)
+    places = "|".join(",".join(s.name for s in b.slots) for b in buckets)
+    numel = sum(p.numel() for _, p in named)
+    same = agree(signature([len(named), numel, params, places, *settings.values()]), comm)
+    if same.all():
+        return
+    what = ["number of parameters", "number of elements", "parameter names/shapes/dtypes", "bucket layout",
+            *settings]
+    differ = [w for w, ok in zip(what, same) if not ok]
+    everyone = comm.allgather((len(named), numel, *map(str, settings.values())))
+    raise ValueError(f"DistributedOptimizer: ranks disagree on {', '.join(differ)}; per rank "
+                     f"(params, elements, {', '.join(settings)}): "
+                     + "; ".join(f"rank {r}: {v}" for r, v in enumerate(everyone)))

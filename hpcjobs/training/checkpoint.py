@@ -1,0 +1,131 @@
+"""Checkpoints that a killed job resumes from, to the same parameters.
+
+A checkpoint holds, besides rank 0's model and optimizer, every rank's own
+state: its torch RNG, its buffers (BatchNorm statistics are per rank until
+the epoch ends), its error-feedback residuals, and mid-epoch its share of the
+epoch's loss and accuracy sums, counters and elapsed time -- so the resumed
+run ends with the same parameters and the same epoch metrics as one never
+stopped. Files are written atomically (temp file, fsync, rename, fsync the
+directory) and read with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read"]
+
+CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
+# A resumed run must be the same experiment: these fields may not change.
+_RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
+                "backward_passes_per_step", "optimizer", "compression", "error_feedback")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: truncated, corrupt, or from another experiment."""
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
+    """Write ``state`` so that ``path`` always holds a whole checkpoint:
+    a temp file in the same directory, fsync, rename over, fsync the directory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint with ``weights_only=True``.
+
+    Raises:
+        FileNotFoundError: no file; CheckpointError: truncated, corrupt, or
+        not an hpcjobs checkpoint.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("version"), int):
+        raise CheckpointError(f"{path} is not an hpcjobs training checkpoint (version {CHECKPOINT_VERSION})")
+    if state["version"] != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path} is a version {state['version']} checkpoint; this hpcjobs reads version "
+                              f"{CHECKPOINT_VERSION} (resume with the hpcjobs that wrote it, or start afresh)")
+    return state
+
+
+def _config_dict(cfg: TrainConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["milestones"] = list(cfg.milestones)
+    return d
+
+
+def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch: int, step: int,
+          partial: dict | None) -> None:
+    """Write a checkpoint after ``epoch`` whole epochs and ``step`` steps of
+    the next (collective: every rank's own state goes to rank 0)."""
+    mine = {"torch_rng": torch.get_rng_state(),
+            "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
+    if partial is not None:
+        mine["partial"] = partial
+    if opt.compression is not None:  # error-feedback residuals differ by rank
+        mine["compression"] = opt.compression_state_dict()
+    ranks = comm.gather(mine, root=0)
+    if comm.Get_rank() == 0:
+        save_checkpoint(cfg.checkpoint, {
+            "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
+            "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks})
+
+
+def read(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], list | None]:
+    """Rank 0 reads the checkpoint and the broadcasts that follow give it to
+    everyone; an error is told to every rank first. Returns the epoch, the
+    step within it, the history, and the per-rank states (a list on rank 0,
+    an empty list on the others, for the scatter that follows; None when
+    there is no checkpoint)."""
+    state, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            state = load_checkpoint(cfg.checkpoint)
+            old = state["config"]
+            changed = [k for k in _RESUME_KEYS if old.get(k) != _config_dict(cfg).get(k)]
+            if changed:
+                raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
+                                      + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+            if len(state["ranks"]) != comm.Get_size():
+                raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
+                                      f"this run has {comm.Get_size()}")
+            model.load_state_dict(state["model"])
+            inner.load_state_dict(state["optimizer"])
+        except FileNotFoundError:
+            state = None  # nothing to resume: start from scratch
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error = comm.bcast(error, root=0)
+    if error:
+        raise CheckpointError(error)
+    epoch, step, history, found = comm.bcast(
+        (state["epoch"], state["step"], state["history"], True) if state else (0, 0, [], False), root=0)
+    if not found:
+        return 0, 0, [], None
+    if comm.Get_rank() == 0 and not cfg.quiet:
+        where = f", step {step} of epoch {epoch + 1}" if step else ""
+        print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
+    return epoch, step, history, state["ranks"] if comm.Get_rank() == 0 else []

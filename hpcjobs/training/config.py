@@ -1,0 +1,102 @@
+"""What a training run is made of: :class:`TrainConfig`, and the names and
+defaults its fields take.
+
+Apart from the loop so that the command line can read the defaults and
+offer the names without starting MPI or torch (``hpcjobs slurm render train
+-- ...`` checks a job's flags on a login node): ``hpcjobs train``'s flags are
+these fields, and their defaults are these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..collectives.names import MESSAGE_ALGORITHMS
+from ..compression.names import make_compressor
+from . import schedule
+
+__all__ = ["TrainConfig", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+
+OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
+# DistributedOptimizer's options (hpcjobs.training.distributed).
+OVERLAPS = ("auto", "thread", "none")
+NONFINITE = ("ignore", "skip", "abort")
+# Horovod fuses up to 64 MiB and DDP starts at 25 MiB, both tuned for GPUs
+# and large models. On CPU ranks the models are small; 1 MiB buckets still
+# amortise the per-message latency and leave several buckets to overlap.
+DEFAULT_FUSION_BYTES = 1 << 20
+
+
+@dataclass
+class TrainConfig:
+    """One training run. ``lr`` is the rate for ``base_batch`` samples; the
+    schedule scales it linearly to the global batch (``base_batch=None``
+    means the global batch, i.e. no scaling)."""
+
+    model: str = "mlp"
+    width: int | None = None
+    batch_norm: bool = False
+    dataset: str = "mnist1d"
+    data_dir: str | None = None
+    num_samples: int | None = None
+    data_seed: int = 42
+    batch_per_rank: int = 32
+    backward_passes_per_step: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    base_batch: int | None = None
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    no_decay_bn_bias: bool = False
+    trust_coefficient: float = 0.001
+    warmup: str = "gradual"
+    warmup_epochs: float = 5.0
+    decay: str = "none"
+    milestones: tuple[float, ...] = field(default=())
+    gamma: float = 0.1
+    final_lr: float = 0.0
+    momentum_correction: bool = True
+    algorithm: str = "auto"
+    compression: str = "none"
+    error_feedback: bool = False
+    fusion_bytes: int = DEFAULT_FUSION_BYTES
+    overlap: str = "auto"
+    nonfinite: str = "ignore"
+    epochs: int = 10
+    seed: int = 0
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    metrics: str | None = None
+    progress: bool = True
+    quiet: bool = False
+
+    def global_batch(self, size: int) -> int:
+        return self.batch_per_rank * self.backward_passes_per_step * size
+
+    def schedule(self, size: int) -> schedule.ScheduleConfig:
+        gb = self.global_batch(size)
+        return schedule.ScheduleConfig(base_lr=self.lr, base_batch=self.base_batch or gb, global_batch=gb,
+                                    warmup=self.warmup, warmup_epochs=self.warmup_epochs, decay=self.decay,
+                                    epochs=self.epochs, milestones=self.milestones or (), gamma=self.gamma,
+                                    final_lr=self.final_lr)
+
+    def validate(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+        if make_compressor(self.compression) is None:
+            if self.error_feedback:
+                raise ValueError("error feedback needs a compression")
+        elif self.algorithm != "auto" and self.algorithm not in MESSAGE_ALGORITHMS:
+            raise ValueError(f"compressed gradients need a message-passing algorithm (auto or "
+                             f"{', '.join(MESSAGE_ALGORITHMS)}), got {self.algorithm!r}")
+        for name in ("batch_per_rank", "backward_passes_per_step", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.resume and not self.checkpoint:
+            raise ValueError("resume needs a checkpoint path")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 steps, got {self.checkpoint_every}")
+        if self.checkpoint_every and not self.checkpoint:
+            raise ValueError("checkpoint_every needs a checkpoint path")
+        self.schedule(1)  # validates the schedule fields
