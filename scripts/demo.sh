@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on this machine, at 2 ranks:
-#   1. the allreduce benchmark -- our ring and pipelined ring against
-#      MPI_Allreduce, one table, one run;
+#   1. the allreduce benchmark -- auto (our best, chosen per size), shared
+#      memory and the ring against MPI_Allreduce and torch.distributed/Gloo,
+#      one table, one run, with a one-line verdict against each;
 #   2. a short large-minibatch comparison (Goyal et al. 2017 in miniature):
 #      MNIST-1D test error at global batch 32 .. 512 with the linear scaling
 #      rule and no / constant / gradual warmup (about a minute here).
@@ -18,8 +19,9 @@ setup_mpi_env
 cd "$ROOT"
 mkdir -p results
 ranks=${HPCJOBS_DEMO_RANKS:-2}
-say "allreduce benchmark: mpirun -n $ranks hpcjobs bench allreduce $*"
-mpi_run "$ranks" hpcjobs bench allreduce --json results/demo-allreduce.json "$@"
+bench=(--impl ring,shm,auto --baselines mpi,gloo --json results/demo-allreduce.json "$@")
+say "allreduce benchmark: mpirun -n $ranks hpcjobs bench allreduce ${bench[*]}"
+mpi_run "$ranks" hpcjobs bench allreduce "${bench[@]}"
 if [ "${HPCJOBS_DEMO_TRAIN:-1}" != 0 ]; then
     # Every global batch must divide by the ranks: base 32, or the next multiple.
     lo=$(( (32 + ranks - 1) / ranks * ranks ))

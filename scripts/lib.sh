@@ -6,7 +6,7 @@
 #   HPCJOBS_VENV      venv path (default: <repo>/.venv)
 #   HPCJOBS_PYTHON    interpreter to create it with (default: python3, >= 3.10)
 #   HPCJOBS_SITE_MPI  =1: do not install the embedded Open MPI wheel; mpi4py is
-#                     built against the mpicc on PATH (README, "Site MPI").
+#                     built against the mpicc on PATH (docs/cluster.md, "Site MPI").
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HPCJOBS_VENV:-$ROOT/.venv}
@@ -82,17 +82,11 @@ setup_mpi_env() {
 # node's OOM killer). A later mpirun that is given the same pid (pid_max is
 # 32768 on many machines) finds the old rendezvous file there and stops with
 # "The PMIx server's listener thread failed to start". Remove this user's
-# session folders whose mpirun is gone; a live one is never touched.
+# session folders whose mpirun is gone; a live one is never touched. The one
+# implementation is hpcjobs.runtime.clear_stale_mpi_sessions, which
+# `hpcjobs slurm launch` calls too.
 clean_stale_mpi_sessions() {
-    local d pid
-    for d in "${TMPDIR:-/tmp}"/ompi.[0-9]*; do
-        [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
-        pid=${d##*.}
-        case "$pid" in *[!0-9]*) continue ;; esac
-        if ! kill -0 "$pid" 2>/dev/null; then
-            rm -rf -- "$d"
-        fi
-    done
+    "$VENV/bin/python" -m hpcjobs.runtime || say "could not clear stale Open MPI session folders ($VENV/bin/python -m hpcjobs.runtime failed)"
     return 0
 }
 

@@ -82,7 +82,8 @@ python - "$logs" <<'PY'
 import re, sys, pathlib
 logs = pathlib.Path(sys.argv[1])
 totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
-for name in ["serial.log"] + sorted(p.name for p in logs.glob("np?.log")):
+sizes = sorted(int(m.group(1)) for p in logs.glob("np*.log") if (m := re.fullmatch(r"np(\d+)\.log", p.name)))
+for name in ["serial.log"] + [f"np{n}.log" for n in sizes]:  # np10.log too; not the np<P>-rank<r>.log files
     lines = [l for l in (logs / name).read_text(errors="replace").splitlines()
              if re.match(r"^=* *\d+ (passed|failed|error|skipped)", l)]
     if not lines:
