@@ -2,14 +2,15 @@
 
 ``hpcjobs.collectives``, ``.compression``, ``.training`` and ``hpcjobs`` itself
 import a submodule only when one of its names is asked for. Importing the
-package then starts neither MPI nor torch, so the command line can read the
-names it offers (``hpcjobs.collectives.names``, ``hpcjobs.training.config``)
-and check a job's flags on a login node; ``from hpcjobs.collectives import
-allreduce`` works as it would with eager imports.
+package then starts no MPI, so the command line can read the names it
+offers (``hpcjobs.collectives.names``, ``hpcjobs.training.config``) and check
+a job's flags on a login node; ``from hpcjobs.collectives import allreduce``
+works as it would with eager imports.
 """
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 
 
@@ -26,6 +27,6 @@ def exports(package: str, where: dict[str, str | None]):
         return getattr(import_module(f"{package}.{where[name]}"), name)
 
     def __dir__():
-        return sorted(where)
+        return sorted(set(vars(sys.modules[package])) | set(where))
 
     return sorted(where), __getattr__, __dir__

@@ -81,6 +81,35 @@ def test_bench_passes_print_each_pass_then_each_rows_median(tmp_path):
         (r[0], r[4], r[5]) for r in tables[2]]
 
 
+@pytest.mark.parametrize("command,flag,directory", [
+    (["tune", "-e", "64"], "--out", False),
+    (["bench", "allreduce", "-e", "64"], "--json", False),
+    (["bench", "allreduce", "-e", "64"], "--out", True),
+    (["model", "-b", "1M", "-e", "1M"], "--out", True),
+    (["soak", "--ops", "10"], "--json", False),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_anything_is_measured(tmp_path, command, flag, directory):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = _mpirun(2, *command, flag, str(blocker / ("dir" if directory else "t.json")))
+    assert out.returncode == 2, out.stderr
+    assert f"{flag} {blocker}/" in out.stderr and "cannot create the directory" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "size(B)" not in out.stdout and "pass 1" not in out.stdout
+    assert "alpha =" not in out.stdout and "wrong results" not in out.stdout  # nothing was measured
+
+
+def test_an_output_file_that_is_a_directory_is_refused(tmp_path):
+    out = _mpirun(2, "tune", "-e", "64", "--out", str(tmp_path))
+    assert out.returncode == 2 and "is a directory; give a file name" in out.stderr, out.stderr
+
+
+def test_outputs_in_new_directories_get_them(tmp_path):
+    path = tmp_path / "new" / "deeper" / "bench.json"
+    out = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64", "-f", "8", "--iters", "2", "--json", str(path))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(path.read_text())["environment"]["ranks"] == 2
+
+
 @pytest.mark.parametrize("env,words", [
     ({"HPCJOBS_TIMEOUT": "soon"}, "hpcjobs: error: HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
     ({"HPCJOBS_STALL_WARNING": "-1"}, "hpcjobs: error: HPCJOBS_STALL_WARNING must be >= 0 seconds"),

@@ -1,6 +1,6 @@
 """The launch harness itself: what a killed mpirun leaves behind, and that
 the tests, the scripts and `hpcjobs slurm launch` clear it (tests/launch.py,
-scripts/lib.sh, hpcjobs.slurm.clear_stale_mpi_sessions)."""
+scripts/lib.sh, hpcjobs.runtime.clear_stale_mpi_sessions)."""
 
 import os
 import subprocess

@@ -25,3 +25,14 @@ def test_the_soak_counts_a_wrong_result(monkeypatch):
     monkeypatch.setattr(hpcjobs.soak, "allreduce", off_by_one)
     result = hpcjobs.soak.soak(private(), ops=20, max_count=100, seed=1)
     assert 0 < result.wrong_ops <= 20 and result.wrong_elements > 0
+
+
+def test_a_wrong_result_makes_the_soak_command_fail(monkeypatch, capsys):
+    import argparse
+
+    from hpcjobs.cli import soak as command
+
+    monkeypatch.setattr(hpcjobs.soak, "allreduce", lambda buf, op="sum", algorithm="auto", comm=None: buf.__iadd__(1))
+    args = argparse.Namespace(ops=20, max_count=100, seed=1, max_rss_growth=10.0, json=None, progress=False)
+    assert command.run(args) == 1
+    assert "wrong results: 0 operations" not in capsys.readouterr().out

@@ -22,7 +22,7 @@ from ..collectives._buffers import OP_TABLE, as_flat, check_op, finish_avg, torc
 from ..comm import private
 from ..topology import detect_private
 
-__all__ = ["Unavailable", "start", "stop", "running", "horovod_supports", "horovod_allreduce", "unavailable"]
+__all__ = ["Unavailable", "start", "stop", "horovod_supports", "horovod_allreduce", "unavailable"]
 
 
 class Unavailable(RuntimeError):
@@ -54,7 +54,7 @@ def start(comm: MPI.Intracomm, controller: str = "mpi"):
         raise Unavailable("the horovod baselines run on COMM_WORLD only")
     if controller == "gloo" and _hvd_used_mpi:
         raise Unavailable("Horovod ran its MPI controller in this process already; horovod-gloo must come "
-                                  "first (Horovod 0.28.1 rebuilds Gloo from the freed MPI communicator)")
+                          "first (Horovod 0.28.1 rebuilds Gloo from the freed MPI communicator)")
     if _hvd is not None:
         stop()
     if controller == "gloo":
@@ -109,10 +109,6 @@ def _gloo_rendezvous(comm: MPI.Intracomm) -> None:
     _hvd_env[:] = env
 
 
-def running() -> bool:
-    return _hvd is not None
-
-
 def stop() -> None:
     """Shut Horovod down, if it runs, and its rendezvous server."""
     global _hvd, _hvd_controller, _rendezvous_server
@@ -146,12 +142,11 @@ def horovod_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, contro
     return buf
 
 
-
-
 def unavailable(name: str, comm: MPI.Intracomm) -> str | None:
     """Why ``name`` ("horovod" or "horovod-gloo") cannot run here, or None
     (this rank's answer; :func:`hpcjobs.bench.baselines.available` agrees
-    across ranks)."""
+    across ranks). Collective: every rank finds the node layout first."""
+    nodes = detect_private(comm).num_nodes
     try:
         import horovod.torch as hvd
     except ImportError as e:
@@ -161,6 +156,6 @@ def unavailable(name: str, comm: MPI.Intracomm) -> str | None:
             return "this Horovod was built without Gloo"
         if _hvd_used_mpi:
             return "Horovod's MPI controller ran in this process already; horovod-gloo must come first"
-        if detect_private(comm).num_nodes > 1 and not os.environ.get("HOROVOD_GLOO_IFACE"):
+        if nodes > 1 and not os.environ.get("HOROVOD_GLOO_IFACE"):
             return "several nodes: set HOROVOD_GLOO_IFACE to the network interface between them"
     return None

@@ -23,7 +23,11 @@ from mpi4py import MPI
 from ..collectives import ALGORITHMS
 from .sweep import Record, implementations, median_records, run
 
-__all__ = ["applicable", "best_rows", "merge", "tune", "write"]
+__all__ = ["WrongResults", "applicable", "best_rows", "merge", "tune", "write"]
+
+
+class WrongResults(RuntimeError):
+    """A sweep counted wrong elements: no table is written from a broken run."""
 
 # Keep the current row's algorithm while it is within this factor of a size's
 # winner: near-ties (ring and Rabenseifner at 2 ranks are the same exchange)
@@ -133,12 +137,13 @@ def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, i
     table for this many ranks and ``nodes`` (collective).
 
     Raises:
-        RuntimeError: a wrong result in any pass (no table from a broken run).
+        WrongResults: a wrong result in any pass, on every rank alike (the
+            counts are summed over ranks).
     """
     runs = [run(comm, sizes, implementations(names), iters=iters, on_record=on_record) for _ in range(passes)]
     wrong = sum(r.wrong for records in runs for r in records)
     if wrong:
-        raise RuntimeError(f"{wrong} wrong elements: not writing a tuning table from a broken run")
+        raise WrongResults(f"{wrong} wrong elements: not writing a tuning table from a broken run")
     return {"ranks": comm.Get_size(), "nodes": nodes, "passes": passes, "rows": best_rows(*runs)}
 
 

@@ -10,10 +10,11 @@ Every command is one module of this package with ``configure(parser)``
 library never imports this package; a command imports the library inside
 ``run``. Only the command asked for is imported and configured, and building
 its parser starts no MPI: the names and defaults it offers come from modules
-that import neither MPI nor torch (``hpcjobs.collectives.names``,
-``hpcjobs.training.config``, ...). So ``--help`` and the login-node commands
-(``slurm render / submit / launch``), which check a job's flags with
-:func:`parse_error`, never initialise MPI.
+that do not import MPI (``hpcjobs.collectives.names``,
+``hpcjobs.training.config``, ...; the model names and compressor specs bring
+torch). So ``--help`` and the login-node commands (``slurm render / submit /
+launch``), which check a job's flags with :func:`parse_error`, never
+initialise MPI.
 
 Every rank parses the same command line, so a usage error exits 2 on every
 rank and nothing starts; the library's ValueErrors from the checks a
@@ -77,7 +78,6 @@ COMMANDS = (
             "inside a job script: start the ranks with srun or mpirun (see the templates)",
             mpi=False, passthrough=True),
 )
-_BY_WORDS = {c.words: c for c in COMMANDS}
 
 
 def build_parser(command: Command | None = None) -> tuple[argparse.ArgumentParser, dict]:

@@ -23,15 +23,16 @@ class UsageError(Exception):
 
 
 @contextlib.contextmanager
-def usage():
-    """Inside: a ValueError or TypeError from the library is a usage error.
+def usage(*kinds: type[Exception]):
+    """Inside: a ValueError or TypeError (or ``kinds``) from the library is a
+    usage error.
 
     For the checks a command makes before anything runs, alike on every rank
     (the library raises ValueError naming the value and the rule). Errors
     once work has begun are not usage errors and end the job as such."""
     try:
         yield
-    except (ValueError, TypeError) as e:
+    except kinds or (ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
 
 

@@ -44,23 +44,31 @@ def run(args) -> int:
     from ..comm import print0
     from ..runtime import set_threads
     from ..training.config import TrainConfig
-    from ..training.experiment import batch_sizes, check_grid, markdown_table, plot, run_grid, summarize
+    from ..training.experiment import batch_sizes, markdown_table, plot, run_grid, summarize
 
     comm = MPI.COMM_WORLD
+    if not args.warmups or set(args.warmups) - set(WARMUPS):
+        raise UsageError(f"--warmups takes a subset of {','.join(WARMUPS)}, got {','.join(args.warmups)}")
+    if args.min_batch > args.max_batch:
+        raise UsageError("--min-batch must be <= --max-batch")
     if args.backward_passes_per_step != 1:
         raise UsageError("the experiment uses one backward pass per step")
-    base = args.base_batch or args.min_batch
+    base, batches = args.base_batch or args.min_batch, batch_sizes(args.min_batch, args.max_batch)
+    if base not in batches:
+        raise UsageError(f"--base-batch {base} must be one of the grid's batches {batches}")
+    indivisible = [b for b in batches if b % comm.Get_size()]
+    if indivisible:
+        raise UsageError(f"global batches {indivisible} do not divide by {comm.Get_size()} ranks; pick --min-batch "
+                         f"a multiple of {comm.Get_size()}")
     with usage():
-        check_grid(args.min_batch, args.max_batch, base, args.warmups, comm.Get_size())
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "optimizer": "sgd", "base_batch": base})
         template.validate()
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
-    batches = batch_sizes(args.min_batch, args.max_batch)
     print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples} samples), "
            f"{comm.Get_size()} ranks, batches {batches}, warmups {','.join(args.warmups)}, {args.seeds} seed(s), "
            f"{args.epochs} epochs, lr {args.lr} per {base} samples, {args.warmup_epochs:g} warmup epochs")
-    with usage():  # a configuration the data cannot take: raised on every rank alike
+    with usage(ValueError):  # a configuration the data cannot take: raised on every rank alike
         results = run_grid(template, batches, args.warmups, args.seeds, base, args.out, comm, log=print0)
     if comm.Get_rank() == 0:
         out = Path(args.out)

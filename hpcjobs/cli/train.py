@@ -166,7 +166,7 @@ def run(args) -> int:
     check_outputs(comm, [("--metrics", args.metrics, False), ("--checkpoint", args.checkpoint, False)])
     set_threads(args.threads, comm)
     try:
-        with usage():  # a configuration the data cannot take: raised on every rank alike
+        with usage(ValueError):  # a configuration the data cannot take: raised on every rank alike
             history = train(cfg, comm)
     except (CheckpointError, FileNotFoundError) as e:
         if comm.Get_rank() == 0:

@@ -52,7 +52,7 @@ def run(args) -> int:
 
     try:
         table = tune.tune(comm, sizes, names, args.passes, args.iters, topo.num_nodes, on_record=progress)
-    except RuntimeError as e:  # a wrong result: every rank counted the same
+    except tune.WrongResults as e:  # every rank counted the same
         print0(f"# {e}")
         return 1
     if comm.Get_rank() == 0:

@@ -7,7 +7,9 @@ communicator, every rank calling it with the same arguments; it checks
 nothing, so steps compose (``hierarchical`` runs ``ring.reduce_scatter`` and
 ``shm.allgather`` on sub-communicators, ``auto`` runs whichever it chose).
 The steps are the modules' public functions without a prefix
-(``ring.allreduce``, ``tree.reduce``, ``shm.allgather``, ...).
+(``ring.allreduce``, ``tree.reduce``, ``shm.allgather``, ...); those that
+only move data (``ring.allgather``, ``shm.allgather``, ``tree.bcast``) take
+no op: ``step(flat, comm)``.
 
 A *public collective* (``ring_allreduce(buf, ...)``) is :func:`run` around
 its step: validate the buffer and op, check that every rank agrees on the
@@ -34,8 +36,9 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     public collective ``name``.
 
     :func:`prepare` first (validate, and check that every rank agrees on
-    ``name``, count, dtype, op and the options that are numbers, strings or
-    None), then the step, unless there is nothing to do (one rank, or zero
+    ``name``, count, dtype, op and the options that are numbers or strings;
+    an option left at None is not compared, so a call that passes it and one
+    that does not agree), then the step, unless there is nothing to do (one rank, or zero
     elements: every rank then returns at once, which is safe because the
     count is the same on every rank), all under the stall watchdog.
 
@@ -46,8 +49,8 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     Returns:
         ``buf``, reduced in place.
     """
-    checked = repr({k: v for k, v in sorted(options.items()) if v is None or isinstance(v, (bool, int, str))}
-                   ) if options else ""
+    checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
+    checked = repr(checked) if checked else ""
     with guard(name):
         flat, comm = prepare(buf, op, comm, name, options=checked)
         if comm.Get_size() > 1 and flat.count > 0:

@@ -74,7 +74,7 @@ def message_algorithm(algorithm: str, nbytes: int, ranks: int) -> str:
     if algorithm == "auto":
         name = choose(nbytes, ranks)
         return name if name in MESSAGE_ALGORITHMS else "ring"
-    return message_passing(algorithm).name
+    return message_passing(algorithm, also=("auto",)).name
 
 
 def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Intracomm | None = None) -> int:

@@ -26,18 +26,18 @@ MESSAGE_PASSING: dict[str, Algorithm] = {a.name: a for a in (
 )}
 
 
-def message_passing(name: str, what: str = "algorithm") -> Algorithm:
+def message_passing(name: str, what: str = "algorithm", also: tuple[str, ...] = ()) -> Algorithm:
     """The message-passing algorithm ``name``.
 
     Raises:
         ValueError: an unknown name, or one that moves data through shared
-            memory or in two levels; ``what`` names the argument in the
-            message.
+            memory or in two levels; ``what`` names the argument and ``also``
+            the other names the caller takes, in the message.
     """
     if name in MESSAGE_PASSING:
         return MESSAGE_PASSING[name]
+    choices = ", ".join([*also, *MESSAGE_ALGORITHMS])
     if name in ALGORITHMS or name == "auto":
-        raise ValueError(f"{what}={name!r}: this needs a flat message-passing algorithm, one of "
-                         f"{', '.join(MESSAGE_ALGORITHMS)} ({name} moves data through shared memory, in two levels "
-                         "or by choosing among them)")
-    raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(MESSAGE_ALGORITHMS)}")
+        raise ValueError(f"{what}={name!r}: this needs a flat message-passing algorithm, one of {choices} "
+                         f"({name} moves data through shared memory, in two levels or by choosing among them)")
+    raise ValueError(f"unknown algorithm {name!r}; choose one of {choices}")

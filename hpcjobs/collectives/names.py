@@ -2,8 +2,8 @@
 
 Here, apart from the code, so that the command line can offer and check them
 without starting MPI (``hpcjobs slurm render`` checks a job's flags on a login
-node). The registries behind them -- :data:`hpcjobs.collectives.select.STEPS`
-and :data:`hpcjobs.collectives.messages.MESSAGE_STEPS` -- hold these names in
+node). The registries behind them -- :data:`hpcjobs.collectives.select.REGISTRY`
+and :data:`hpcjobs.collectives.messages.MESSAGE_PASSING` -- hold these names in
 this order, and a test keeps them so.
 """
 

@@ -22,8 +22,10 @@ __all__ = ["REGISTRY", "AUTO", "allreduce", "lookup"]
 
 REGISTRY: dict[str, Algorithm] = {
     **MESSAGE_PASSING,
-    "hierarchical": Algorithm("hierarchical", "hierarchical_allreduce", hierarchical.allreduce),
-    "shm": Algorithm("shm", "shm_allreduce", shm.allreduce),
+    # with the public functions' defaults, so that both calls agree across ranks
+    "hierarchical": Algorithm("hierarchical", "hierarchical_allreduce", hierarchical.allreduce,
+                              {"inter": "ring", "intra": "ring"}),
+    "shm": Algorithm("shm", "shm_allreduce", shm.allreduce, {"block_bytes": shm.DEFAULT_BLOCK_BYTES}),
 }
 # The public name of auto's calls: what the agreement check and the watchdog say.
 AUTO = "allreduce_auto"

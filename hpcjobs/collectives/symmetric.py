@@ -100,7 +100,11 @@ def _dtype(dtype):
         return np.dtype(name), dtype
     np_dtype = numpy_dtype(dtype)
     if np_dtype is None:
-        raise TypeError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)} (bfloat16 as torch.bfloat16)")
+        try:
+            shown = np.dtype(dtype)
+        except TypeError:
+            shown = repr(dtype)
+        raise TypeError(f"unsupported dtype {shown}; supported: {', '.join(DTYPES)} (bfloat16 as torch.bfloat16)")
     return np_dtype, None
 
 

@@ -2,9 +2,9 @@
 defaults its fields take.
 
 Apart from the loop so that the command line can read the defaults and
-offer the names without starting MPI or torch (``hpcjobs slurm render train
--- ...`` checks a job's flags on a login node): ``hpcjobs train``'s flags are
-these fields, and their defaults are these defaults.
+offer the names without starting MPI (``hpcjobs slurm render train -- ...``
+checks a job's flags on a login node): ``hpcjobs train``'s flags are these
+fields, and their defaults are these defaults.
 """
 
 from __future__ import annotations

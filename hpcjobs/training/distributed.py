@@ -184,7 +184,7 @@ class DistributedOptimizer:
         self._buckets = layout(named, self.fusion_bytes, self._fused)
         check_layout(self._comm, named, self._buckets, {
             "fusion_bytes": self.fusion_bytes, "backward_passes_per_step": self.backward_passes_per_step,
-            "algorithm": self.algorithm, "compression/error feedback": f"{compression!r} ef={error_feedback}"})
+            "algorithm": self.algorithm, "compression/error feedback": f"{compression!r} ef={self.memory is not None}"})
         self._slot_of: dict[int, tuple[Bucket, int]] = {}
         self._passes: dict[int, int] = {}
         self._handles = []
@@ -201,8 +201,6 @@ class DistributedOptimizer:
         self._step = 0  # reductions done: random-k's and PowerSGD's step, checkpointed
         self.reset_stats()
         self._reset_buckets()
-
-    # -- layout and agreement ---------------------------------------------
 
     # -- per step ------------------------------------------------------------
 

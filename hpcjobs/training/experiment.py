@@ -43,7 +43,7 @@ from .config import TrainConfig
 from .loop import train
 from .schedule import WARMUPS
 
-__all__ = ["batch_sizes", "check_grid", "run_grid", "summarize", "markdown_table", "plot"]
+__all__ = ["batch_sizes", "run_grid", "summarize", "markdown_table", "plot"]
 
 
 def batch_sizes(lo: int, hi: int) -> list[int]:
@@ -64,34 +64,24 @@ def _runs(batches, warmups, seeds, base_batch):
                     yield b, w, seed
 
 
-def check_grid(min_batch: int, max_batch: int, base_batch: int, warmups: list[str], size: int) -> None:
-    """Refuse a grid that cannot run on ``size`` ranks.
-
-    Raises:
-        ValueError: naming the bad value and the rule.
-    """
-    bad = [w for w in warmups if w not in WARMUPS]
-    if bad or not warmups:
-        raise ValueError(f"the warmups are a subset of {','.join(WARMUPS)}, got {','.join(warmups)}")
-    if min_batch > max_batch:
-        raise ValueError(f"the smallest batch ({min_batch}) is larger than the largest ({max_batch})")
-    batches = batch_sizes(min_batch, max_batch)
-    if base_batch not in batches:
-        raise ValueError(f"the base batch {base_batch} must be one of the grid's batches {batches}")
-    indivisible = [b for b in batches if b % size]
-    if indivisible:
-        raise ValueError(f"global batches {indivisible} do not divide by {size} ranks; pick a smallest batch "
-                         f"that is a multiple of {size}")
-
-
 def run_grid(template: TrainConfig, batches: list[int], warmups: list[str], seeds: int, base_batch: int,
              out_dir: str | Path, comm: MPI.Intracomm, log: Callable[[str], None] = print) -> list[dict]:
     """Every run of the grid (module docstring): ``template`` with each
     global batch, warmup and seed, the rate scaled linearly from
     ``template.lr`` at ``base_batch``. Appends each run to
     ``out_dir``/runs.jsonl (rank 0) and returns one record per run (with
-    its history)."""
+    its history).
+
+    Raises:
+        ValueError: an unknown warmup, a base batch not in ``batches``, or a
+            batch that does not divide by the ranks (before any run).
+    """
     size = comm.Get_size()
+    if not warmups or set(warmups) - set(WARMUPS):
+        raise ValueError(f"warmups must be a subset of {', '.join(WARMUPS)}, got {warmups}")
+    if base_batch not in batches or any(b % size for b in batches):
+        raise ValueError(f"base_batch {base_batch} must be one of the batches {batches}, each a multiple of the "
+                         f"{size} ranks")
     plan = list(_runs(batches, warmups, range(seeds), base_batch))
     runs_path = Path(out_dir) / "runs.jsonl"
     if comm.Get_rank() == 0:

@@ -1,4 +1,4 @@
-"""``hpcjobs train`` as a user runs it (hpcjobs/training/cli.py)."""
+"""``hpcjobs train`` as a user runs it (hpcjobs/cli/train.py)."""
 
 import json
 
