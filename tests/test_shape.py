@@ -1,0 +1,143 @@
+"""The shape the suite keeps: the library never imports the command line, the
+login-node commands start no MPI, and every link and docs reference resolves."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcjobs.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hpcjobs"
+LIBRARY = sorted(p for p in PACKAGE.rglob("*.py")
+                 if "cli" not in p.relative_to(PACKAGE).parts and p.name != "__main__.py")  # __main__: the CLI's door
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _imports(path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports (relative imports resolved)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {module} | {f"{module}.{a.name}" for a in node.names}
+    return names
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_library_never_imports_the_command_line(path):
+    cli = {n for n in _imports(path) if n == "hpcjobs.cli" or n.startswith("hpcjobs.cli.")}
+    assert not cli, f"{path.relative_to(ROOT)} imports {sorted(cli)}"
+
+
+def _python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT).stdout.strip()
+
+
+def test_the_collectives_load_no_argparse():
+    names = ", ".join(n for n in __import__("hpcjobs.collectives").collectives.__all__)
+    assert _python(f"import sys; from hpcjobs.collectives import {names}; print('argparse' in sys.modules)") \
+        == "False"
+
+
+def test_help_and_the_login_node_commands_start_no_mpi(tmp_path):
+    """Every command's --help, and slurm render with a job's arguments (which
+    builds that command's parser to check them), leave mpi4py.MPI unimported."""
+    runs = [["--help"], *([*c.words, "--help"] for c in COMMANDS),
+            ["slurm", "render", "train", "--cpu", "--", "--epochs", "2", "--algorithm", "ring"],
+            ["slurm", "render", "allreduce", "--", "--max-bytes", "1M", "--impl", "all"],
+            ["slurm", "render", "tune", "--", "--bogus"]]
+    code = f"""
+import contextlib, io, sys
+from hpcjobs.cli import main
+codes = []
+for argv in {runs!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(main(argv))
+        except SystemExit as e:
+            codes.append(e.code)
+print(codes, 'mpi4py.MPI' in sys.modules)
+"""
+    out = _python(code)
+    assert out == f"{[0] * (len(runs) - 3) + [0, 0, 2]} False", out
+
+
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(path: Path) -> list[str]:
+    return [line.lstrip("#").strip() for line in path.read_text().splitlines() if re.match(r"#{1,6} ", line)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    for target in _LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        assert file.exists(), f"{doc.relative_to(ROOT)}: {target} does not exist"
+        if anchor:
+            assert anchor in {_slug(h) for h in _headings(file)}, f"{doc.relative_to(ROOT)}: no heading #{anchor}"
+
+
+# A reference to the docs from the code: "docs/x.md, "Heading"" (or README.md).
+_REFERENCE = re.compile(r"(README(?:\.md)?|docs/[\w/.-]+\.md)`*,? \(?\"([^\"]+)\"")
+_MENTION = re.compile(r"\b(README(?:\.md)?|docs/[\w/.-]+\.md)")
+CODE = sorted([ROOT / "pyproject.toml", ROOT / ".ci" / "run"] + [
+    p for d in ("hpcjobs", "scripts", "slurm", "tests") for p in (ROOT / d).rglob("*")
+    if p.is_file() and p.suffix in (".py", ".sh", ".sbatch") and p.name != "test_shape.py"])
+
+
+@pytest.mark.parametrize("path", CODE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_docs_reference_in_the_code_names_an_existing_heading(path):
+    text = re.sub(r"\s+#\s*|\s+", " ", path.read_text())  # joins comment and docstring lines
+    for doc in _MENTION.findall(text):
+        assert (ROOT / ("README.md" if doc.startswith("README") else doc)).exists(), f"{path}: no {doc}"
+    for doc, heading in _REFERENCE.findall(text):
+        file = ROOT / ("README.md" if doc.startswith("README") else doc)
+        assert heading in _headings(file), f"{path.relative_to(ROOT)}: {doc} has no heading {heading!r}"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_is_over_400_lines(path):
+    assert len(path.read_text().splitlines()) <= 400
+
+
+def test_the_public_names_import():
+    """The public surface docs/design.md lists, and the console script."""
+    from hpcjobs.collectives import (ALGORITHMS, DTYPES, MESSAGE_ALGORITHMS, OPS, allreduce,  # noqa: F401
+                                     chunk_bounds, hierarchical_allreduce, parameter_server_allreduce,
+                                     rabenseifner_allreduce, recursive_doubling_allreduce, ring_allgather,
+                                     ring_allgatherv, ring_allreduce, ring_reduce_scatter, shm_allgather,
+                                     shm_allreduce, shm_reduce_scatter, symmetric_empty, symmetric_free,
+                                     tree_allreduce)
+    from hpcjobs.compression import (BF16Compressor, ErrorFeedback, FP16Compressor,  # noqa: F401
+                                     NoneCompressor, PowerSGDCompressor, QSGDCompressor, RandomKCompressor,
+                                     SignCompressor, TopKCompressor, compressed_allreduce)
+    from hpcjobs.topology import detect  # noqa: F401
+    from hpcjobs.training import (DistributedOptimizer, TrainConfig, broadcast_optimizer_state,  # noqa: F401
+                                  broadcast_parameters, schedule, train)
+
+    import hpcjobs
+    import hpcjobs.collectives
+    assert hpcjobs.allreduce is hpcjobs.collectives.allreduce and callable(hpcjobs.world)
+    assert set(hpcjobs.collectives.__all__) >= {"allreduce", "ring_allreduce", "symmetric_empty"}
+    assert 'hpcjobs = "hpcjobs.cli:main"' in (ROOT / "pyproject.toml").read_text()
