@@ -53,7 +53,8 @@ def test_the_collectives_load_no_argparse():
 
 def test_help_and_the_login_node_commands_start_no_mpi(tmp_path):
     """Every command's --help, and slurm render with a job's arguments (which
-    builds that command's parser to check them), leave mpi4py.MPI unimported."""
+    builds that command's parser to check them), leave mpi4py.MPI unimported,
+    and torch too: they answer at once."""
     runs = [["--help"], *([*c.words, "--help"] for c in COMMANDS),
             ["slurm", "render", "train", "--cpu", "--", "--epochs", "2", "--algorithm", "ring"],
             ["slurm", "render", "allreduce", "--", "--max-bytes", "1M", "--impl", "all"],
@@ -68,10 +69,10 @@ for argv in {runs!r}:
             codes.append(main(argv))
         except SystemExit as e:
             codes.append(e.code)
-print(codes, 'mpi4py.MPI' in sys.modules)
+print(codes, 'mpi4py.MPI' in sys.modules, 'torch' in sys.modules)
 """
     out = _python(code)
-    assert out == f"{[0] * (len(runs) - 3) + [0, 0, 2]} False", out
+    assert out == f"{[0] * (len(runs) - 3) + [0, 0, 2]} False False", out
 
 
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

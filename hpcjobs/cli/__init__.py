@@ -10,11 +10,11 @@ Every command is one module of this package with ``configure(parser)``
 library never imports this package; a command imports the library inside
 ``run``. Only the command asked for is imported and configured, and building
 its parser starts no MPI: the names and defaults it offers come from modules
-that do not import MPI (``hpcjobs.collectives.names``,
-``hpcjobs.training.config``, ...; the model names and compressor specs bring
-torch). So ``--help`` and the login-node commands (``slurm render / submit /
+that import neither MPI nor torch (``hpcjobs.collectives.names``,
+``hpcjobs.training.config``, ...; torch comes only with a compressor spec to
+check). So ``--help`` and the login-node commands (``slurm render / submit /
 launch``), which check a job's flags with :func:`parse_error`, never
-initialise MPI.
+initialise MPI, and answer at once.
 
 Every rank parses the same command line, so a usage error exits 2 on every
 rank and nothing starts; the library's ValueErrors from the checks a

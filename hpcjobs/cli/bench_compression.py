@@ -14,7 +14,7 @@ from pathlib import Path
 from ..bench.names import COMPRESSORS
 from ..collectives import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
-from ..training.models import MODELS
+from ..training.config import MODELS
 from .args import check_outputs, comma_list, positive_float, positive_int
 
 

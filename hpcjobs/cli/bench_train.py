@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..bench.names import TRAIN_IMPLS
-from ..training.models import MODELS
+from ..training.config import MODELS
 from .args import check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int, usage
 
 

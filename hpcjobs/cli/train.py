@@ -16,9 +16,8 @@ import sys
 
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
-from ..training.config import NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
+from ..training.config import MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
 from ..training.data import DATASETS
-from ..training.models import MODELS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_outputs, dataclass_values, nonnegative_float, nonnegative_int, parse_bytes,
                    positive_float, positive_int, usage)

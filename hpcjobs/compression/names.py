@@ -33,13 +33,6 @@ def make_compressor(spec: str, seed: int = 0):
         ValueError: an unknown name, a parameter where none is taken, or a
             bad parameter value.
     """
-    from .fp16 import BF16Compressor, FP16Compressor
-    from .powersgd import PowerSGDCompressor
-    from .qsgd import QSGDCompressor
-    from .randomk import RandomKCompressor
-    from .sign import SignCompressor
-    from .topk import TopKCompressor
-
     name, sep, param = str(spec).partition(":")
     if name not in COMPRESSIONS:
         raise ValueError(f"unknown compression {name!r}; choose from {', '.join(COMPRESSIONS)} "
@@ -51,9 +44,17 @@ def make_compressor(spec: str, seed: int = 0):
         try:
             value = _PARAM[name](param)
         except ValueError:
-            raise ValueError(f"compression {spec!r}: {param!r} is not a{'n integer' if _PARAM[name] is int else ' number'}") from None
+            kind = "an integer" if _PARAM[name] is int else "a number"
+            raise ValueError(f"compression {spec!r}: {param!r} is not {kind}") from None
     if name == "none":
         return None
+    from .fp16 import BF16Compressor, FP16Compressor
+    from .powersgd import PowerSGDCompressor
+    from .qsgd import QSGDCompressor
+    from .randomk import RandomKCompressor
+    from .sign import SignCompressor
+    from .topk import TopKCompressor
+
     if name == "fp16":
         return FP16Compressor()
     if name == "bf16":

@@ -2,9 +2,9 @@
 defaults its fields take.
 
 Apart from the loop so that the command line can read the defaults and
-offer the names without starting MPI (``hpcjobs slurm render train -- ...``
-checks a job's flags on a login node): ``hpcjobs train``'s flags are these
-fields, and their defaults are these defaults.
+offer the names without starting MPI or importing torch (``hpcjobs slurm
+render train -- ...`` checks a job's flags on a login node): ``hpcjobs
+train``'s flags are these fields, and their defaults are these defaults.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from ..collectives.names import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from . import schedule
 
-__all__ = ["TrainConfig", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+__all__ = ["TrainConfig", "MODELS", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
 
+MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
 # DistributedOptimizer's options (hpcjobs.training.distributed).
 OVERLAPS = ("auto", "thread", "none")

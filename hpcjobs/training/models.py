@@ -13,9 +13,9 @@ import math
 
 from torch import nn
 
-__all__ = ["MODELS", "MLP", "CNN1D", "build_model"]
+from .config import MODELS
 
-MODELS = ("mlp", "cnn1d")
+__all__ = ["MODELS", "MLP", "CNN1D", "build_model"]
 
 
 class MLP(nn.Module):
