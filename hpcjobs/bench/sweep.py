@@ -310,42 +310,6 @@ def median_records(passes: list[list[Record]]) -> list[Record]:
     return out
 
 
-def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:
-    """What ``auto`` ran in its timed calls, per run of sizes, e.g.
-    "8-16K recursive_doubling, 32K-64M shm"."""
-    runs: list[list] = []  # [first size, last size, algorithm]
-    for r in records:
-        if r.impl == label:
-            name = auto_.kept(r.size_bytes, dtype, op, comm) or "?"
-            if runs and runs[-1][2] == name:
-                runs[-1][1] = r.size_bytes
-            else:
-                runs.append([r.size_bytes, r.size_bytes, name])
-    return ", ".join(f"{format_bytes(lo)}{'' if lo == hi else '-' + format_bytes(hi)} {name}"
-                     for lo, hi, name in runs)
-
-
-def auto_against_best(records: list[Record], within: float = 1.10) -> str | None:
-    """How far ``auto``'s time is from the fastest of our other algorithms
-    in the table, size by size, e.g. "within 10% at 23 of 24 sizes; worst
-    1.13x at 32K (recursive_doubling)". None without two of ours beside it."""
-    by_size: dict[int, dict[str, float]] = {}
-    for r in records:
-        by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
-    ratios = []
-    for size, times in by_size.items():
-        ours = {k: v for k, v in times.items() if k in ALGORITHMS or k.startswith("ring_pipelined/")}
-        if "auto" in times and len(ours) >= 2:
-            best = min(ours, key=ours.get)
-            ratios.append((times["auto"] / ours[best], size, best))
-    if not ratios:
-        return None
-    ratio, size, best = max(ratios)
-    ok = sum(r <= within for r, _, _ in ratios)
-    return (f"within {round((within - 1) * 100)}% at {ok} of {len(ratios)} sizes; "
-            f"worst {ratio:.2f}x at {format_bytes(size)} ({best})")
-
-
 def late_passes(comm: MPI.Intracomm, sizes: Iterable[int], late: dict[str, Impl], first: list[Record],
                 on_record: Callable[[Record], None] | None = None, log: Callable[[str], None] = lambda line: None,
                 **settings) -> list[Record]:
@@ -368,27 +332,3 @@ def late_passes(comm: MPI.Intracomm, sizes: Iterable[int], late: dict[str, Impl]
                 f"time (median over sizes; range {drift[0]:.2f}-{drift[-1]:.2f}x)")
         out += [r for r in recs if r.impl in late]
     return out
-
-
-def best_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4 << 10, 1 << 20, 16 << 20, 64 << 20)
-                 ) -> str | None:
-    """The one-line verdict: the fastest of our algorithms (``auto``
-    included) at each size against ``baseline``'s time there, as the
-    baseline's time over ours (above 1: we are faster), at the sizes ``at``
-    that the table has, and how many sizes we win, e.g. "0.45x at 8, 0.52x
-    at 4K, 1.21x at 1M, 2.13x at 16M, 3.04x at 64M; faster at 12 of 24
-    sizes". None when the table has no such row."""
-    by_size: dict[int, dict[str, float]] = {}
-    for r in records:
-        by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
-    ratios = []
-    for size, times in sorted(by_size.items()):
-        ours = [t for k, t in times.items() if k in ALGORITHMS or k == "auto" or k.startswith("ring_pipelined/")]
-        if baseline in times and ours:
-            ratios.append((size, times[baseline] / min(ours)))
-    if not ratios:
-        return None
-    at = set(at)
-    shown = [(s, x) for s, x in ratios if s in at] or [ratios[0], ratios[-1]]
-    return (", ".join(f"{x:.2f}x at {format_bytes(s)}" for s, x in shown)
-            + f"; faster at {sum(x > 1 for _, x in ratios)} of {len(ratios)} sizes")

@@ -126,13 +126,18 @@ def _requested(argv: list[str]) -> Command | None:
     return getattr(args, "_command", None)
 
 
+def _parser_for(argv: list[str]) -> tuple[Command | None, argparse.ArgumentParser, dict]:
+    """The command ``argv`` names and :func:`build_parser`'s result for it."""
+    command = _requested(argv)
+    return (command, *build_parser(command))
+
+
 def parse_error(argv: list[str]) -> str | None:
     """The usage error ``hpcjobs ARGV`` would exit 2 with (argparse's
     checks: flags, types, choices), or None when it parses. For job scripts,
     to refuse a command line before a job is submitted or its ranks start;
     starts no MPI."""
-    command = _requested(argv)
-    parser, _ = build_parser(command)
+    _, parser, _ = _parser_for(argv)
     out = io.StringIO()
     try:
         with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
@@ -175,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
-    command = _requested(argv)
-    parser, groups = build_parser(command)
+    command, parser, groups = _parser_for(argv)
     args = parser.parse_args(argv)
     args.passthrough = passthrough
     if getattr(args, "_command", None) is None:

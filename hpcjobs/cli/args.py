@@ -138,8 +138,9 @@ def check_outputs(comm, outputs: list[tuple[str, str | None, bool]]) -> None:
     same usage error if one cannot. ``comm`` None: this process alone."""
     problem = None
     if comm is None or comm.Get_rank() == 0:
-        problem = next((why for flag, path, directory in outputs if path
-                        for why in [_output_problem(flag, path, directory)] if why), None)
+        for flag, path, directory in outputs:
+            if path and problem is None:
+                problem = _output_problem(flag, path, directory)
     if comm is not None:
         problem = comm.bcast(problem, root=0)
     if problem:

@@ -59,7 +59,7 @@ def _names(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
-    from ..bench import sweep
+    from ..bench import sweep, verdicts
     from ..bench.baselines import available, shutdown
     from ..bench.report import environment, header, preamble, row, write_csv, write_json, write_report
     from ..collectives import auto
@@ -121,7 +121,7 @@ def run(args) -> int:
                                              log=lambda line: print0(f"# {line}"), **settings)
             for label, impl in impls.items():
                 if impl.settled is not None:  # auto, with or without +check
-                    print0(f"# {label} kept: {sweep.kept_summary(records, label, args.dtype, args.op, comm)}")
+                    print0(f"# {label} kept: {verdicts.kept_summary(records, label, args.dtype, args.op, comm)}")
             _verdicts(records, impls)
             passes.append(records)
     finally:
@@ -153,14 +153,14 @@ def run(args) -> int:
 
 def _verdicts(records, impls: dict, over: str = "") -> None:
     """How auto did against the best of ours, and our best against each baseline."""
-    from ..bench import sweep
+    from ..bench import verdicts
     from ..comm import print0
 
-    line = sweep.auto_against_best(records) if "auto" in impls else None
+    line = verdicts.auto_against_best(records) if "auto" in impls else None
     if line:
         print0(f"# auto vs the best of ours{over}: {line}")
     for label in impls:
         if label in BASELINES or label.startswith("mpi/"):  # mpi/tuned:N: a forced Open MPI algorithm
-            line = sweep.best_against(records, label)
+            line = verdicts.best_against(records, label)
             if line:
                 print0(f"# our best vs {label}{over} (its time / ours; above 1 we are faster): {line}")

@@ -35,7 +35,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -134,7 +134,7 @@ class _Run:
     steps_per_epoch: int
     global_batch: int
     opt: DistributedOptimizer | None = None  # made by _start
-    history: list | None = None
+    history: list = field(default_factory=list)
     start_epoch: int = 0
     start_step: int = 0
     partial: dict | None = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
@@ -205,7 +205,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
     resuming from one (each rank gets back its own state), else rank 0's
     fresh model and optimizer; then the DistributedOptimizer around them."""
     cfg, comm = run.cfg, run.comm
-    run.history, mine = [], {}
+    mine = {}
     if cfg.resume:  # validate() made sure there is a checkpoint path
         run.start_epoch, run.start_step, run.history, rank_states = checkpoint.read(cfg, run.model, run.inner, comm)
         if rank_states is not None:

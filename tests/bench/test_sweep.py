@@ -146,19 +146,6 @@ def test_json_report_holds_records_and_environment(tmp_path_factory):
     assert data["records"][0]["impl"] == "ring" and data["records"][0]["size_bytes"] == 16
 
 
-def test_auto_is_compared_with_the_fastest_of_our_other_algorithms_per_size():
-    from hpcjobs.bench.sweep import auto_against_best
-
-    def rec(size, impl, t):
-        return Record(size, size // 4, "float32", "sum", impl, 2, 10, t, 0.0, 0.0, 0)
-
-    records = [rec(8, "ring", 14), rec(8, "recursive_doubling", 8), rec(8, "auto", 8.8), rec(8, "mpi", 4),
-               rec(32768, "ring", 30), rec(32768, "recursive_doubling", 20), rec(32768, "auto", 22.2),
-               rec(32768, "mpi", 1)]
-    assert auto_against_best(records) == "within 10% at 1 of 2 sizes; worst 1.11x at 32K (recursive_doubling)"
-    assert auto_against_best([r for r in records if r.impl != "ring"]) is None  # one of ours: nothing to pick from
-
-
 def test_median_records_take_each_rows_median_time_and_recompute_its_bandwidths():
     from hpcjobs.bench.sweep import median_records
 

@@ -1,0 +1,81 @@
+"""One-line verdicts on a sweep's records: what ``auto`` kept, how far it
+ran from the best of our algorithms, and how our best did against each
+baseline (``hpcjobs bench allreduce`` prints them after each pass)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..collectives import ALGORITHMS
+from ..collectives import auto as auto_
+from .sweep import Record, format_bytes
+
+__all__ = ["kept_summary", "auto_against_best", "best_against"]
+
+
+def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:
+    """What ``auto`` ran in its timed calls, per run of sizes, e.g.
+    "8-16K recursive_doubling, 32K-64M shm"."""
+    runs: list[list] = []  # [first size, last size, algorithm]
+    for r in records:
+        if r.impl == label:
+            name = auto_.kept(r.size_bytes, dtype, op, comm) or "?"
+            if runs and runs[-1][2] == name:
+                runs[-1][1] = r.size_bytes
+            else:
+                runs.append([r.size_bytes, r.size_bytes, name])
+    return ", ".join(f"{format_bytes(lo)}{'' if lo == hi else '-' + format_bytes(hi)} {name}"
+                     for lo, hi, name in runs)
+
+
+def _times_by_size(records: list[Record]) -> dict[int, dict[str, float]]:
+    """size -> label -> time (µs), sizes in ascending order."""
+    by_size: dict[int, dict[str, float]] = {}
+    for r in sorted(records, key=lambda r: r.size_bytes):
+        by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
+    return by_size
+
+
+def _algorithm_rows(times: dict[str, float]) -> dict[str, float]:
+    """The rows of our algorithms (a pipelined ring per segment size too; not
+    auto, not a +check row)."""
+    return {k: v for k, v in times.items() if k in ALGORITHMS or k.startswith("ring_pipelined/")}
+
+
+def auto_against_best(records: list[Record], within: float = 1.10) -> str | None:
+    """How far ``auto``'s time is from the fastest of our other algorithms
+    in the table, size by size, e.g. "within 10% at 23 of 24 sizes; worst
+    1.13x at 32K (recursive_doubling)". None without two of ours beside it."""
+    ratios = []
+    for size, times in _times_by_size(records).items():
+        ours = _algorithm_rows(times)
+        if "auto" in times and len(ours) >= 2:
+            best = min(ours, key=ours.get)
+            ratios.append((times["auto"] / ours[best], size, best))
+    if not ratios:
+        return None
+    ratio, size, best = max(ratios)
+    ok = sum(r <= within for r, _, _ in ratios)
+    return (f"within {round((within - 1) * 100)}% at {ok} of {len(ratios)} sizes; "
+            f"worst {ratio:.2f}x at {format_bytes(size)} ({best})")
+
+
+def best_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4 << 10, 1 << 20, 16 << 20, 64 << 20)
+                 ) -> str | None:
+    """The one-line verdict: the fastest of our algorithms (``auto``
+    included) at each size against ``baseline``'s time there, as the
+    baseline's time over ours (above 1: we are faster), at the sizes ``at``
+    that the table has, and how many sizes we win, e.g. "0.45x at 8, 0.52x
+    at 4K, 1.21x at 1M, 2.13x at 16M, 3.04x at 64M; faster at 12 of 24
+    sizes". None when the table has no such row."""
+    ratios = []
+    for size, times in _times_by_size(records).items():
+        ours = [*_algorithm_rows(times).values(), *([times["auto"]] if "auto" in times else [])]
+        if baseline in times and ours:
+            ratios.append((size, times[baseline] / min(ours)))
+    if not ratios:
+        return None
+    at = set(at)
+    shown = [(s, x) for s, x in ratios if s in at] or [ratios[0], ratios[-1]]
+    return (", ".join(f"{x:.2f}x at {format_bytes(s)}" for s, x in shown)
+            + f"; faster at {sum(x > 1 for _, x in ratios)} of {len(ratios)} sizes")

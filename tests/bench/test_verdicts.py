@@ -1,0 +1,29 @@
+"""The verdicts printed after a sweep, from records of known times."""
+
+from hpcjobs.bench.sweep import Record
+from hpcjobs.bench.verdicts import auto_against_best, best_against
+
+
+def rec(size, impl, t):
+    return Record(size, size // 4, "float32", "sum", impl, 2, 10, t, 0.0, 0.0, 0)
+
+
+def test_auto_is_compared_with_the_fastest_of_our_other_algorithms_per_size():
+    records = [rec(8, "ring", 14), rec(8, "recursive_doubling", 8), rec(8, "auto", 8.8), rec(8, "mpi", 4),
+               rec(32768, "ring", 30), rec(32768, "recursive_doubling", 20), rec(32768, "auto", 22.2),
+               rec(32768, "mpi", 1)]
+    assert auto_against_best(records) == "within 10% at 1 of 2 sizes; worst 1.11x at 32K (recursive_doubling)"
+    assert auto_against_best([r for r in records if r.impl != "ring"]) is None  # one of ours: nothing to pick from
+
+
+def test_our_best_is_compared_with_a_baseline_at_the_usual_sizes():
+    records = [rec(8, "ring", 14), rec(8, "auto", 8), rec(8, "mpi", 4), rec(8, "ring+check", 1),
+               rec(4096, "ring", 20), rec(4096, "mpi", 10),
+               rec(1 << 20, "ring", 100), rec(1 << 20, "ring_pipelined/64K", 80), rec(1 << 20, "mpi", 120),
+               rec(1 << 21, "shm", 50), rec(1 << 21, "mpi", 200)]
+    # auto counts as ours, a +check row does not; a size missing the baseline is left out
+    assert best_against(records, "mpi") == "0.50x at 8, 0.50x at 4K, 1.50x at 1M; faster at 2 of 4 sizes"
+    assert best_against(records, "gloo") is None
+    # no size of the usual ones: the first and the last
+    assert best_against([rec(16, "ring", 10), rec(16, "mpi", 5), rec(64, "ring", 10), rec(64, "mpi", 30)],
+                        "mpi") == "0.50x at 16, 3.00x at 64; faster at 1 of 2 sizes"
