@@ -154,6 +154,22 @@ def check_allreduce(out, inputs: list[np.ndarray], op: str, dtype: str, comm: MP
         assert (diff <= 2 * tolerance(inputs, op, dtype)).all()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` skip, saying why, where no GPU is visible."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    try:
+        import torch
+
+        reason = None if torch.cuda.is_available() else "no CUDA GPU is visible (scripts/gpu_check.sh runs these)"
+    except ImportError as e:
+        reason = f"torch is not importable: {e}"
+    if reason:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def split_comm():
     """COMM_WORLD split into even and odd ranks (sizes ceil(P/2), floor(P/2))."""

@@ -15,6 +15,14 @@ A *public collective* (``ring_allreduce(buf, ...)``) is :func:`run` around
 its step: validate the buffer and op, check that every rank agrees on the
 call (:mod:`~hpcjobs.collectives.agreement`), watch for stalls
 (:mod:`~hpcjobs.collectives.watchdog`), then run the step.
+
+A CUDA tensor becomes a :class:`~hpcjobs.collectives.device.DeviceFlat`
+instead, and every rank must pass one (the device type is part of the
+agreed signature). Steps that work on device memory themselves say so with
+a ``takes_device = True`` attribute (``cuda_ipc``, ``hierarchical``, the
+``auto`` step); any other step runs on host memory through the staged
+transport (:mod:`~hpcjobs.collectives.staged`): pipelined in chunks for an
+allreduce, which is elementwise, and whole for the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Callable
 from ..comm import private
 from ._buffers import as_flat, check_op
 from .agreement import agree_or_raise
+from .device import DeviceFlat, as_device_flat, is_device_buffer
 from .watchdog import guard
 
 __all__ = ["run", "prepare", "Algorithm"]
@@ -54,8 +63,21 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     with guard(name):
         flat, comm = prepare(buf, op, comm, name, options=checked)
         if comm.Get_size() > 1 and flat.count > 0:
-            step(flat, op, comm, **options)
+            if isinstance(flat, DeviceFlat) and not getattr(step, "takes_device", False):
+                _staged(flat, op, comm, name, step, options)
+            else:
+                step(flat, op, comm, **options)
     return buf
+
+
+def _staged(flat: DeviceFlat, op: str, comm, name: str, step: Callable, options: dict) -> None:
+    from . import staged
+
+    # Every allreduce's public name says so ("ring_allreduce", "allreduce_auto").
+    if "allreduce" in name:
+        staged.allreduce(flat, op, comm, functools.partial(step, **options) if options else step)
+    else:
+        staged.whole(flat, op, comm, step, **options)
 
 
 def prepare(buf, op: str, comm, name: str, **fields):
@@ -72,11 +94,13 @@ def prepare(buf, op: str, comm, name: str, **fields):
     flat, error = None, None
     try:
         check_op(op)
-        flat = as_flat(buf)
+        flat = as_device_flat(buf) if is_device_buffer(buf) else as_flat(buf)
     except (TypeError, ValueError) as e:
         error = e
     agree_or_raise(comm, name, {"algorithm": name, "count": flat.count if flat else None,
-                                "dtype": flat.dtype if flat else None, "op": op, **fields}, error)
+                                "dtype": flat.dtype if flat else None, "op": op,
+                                "device": (flat.device if isinstance(flat, DeviceFlat) else "cpu") if flat else None,
+                                **fields}, error)
     return flat, comm
 
 

@@ -52,9 +52,11 @@ from ..topology import detect_private
 from ._buffers import Flat, as_flat
 from ._frame import Algorithm
 from ._shared import is_single_node
+from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
 
-__all__ = ["DEFAULT_TABLE", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce", "candidates", "choose", "kept",
+__all__ = ["DEFAULT_TABLE", "DEVICE_SMALL_BYTES", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce",
+           "allreduce_device", "candidates", "choose", "device_candidates", "kept",
            "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "timed_rounds"]
 
 # Used when no tuning file exists: from `hpcjobs tune` at 2 ranks on the CI
@@ -189,6 +191,23 @@ def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = No
     return list(dict.fromkeys(_placed(n, nodes == 1) for n in [row["algorithm"], *names]))
 
 
+# Up to this size auto tries the staged transport before cuda_ipc on CUDA
+# tensors: on one H100 shared by 4 ranks staged took 0.42-0.71 ms up to
+# 512 KB against cuda_ipc's 1.07-1.55 ms, and they met at 2 MB
+# (docs/results/gpu.md). Where auto cannot time both (float sums over 3 or
+# more ranks) the first one is what it runs.
+DEVICE_SMALL_BYTES = 1 << 20
+
+
+def device_candidates(nbytes: int, dtype: str, one_node: bool) -> list[str]:
+    """The device transports ``auto`` runs on CUDA tensors, its first
+    choice first: names in :data:`hpcjobs.collectives.select.DEVICE_REGISTRY`."""
+    if dtype not in DEVICE_REDUCE_DTYPES:
+        return ["staged"]
+    direct = "cuda_ipc" if one_node else "hierarchical"
+    return ["staged", direct] if nbytes <= DEVICE_SMALL_BYTES else [direct, "staged"]
+
+
 def same_bits(dtype: str, op: str, ranks: int) -> bool:
     """Whether every algorithm gives bitwise the same result: min and max,
     integers (wrap-around sums and products do not depend on order), and any
@@ -212,9 +231,11 @@ class _Timing:
 
     __slots__ = ("names", "fns", "fn", "timed", "rounds", "left")
 
-    def __init__(self, names: list[str], registry: dict[str, Algorithm], nbytes: int):
+    def __init__(self, names: list[str], registry: dict[str, Algorithm], nbytes: int, device: bool = False):
         self.names = names
         self.fns = [registry[n].bound for n in names]
+        if device:
+            self.fns = [_waited(fn) for fn in self.fns]
         self.fn = self.fns[0]
         self.timed = timed_rounds(nbytes)
         self.rounds = Rounds(len(names), UNTIMED_TURNS, self.timed) if len(names) > 1 else None
@@ -263,6 +284,40 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     return timing
 
 
+def _waited(fn):
+    """``fn``, then wait for the device: a device transport returns before
+    its GPU work is done, and a timed call must include it. (Outside a
+    measurement the kept one runs unwaited.)"""
+
+    def call(flat, op, comm):
+        fn(flat, op, comm)
+        if flat.tensor.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(flat.tensor.device).synchronize()
+
+    call.unwaited = fn
+    return call
+
+
+def allreduce_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, registry: dict[str, Algorithm]) -> None:
+    """The step of ``algorithm="auto"`` on a CUDA tensor: the kept device
+    transport from ``registry`` (module docstring)."""
+    decisions = _decisions(comm)
+    key = (flat.nbytes, flat.dtype, op, "device")
+    timing = decisions.get(key)
+    if timing is None:
+        names = device_candidates(flat.nbytes, flat.dtype, is_single_node(comm))
+        if not same_bits(flat.dtype, op, comm.Get_size()):
+            names = names[:1]
+        timing = decisions[key] = _Timing(names, registry, flat.nbytes, device=True)
+    if timing.left:
+        timing.left -= 1
+        getattr(timing.fn, "unwaited", timing.fn)(flat, op, comm)
+    else:
+        timing.measure(flat, op, comm)
+
+
 def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algorithm]) -> None:
     """The step of ``algorithm="auto"``: the kept candidate (or the
     measurement's next one) from ``registry``, the algorithms by name."""
@@ -279,8 +334,8 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algo
         timing.measure(flat, op, comm)
 
 
-def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None) -> _Timing | None:
-    return _decisions(private(comm)).get((nbytes, dtype, op))
+def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None, device: bool = False) -> _Timing | None:
+    return _decisions(private(comm)).get((nbytes, dtype, op, "device") if device else (nbytes, dtype, op))
 
 
 def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
@@ -289,15 +344,17 @@ def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
     the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
     first call. The same on every rank, so ranks may loop on it, as
     ``hpcjobs bench`` does to time what ``auto`` settles on."""
-    flat = as_flat(buf)
-    timing = _decision(flat.data.nbytes, flat.dtype, op, comm)
+    device = is_device_buffer(buf)
+    flat = as_device_flat(buf) if device else as_flat(buf)
+    timing = _decision(flat.nbytes, flat.dtype, op, comm, device)
     return timing is not None and timing.left > 0
 
 
-def kept(nbytes: int, dtype: str, op: str = "sum", comm: MPI.Comm | None = None) -> str | None:
+def kept(nbytes: int, dtype: str, op: str = "sum", comm: MPI.Comm | None = None, device: bool = False) -> str | None:
     """The algorithm ``auto`` runs now for ``nbytes`` of ``dtype`` (its name,
     e.g. "float32" or "bfloat16") and ``op`` on ``comm``: the table's choice
     until its contenders are timed, then the fastest. None before its first
-    call there."""
-    timing = _decision(nbytes, dtype, op, comm)
+    call there. ``device``: what it runs on CUDA tensors (a device
+    transport's name)."""
+    timing = _decision(nbytes, dtype, op, comm, device)
     return None if timing is None else timing.names[timing.fns.index(timing.fn)]

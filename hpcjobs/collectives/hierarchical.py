@@ -26,6 +26,13 @@ slow links carry 1/L of what a flat ring would put on them. Model
 (``costs.COSTS["hierarchical"]``, each level with its own α, β in reality):
 2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ.
 
+On CUDA tensors with ``intra="cuda_ipc"`` (what ``auto`` runs across nodes)
+the node stages are :mod:`~hpcjobs.collectives.cuda_ipc`'s reduce-scatter and
+allgather on the GPUs, and the network stage is the staged transport
+(:mod:`~hpcjobs.collectives.staged`) of each rank's shard: Horovod's
+NCCL+MPI hierarchical allreduce, without NCCL. With another ``intra`` a
+CUDA tensor is staged through host memory whole-algorithm.
+
 Step: :func:`allreduce`.
 """
 
@@ -35,8 +42,11 @@ from mpi4py import MPI
 
 from ..comm import private
 from ..topology import Topology, detect_private
-from . import ring, shm, tree
+import functools
+
+from . import cuda_ipc, ring, shm, staged, tree
 from ._buffers import Flat, chunk_bounds, finish_avg
+from .device import DeviceFlat, divide
 from ._frame import run
 from .messages import message_passing
 from .names import INTRA
@@ -47,6 +57,11 @@ __all__ = ["hierarchical_allreduce", "allreduce"]
 def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | None = None,
               inter: str = "ring", intra: str = "ring", ranks_per_node: int | None = None) -> None:
     """The two-level step (module docstring)."""
+    if isinstance(flat, DeviceFlat):
+        _on_device(flat, op, comm, topology, inter, intra, ranks_per_node)
+        return
+    if intra == "cuda_ipc":
+        raise ValueError("intra='cuda_ipc' reduces CUDA tensors; this buffer is in host memory (use ring or shm)")
     topo = topology or detect_private(comm, ranks_per_node)
     inter_step = message_passing(inter, "inter").bound
     node, cross = topo.node_comm, topo.cross_comm
@@ -75,6 +90,39 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
         _through_leaders(flat.slice(main, flat.count), op, topo, inter_step, size)
 
 
+def _on_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, topology, inter: str, intra: str,
+               ranks_per_node) -> None:
+    """The two levels on a CUDA tensor (module docstring)."""
+    host = functools.partial(allreduce, topology=topology, inter=inter, intra="ring" if intra == "cuda_ipc" else intra,
+                             ranks_per_node=ranks_per_node)
+    topo = topology or detect_private(comm, ranks_per_node)
+    L = topo.local_size
+    if intra != "cuda_ipc" or not topo.uniform or L == 1:
+        staged.allreduce(flat, op, comm, host)
+        return
+    if topo.num_nodes == 1:
+        cuda_ipc.allreduce(flat, op, topo.node_comm)
+        return
+    inter_step = message_passing(inter, "inter").bound
+    stage = "sum" if op == "avg" else op
+    per = max(L, cuda_ipc.CAPACITY // flat.itemsize // L * L)  # a piece cuda_ipc takes whole
+    main = flat.count // L * L
+    for lo in range(0, main, per):
+        m = flat.slice(lo, min(lo + per, main))
+        cuda_ipc.reduce_scatter(m, stage, topo.node_comm)
+        b = chunk_bounds(m.count, L)
+        shard = m.slice(b[topo.local_rank], b[topo.local_rank + 1])
+        staged.allreduce(shard, stage, topo.cross_comm, inter_step)
+        if op == "avg":
+            divide(shard.tensor, flat.dtype, comm.Get_size())
+        cuda_ipc.allgather(m, topo.node_comm)
+    if main < flat.count:
+        staged.allreduce(flat.slice(main, flat.count), op, comm, host)
+
+
+allreduce.takes_device = True
+
+
 def _through_leaders(flat: Flat, op: str, topo: Topology, inter_step, size: int) -> None:
     """Binomial reduce to local rank 0, allreduce among the local-rank-0
     ranks, binomial broadcast inside the node: the uneven-node fallback, and
@@ -95,15 +143,16 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
     (module docstring).
 
     Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; same
-            count and dtype on every rank.
+        buf: numpy array, torch CPU tensor or CUDA tensor, contiguous and
+            writable; same count and dtype on every rank.
         op: "sum", "avg", "min", "max" or "prod".
         comm: intracommunicator; None for COMM_WORLD.
         topology: a :class:`hpcjobs.topology.Topology` from
             ``detect(comm)``; None detects (and caches) it.
         inter: the message-passing algorithm across nodes ("ring",
             "recursive_doubling", ...).
-        intra: "ring" or "shm" (MPI-3 shared memory) inside a node.
+        intra: "ring" or "shm" (MPI-3 shared memory) inside a node, or
+            "cuda_ipc" for CUDA tensors (the GPUs read each other's memory).
         ranks_per_node: simulate nodes of this many consecutive ranks
             (ignored when ``topology`` is given).
 

@@ -5,20 +5,27 @@
 (:mod:`~hpcjobs.collectives.messages`), the shared-memory one and the
 two-level one. ``algorithm="auto"`` chooses among them
 (:mod:`~hpcjobs.collectives.auto`).
+
+On CUDA tensors every one of them runs through the staged transport
+(:mod:`~hpcjobs.collectives.staged`: pinned host chunks, the host algorithm
+per chunk), and :data:`DEVICE_REGISTRY` adds the device transports by name
+(:data:`~hpcjobs.collectives.names.DEVICE_ALGORITHMS`): ``cuda_ipc`` on one
+node (:mod:`~hpcjobs.collectives.cuda_ipc`; where a rank cannot open its
+peers' IPC handles every rank falls back to staged together). ``auto``
+chooses between them by measuring, as it does among the host algorithms.
 """
 
 from __future__ import annotations
 
-import functools
-
 from mpi4py import MPI
 
-from . import auto, hierarchical, shm
+from . import auto, cuda_ipc, hierarchical, shm, staged
 from ._frame import Algorithm, run
+from .device import DeviceFlat
 from .messages import MESSAGE_PASSING
-from .names import ALGORITHMS
+from .names import ALGORITHMS, DEVICE_ALGORITHMS
 
-__all__ = ["REGISTRY", "AUTO", "allreduce", "lookup"]
+__all__ = ["REGISTRY", "DEVICE_REGISTRY", "AUTO", "allreduce", "lookup", "cuda_ipc_allreduce"]
 
 REGISTRY: dict[str, Algorithm] = {
     **MESSAGE_PASSING,
@@ -31,6 +38,36 @@ REGISTRY: dict[str, Algorithm] = {
 AUTO = "allreduce_auto"
 
 
+def _host_auto(flat, op: str, comm) -> None:
+    auto.allreduce(flat, op, comm, REGISTRY)
+
+
+def _staged_auto(dflat: DeviceFlat, op: str, comm) -> None:
+    """The staged transport with ``auto`` choosing the host algorithm per chunk."""
+    staged.allreduce(dflat, op, comm, _host_auto)
+
+
+def _cuda_ipc(dflat: DeviceFlat, op: str, comm) -> None:
+    """cuda_ipc, or on every rank together the staged transport where some
+    rank cannot open its peers' IPC handles (the first call says why)."""
+    try:
+        cuda_ipc.allreduce(dflat, op, comm)
+    except cuda_ipc.IpcUnavailable as e:
+        warn_once(f"cuda_ipc is unavailable here, so the staged transport runs instead: {e}")
+        _staged_auto(dflat, op, comm)
+
+
+_cuda_ipc.takes_device = True
+_staged_auto.takes_device = True
+# The device transports by name (auto's device candidates among them).
+DEVICE_REGISTRY: dict[str, Algorithm] = {
+    "cuda_ipc": Algorithm("cuda_ipc", "cuda_ipc_allreduce", _cuda_ipc),
+    "staged": Algorithm("staged", AUTO, _staged_auto),
+    "hierarchical": Algorithm("hierarchical", "hierarchical_allreduce", hierarchical.allreduce,
+                              {"inter": "ring", "intra": "cuda_ipc"}),
+}
+
+
 def lookup(name: str) -> Algorithm:
     """The algorithm ``name`` (one of :data:`ALGORITHMS`).
 
@@ -38,19 +75,23 @@ def lookup(name: str) -> Algorithm:
         ValueError: an unknown name.
     """
     try:
-        return REGISTRY[name]
+        return REGISTRY[name] if name not in DEVICE_ALGORITHMS else DEVICE_REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(['auto', *ALGORITHMS])}") from None
+        raise ValueError(f"unknown algorithm {name!r}; choose one of "
+                         f"{', '.join(['auto', *ALGORITHMS, *DEVICE_ALGORITHMS])}") from None
 
 
 def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | None = None):
     """Allreduce ``buf`` in place with the named algorithm.
 
     Args:
-        buf: numpy array or torch CPU tensor, contiguous and writable; the
-            same count and dtype on every rank.
+        buf: numpy array, torch CPU tensor or CUDA tensor (on this rank's
+            current device), contiguous and writable; the same count, dtype
+            and device type on every rank.
         op: "sum", "avg", "min", "max" or "prod".
-        algorithm: one of :data:`ALGORITHMS`, or "auto" (tuning table).
+        algorithm: one of :data:`ALGORITHMS`, "cuda_ipc" (CUDA tensors, one
+            node), or "auto" (tuning table on host memory; measured between
+            the device transports on CUDA tensors).
         comm: intracommunicator; None for COMM_WORLD.
 
     Returns:
@@ -65,4 +106,34 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
     return lookup(algorithm).run(buf, op, comm)
 
 
-_auto = functools.partial(auto.allreduce, registry=REGISTRY)
+def _auto(flat, op: str, comm) -> None:
+    if isinstance(flat, DeviceFlat):
+        auto.allreduce_device(flat, op, comm, DEVICE_REGISTRY)
+    else:
+        auto.allreduce(flat, op, comm, REGISTRY)
+
+
+_auto.takes_device = True
+
+
+def cuda_ipc_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
+    """Allreduce the CUDA tensor ``buf`` in place over CUDA IPC, every rank
+    of ``comm`` on one node (:mod:`hpcjobs.collectives.cuda_ipc`); the
+    staged transport on every rank where IPC is unavailable.
+
+    Raises:
+        ValueError: a host buffer, ranks on several nodes, or a bad buffer
+            (TypeError: a dtype torch cannot reduce on CUDA, e.g. uint32).
+    """
+    return DEVICE_REGISTRY["cuda_ipc"].run(buf, op, comm)
+
+
+_warned: set = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
