@@ -23,6 +23,11 @@ their GPU instead: the input is uploaded before each call and the result
 read back after the last, both untimed, so their rows time the collective
 alone, as training on GPUs would see it.
 
+With ``device="cuda"`` the size's buffer lives on this rank's GPU and every
+row reduces that one CUDA tensor (:mod:`hpcjobs.bench.device`): the input
+is uploaded before each call and read back after a row's last, untimed,
+and each timed call waits for the device.
+
 Bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = bytes / time and
 busbw = algbw · 2(P-1)/P, the per-link rate a ring would need, comparable
 across P.
@@ -38,11 +43,11 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, allreduce, ring_allreduce, symmetric_empty, symmetric_free
+from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, allreduce, ring_allreduce, symmetric_empty, symmetric_free
 from ..collectives import auto as auto_
 from ..collectives._buffers import OP_TABLE, as_flat, finish_avg
 from ..collectives.agreement import set_checks
-from .baselines import ADAPTERS, LATE_BASELINES, mpi_label
+from .baselines import ADAPTERS, LATE_BASELINES, DeviceStage, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 from .names import BASELINES, BUFFERS
 
@@ -126,13 +131,18 @@ class Impl:
         return self.fn(buf, op, comm)
 
 
-def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> dict[str, Impl]:
+def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), device: str = "cpu"
+                    ) -> dict[str, Impl]:
     """Map table labels to ``fn(buf, op, comm)`` for the requested names.
 
-    Names are our algorithms (:data:`hpcjobs.collectives.ALGORITHMS`), "auto"
-    and the baselines. ``ring_pipelined`` appears once per segment size; with
-    several sizes the label carries the size, e.g. ``ring_pipelined/64K``.
+    Names are our algorithms (:data:`hpcjobs.collectives.ALGORITHMS`; on
+    ``device="cuda"`` also :data:`~hpcjobs.collectives.DEVICE_ALGORITHMS`),
+    "auto" and the baselines (on a device, their device adapters:
+    :mod:`hpcjobs.bench.device`). ``ring_pipelined`` appears once per
+    segment size; with several sizes the label carries the size, e.g.
+    ``ring_pipelined/64K``.
     """
+    ours = (*ALGORITHMS, *DEVICE_ALGORITHMS) if device != "cpu" else ALGORITHMS
     segment_sizes = list(segment_sizes)
     impls: dict[str, Callable] = {}
     for name in names:
@@ -140,10 +150,16 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = ()) -> 
             for seg in segment_sizes:
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
-        elif (algorithm := name.removesuffix(CHECKED)) in ALGORITHMS or algorithm == "auto":
+        elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
             fn = _ours_checked if name.endswith(CHECKED) else _ours
             impls[name] = Impl(functools.partial(fn, algorithm=algorithm),
                                settled=auto_.settled if algorithm == "auto" else None)
+        elif name in BASELINES and device != "cpu":
+            from .device import DEVICE_ADAPTERS
+
+            if name not in DEVICE_ADAPTERS:
+                raise ValueError(f"baseline {name!r} has no device-buffer adapter")
+            impls[mpi_label() if name == "mpi" else name] = Impl(*DEVICE_ADAPTERS[name])
         elif name in BASELINES:
             impls[mpi_label() if name == "mpi" else name] = Impl(*ADAPTERS[name], late=name in LATE_BASELINES)
         else:
@@ -222,7 +238,8 @@ def _make_buffer(count: int, dtype: str, framework: str, buffers: str = "private
 
 def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], dtype: str = "float32",
         op: str = "sum", iters: int | None = None, warmup: int = 3, framework: str = "numpy",
-        on_record: Callable[[Record], None] | None = None, buffers: str = "private") -> list[Record]:
+        on_record: Callable[[Record], None] | None = None, buffers: str = "private", device: str = "cpu"
+        ) -> list[Record]:
     """Measure every implementation at every size; return one Record each.
 
     Args:
@@ -237,6 +254,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         buffers: "private" (ordinary arrays) or "symmetric" (every size's
             buffer from :func:`hpcjobs.collectives.symmetric_empty`, freed
             after it: needs one node).
+        device: "cpu", or a CUDA device ("cuda:0") holding every row's
+            buffer (module docstring).
     """
     if buffers not in BUFFERS:
         raise ValueError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
@@ -253,8 +272,15 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         want = expected_output(count, dtype, op, size)
         n_iters = iters or auto_iters(count * itemsize)
         chosen = {label: fn for label, fn in impls.items() if not isinstance(fn, Impl) or fn.supports(dtype)}
-        stages = {label: fn.stage(buf, comm) for label, fn in chosen.items()
-                  if isinstance(fn, Impl) and fn.stage is not None}
+        if device != "cpu":  # one device copy for every row, each call waited for
+            from .device import waited
+
+            on_device = DeviceStage(buf, device)
+            stages = dict.fromkeys(chosen, on_device)
+            chosen = {label: waited(fn) for label, fn in chosen.items()}
+        else:
+            stages = {label: fn.stage(buf, comm) for label, fn in chosen.items()
+                      if isinstance(fn, Impl) and fn.stage is not None}
         runs = {label: functools.partial(fn, stages[label].buf if label in stages else buf, op, comm)
                 for label, fn in chosen.items()}
 
@@ -268,8 +294,11 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 stages[label].download()
             return int(np.count_nonzero(flat.data != want))
 
-        for label, fn in chosen.items():  # auto's measuring calls, untimed
-            while isinstance(fn, Impl) and fn.settled is not None and not fn.settled(buf, op, comm):
+        for label, fn in impls.items():  # auto's measuring calls, untimed
+            if label not in runs:
+                continue
+            target = stages[label].buf if label in stages else buf
+            while isinstance(fn, Impl) and fn.settled is not None and not fn.settled(target, op, comm):
                 reset(label)
                 runs[label]()
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)

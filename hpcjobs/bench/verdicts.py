@@ -6,20 +6,21 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from ..collectives import ALGORITHMS
+from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS
 from ..collectives import auto as auto_
 from .sweep import Record, format_bytes
 
 __all__ = ["kept_summary", "auto_against_best", "best_against"]
 
 
-def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm) -> str:
+def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm, device: bool = False) -> str:
     """What ``auto`` ran in its timed calls, per run of sizes, e.g.
-    "8-16K recursive_doubling, 32K-64M shm"."""
+    "8-16K recursive_doubling, 32K-64M shm" (``device``: on CUDA tensors,
+    "8-32K staged, 64K-256M cuda_ipc")."""
     runs: list[list] = []  # [first size, last size, algorithm]
     for r in records:
         if r.impl == label:
-            name = auto_.kept(r.size_bytes, dtype, op, comm) or "?"
+            name = auto_.kept(r.size_bytes, dtype, op, comm, device) or "?"
             if runs and runs[-1][2] == name:
                 runs[-1][1] = r.size_bytes
             else:
@@ -39,7 +40,8 @@ def _times_by_size(records: list[Record]) -> dict[int, dict[str, float]]:
 def _algorithm_rows(times: dict[str, float]) -> dict[str, float]:
     """The rows of our algorithms (a pipelined ring per segment size too; not
     auto, not a +check row)."""
-    return {k: v for k, v in times.items() if k in ALGORITHMS or k.startswith("ring_pipelined/")}
+    return {k: v for k, v in times.items()
+            if k in ALGORITHMS or k in DEVICE_ALGORITHMS or k.startswith("ring_pipelined/")}
 
 
 def auto_against_best(records: list[Record], within: float = 1.10) -> str | None:

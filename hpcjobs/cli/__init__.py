@@ -57,6 +57,8 @@ COMMANDS = (
     Command("topology", "topology", "print which ranks share a node, as the hierarchical collectives see it"),
     Command("bench allreduce", "bench_allreduce",
             "time every allreduce implementation over a size sweep (nccl-tests table)"),
+    Command("bench staging", "bench_staging",
+            "GPU: the staged transport's pipeline against its parts (copies + host allreduce), per chunk size"),
     Command("bench train", "bench_train",
             "training throughput: our DistributedOptimizer vs Horovod and torch DDP, one run"),
     Command("bench compression", "bench_compression",

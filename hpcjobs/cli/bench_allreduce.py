@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..bench.names import BASELINES, BUFFERS
-from ..collectives import ALGORITHMS, DTYPES, OPS
+from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, DTYPES, OPS
 from .args import (UsageError, add_sweep_arguments, apply_placement, check_outputs, comma_list, nonnegative_int,
                    parse_bytes, positive_int, sweep_sizes, usage)
 
@@ -17,6 +17,7 @@ def configure(p) -> None:
     add_sweep_arguments(p)
     p.add_argument("--impl", default="ring,ring_pipelined",
                    help=f"comma-separated algorithms of ours, or 'all' (from: {', '.join((*ALGORITHMS, 'auto'))}; "
+                        f"with --device cuda also {', '.join(DEVICE_ALGORITHMS)}; "
                         "add +check, e.g. ring+check, for the same with the cross-rank agreement check, "
                         "which is otherwise off here; default %(default)s)")
     p.add_argument("--baselines", default="mpi",
@@ -32,6 +33,11 @@ def configure(p) -> None:
                    help="private: ordinary arrays (default); symmetric: every size's buffer in shared memory "
                         "(symmetric_empty, one node), where shm reduces straight out of the peers' buffers "
                         "instead of staging; every row runs on that same buffer")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where every row's buffer lives: cpu (default), or this rank's GPU (local rank modulo "
+                        "the GPUs it sees), where ours run through cuda_ipc / staged / auto and the baselines "
+                        "are nccl, gloo on CUDA tensors and mpi (device memory if CUDA-aware, else a host copy "
+                        "in the timed call); each timed call waits for the device")
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--passes", type=positive_int, default=1,
                    help="run the whole sweep this many times, auto measuring afresh in each, then print each "
@@ -48,7 +54,8 @@ def configure(p) -> None:
 
 def _names(args) -> tuple[list[str], list[str]]:
     """(our implementations, baselines) from --impl and --baselines."""
-    names = [*ALGORITHMS, "auto"] if args.impl == "all" else comma_list(args.impl)
+    ours = [*ALGORITHMS, *DEVICE_ALGORITHMS] if args.device == "cuda" else list(ALGORITHMS)
+    names = [*ours, "auto"] if args.impl == "all" else comma_list(args.impl)
     base = {"all": list(BASELINES), "none": []}.get(args.baselines, comma_list(args.baselines))
     unknown = [n for n in base if n not in BASELINES]
     if unknown:
@@ -75,17 +82,35 @@ def run(args) -> int:
         segs = [parse_bytes(s) for s in comma_list(args.segment_bytes)] if args.segment_bytes else []
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"--segment-bytes: {e}") from None
+    device = "cpu"
+    if args.device == "cuda":
+        from ..bench.device import no_gpu_reason
+
+        reason = no_gpu_reason()
+        if reason:
+            raise UsageError(f"--device cuda: {reason}")
+        if args.buffers == "symmetric":
+            raise UsageError("--buffers symmetric is host shared memory; with --device cuda every row reduces a "
+                             "CUDA tensor (cuda_ipc opens the peers' buffers itself)")
     with usage():
-        impls = sweep.implementations(names, segs)
+        impls = sweep.implementations(names, segs, device=args.device)
     comm = private()
+    if args.device == "cuda":
+        from ..bench.device import gpu_for_rank
+
+        device = gpu_for_rank(comm)
     if args.buffers == "symmetric" and not is_single_node(comm):
         raise UsageError("--buffers symmetric needs every rank on one node (symmetric buffers are shared memory)")
     check_outputs(comm, [("--json", args.json, False), ("--csv", args.csv, False), ("--out", args.out, True)])
     skipped = {}
     for name in base:
         reason = available(name, comm)
+        if reason is None and device != "cpu":
+            from ..bench.device import device_unavailable
+
+            reason = device_unavailable(name)
         if reason is None:
-            impls.update(sweep.implementations([name]))
+            impls.update(sweep.implementations([name], device=args.device))
         elif name == "horovod" and os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
             raise RuntimeError(f"HPCJOBS_REQUIRE_HOROVOD=1 but horovod cannot run: {reason}")
         else:
@@ -93,8 +118,11 @@ def run(args) -> int:
     env = environment(comm)
     topo = detect_private(comm)  # what the hierarchical and auto rows see
     env["nodes"] = f"{topo.num_nodes} ({topo.source}; ranks per node {','.join(map(str, topo.local_sizes))})"
+    where = f"{args.framework} buffers ({args.buffers})" if device == "cpu" else f"CUDA tensors ({device})"
+    if device != "cpu":
+        env.update(_device_env(comm, device))
     for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
-                              f"{args.framework} buffers ({args.buffers}); time = max over ranks of each rank's median"):
+                              f"{where}; time = max over ranks of each rank's median"):
         print0(line)
     for name, reason in skipped.items():
         print0(f"# {name}: skipped: {reason}")
@@ -103,7 +131,7 @@ def run(args) -> int:
             print0(f"# {label}: has no {args.dtype} allreduce; its rows are left out")
     print0(header())
     settings = dict(dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup, framework=args.framework,
-                    buffers=args.buffers)
+                    buffers=args.buffers, device=device)
     first = {label: impl for label, impl in impls.items() if not impl.late}
     late = {label: impl for label, impl in impls.items() if impl.late}
     passes = []
@@ -121,7 +149,8 @@ def run(args) -> int:
                                              log=lambda line: print0(f"# {line}"), **settings)
             for label, impl in impls.items():
                 if impl.settled is not None:  # auto, with or without +check
-                    print0(f"# {label} kept: {verdicts.kept_summary(records, label, args.dtype, args.op, comm)}")
+                    summary = verdicts.kept_summary(records, label, args.dtype, args.op, comm, device != "cpu")
+                    print0(f"# {label} kept: {summary}")
             _verdicts(records, impls)
             passes.append(records)
     finally:
@@ -149,6 +178,24 @@ def run(args) -> int:
             paths = write_report(args.out, records, env, title, command)
             print0(f"# report written to {paths[0]}")
     return 1 if wrong else 0
+
+
+def _device_env(comm, device: str) -> dict:
+    """What the device rows ran on: the GPU, how many ranks share it, the
+    transports' settings."""
+    import torch
+
+    from ..bench.device import cuda_aware_mpi
+    from ..collectives import cuda_ipc, staged
+    from ..topology import detect_private
+
+    local = detect_private(comm).local_size
+    gpus = torch.cuda.device_count()
+    return {"gpu": f"{torch.cuda.get_device_name(device)}; {gpus} visible, {local} ranks per node"
+                   + (f" ({local // gpus if gpus else local} per GPU)" if local > gpus else ""),
+            "cuda-aware MPI": {True: "yes", False: "no", None: "unknown"}[cuda_aware_mpi()],
+            "transports": f"cuda_ipc fence {cuda_ipc.sync_mode()}, staged chunks {staged.CHUNK_BYTES >> 10} KiB x "
+                          f"{staged.SLOTS} pinned"}
 
 
 def _verdicts(records, impls: dict, over: str = "") -> None:

@@ -16,7 +16,38 @@ def run(args) -> int:
     comm = MPI.COMM_WORLD
     for line in preamble(environment(comm), "hpcjobs info"):
         print0(line)
+    for line in _gpu_lines():
+        print0(line)
     lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}", root=0)
     if args.all_ranks and comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)
     return 0
+
+
+def _gpu_lines() -> list[str]:
+    """The GPUs torch sees, whether MPI reads device memory, and what the
+    GPU transports will hold per communicator (docs/algorithms.md, "GPUs")."""
+    import sys
+
+    from ..bench.device import cuda_aware_mpi, no_gpu_reason
+    from ..collectives import cuda_ipc, staged
+
+    aware = {True: "yes", False: "no", None: "unknown (no MPIX_Query_cuda_support)"}[cuda_aware_mpi()]
+    reason = no_gpu_reason() if "torch" in sys.modules or _torch_importable() else "torch is not installed"
+    if reason:
+        return [f"#   gpus: none ({reason})", f"#   cuda-aware MPI: {aware}"]
+    import torch
+
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    return [f"#   gpus: {torch.cuda.device_count()} ({names})",
+            f"#   cuda-aware MPI: {aware}",
+            f"#   GPU transport memory per communicator and rank: staged {staged.SLOTS} x "
+            f"{staged.CHUNK_BYTES >> 20} MiB pinned host; cuda_ipc 2 device buffers, the largest message "
+            f"rounded up to a power of two, at most 2 x {cuda_ipc.CAPACITY >> 20} MiB; "
+            f"cuda_ipc fence: {cuda_ipc.sync_mode()}"]
+
+
+def _torch_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None

