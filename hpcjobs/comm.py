@@ -50,7 +50,10 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
         TypeError: ``comm`` is not an MPI intracommunicator.
         ValueError: ``comm`` is MPI.COMM_NULL.
     """
-    if comm is None:
+    global _world_dup
+    if comm is None or comm is MPI.COMM_WORLD:  # the usual call, which cannot be freed: no lookup
+        if _world_dup is not None:
+            return _world_dup
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py communicator, got {type(comm).__name__}")
@@ -66,7 +69,12 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
             from .collectives import watchdog
 
             watchdog.attach(comm.Dup())
+    if comm is MPI.COMM_WORLD:
+        _world_dup = dup
     return dup
+
+
+_world_dup = None
 
 
 def world() -> MPI.Intracomm:

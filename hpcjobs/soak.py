@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .collectives import ALGORITHMS, OPS, allreduce
+from .collectives.names import SHARED_MEMORY
 from .collectives._buffers import OP_TABLE, finish_avg
 from .topology import detect_private
 
@@ -123,7 +124,7 @@ class SoakResult:
 
 def algorithms(comm: MPI.Intracomm) -> list[str]:
     """Every algorithm soaked on ``comm``: all of ours and auto, shm only on one node."""
-    return [a for a in (*ALGORITHMS, "auto") if a != "shm" or detect_private(comm).num_nodes == 1]
+    return [a for a in (*ALGORITHMS, "auto") if a not in SHARED_MEMORY or detect_private(comm).num_nodes == 1]
 
 
 def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed: int = 0,

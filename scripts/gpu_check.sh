@@ -83,7 +83,7 @@ bench() {  # bench <ranks>
     local n=$1
     timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce --device cuda \
         --impl cuda_ipc,ring,rabenseifner,recursive_doubling,auto --baselines mpi,gloo,nccl \
-        --min 8 --max "$MAX" --factor 4 --json "$OUT/bench-np$n.json" >"$OUT/bench-np$n.txt" 2>&1
+        --min 4 --max "$MAX" --factor 4 --json "$OUT/bench-np$n.json" >"$OUT/bench-np$n.txt" 2>&1
     local rc=$?
     say "bench --device cuda at $n ranks: rc $rc ($OUT/bench-np$n.txt)"
     grep -a '^# \(auto\|our best\|cuda\|Out of\)' "$OUT/bench-np$n.txt" | tee -a "$OUT/summary.txt" >&2

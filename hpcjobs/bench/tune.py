@@ -21,6 +21,7 @@ from typing import Callable
 from mpi4py import MPI
 
 from ..collectives import ALGORITHMS
+from ..collectives.names import SHARED_MEMORY
 from .sweep import Record, implementations, median_records, run
 
 __all__ = ["WrongResults", "applicable", "best_rows", "merge", "tune", "write"]
@@ -122,8 +123,8 @@ def applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
     node."""
     names, left_out = [], []
     for name in ALGORITHMS:
-        if name == "shm" and not shared_memory:
-            left_out.append("shm: the ranks do not share one node's memory")
+        if name in SHARED_MEMORY and not shared_memory:
+            left_out.append(f"{name}: the ranks do not share one node's memory")
         elif name == "hierarchical" and nodes == 1:
             left_out.append("hierarchical: on one node it is its intra-node stage, the ring")
         else:

@@ -12,5 +12,6 @@ __all__, __getattr__, __dir__ = exports(__name__, {
     "tree_allreduce": "tree", "parameter_server_allreduce": "parameter_server",
     "hierarchical_allreduce": "hierarchical",
     "shm_allreduce": "shm", "shm_reduce_scatter": "shm", "shm_allgather": "shm",
+    "oneshot_allreduce": "oneshot",
     "symmetric_empty": "symmetric", "symmetric_free": "symmetric",
 })

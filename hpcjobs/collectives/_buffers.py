@@ -69,7 +69,7 @@ def numpy_dtype(dtype) -> np.dtype | None:
     return np_dtype if np_dtype in _BY_DTYPE else None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 2x, on every call
 class Flat:
     """A user buffer seen as flat arrays sharing its memory.
 
@@ -121,7 +121,7 @@ def as_flat(buf) -> Flat:
         if not flags.writeable:
             raise ValueError("buffer is read-only: collectives work in place and need a writable array")
         if flags.c_contiguous:
-            data = arr.reshape(-1)
+            data = arr if arr.ndim == 1 else arr.reshape(-1)
         elif flags.f_contiguous:
             data = arr.ravel(order="K")
         else:

@@ -31,9 +31,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from ..comm import private
-from ._buffers import as_flat, check_op
-from .agreement import agree_or_raise
+from ._buffers import OP_TABLE, Flat, as_flat, check_op
+from .agreement import agree_or_raise, checks_enabled
 from .device import DeviceFlat, as_device_flat, is_device_buffer
 from .watchdog import guard
 
@@ -58,15 +60,20 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     Returns:
         ``buf``, reduced in place.
     """
-    checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
-    checked = repr(checked) if checked else ""
+    checked = ""
+    if options and checks_enabled():
+        checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
+        checked = repr(checked) if checked else ""
     with guard(name):
         flat, comm = prepare(buf, op, comm, name, options=checked)
-        if comm.Get_size() > 1 and flat.count > 0:
-            if isinstance(flat, DeviceFlat) and not getattr(step, "takes_device", False):
-                _staged(flat, op, comm, name, step, options)
-            else:
+        if type(flat) is Flat:
+            if flat.data.size and comm.Get_size() > 1:
                 step(flat, op, comm, **options)
+        elif flat.count and comm.Get_size() > 1:
+            if getattr(step, "takes_device", False):
+                step(flat, op, comm, **options)
+            else:
+                _staged(flat, op, comm, name, step, options)
     return buf
 
 
@@ -93,10 +100,13 @@ def prepare(buf, op: str, comm, name: str, **fields):
     comm = private(comm)
     flat, error = None, None
     try:
-        check_op(op)
-        flat = as_device_flat(buf) if is_device_buffer(buf) else as_flat(buf)
+        if op not in OP_TABLE:
+            check_op(op)
+        flat = as_flat(buf) if type(buf) is np.ndarray or not is_device_buffer(buf) else as_device_flat(buf)
     except (TypeError, ValueError) as e:
         error = e
+    if error is None and (not checks_enabled() or comm.Get_size() == 1):
+        return flat, comm  # nothing to agree on (the fast path of every call with checks off)
     agree_or_raise(comm, name, {"algorithm": name, "count": flat.count if flat else None,
                                 "dtype": flat.dtype if flat else None, "op": op,
                                 "device": (flat.device if isinstance(flat, DeviceFlat) else "cpu") if flat else None,

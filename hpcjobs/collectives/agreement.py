@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..comm import signature
+from ._shared import is_single_node
 
 __all__ = ["MismatchError", "checks_enabled", "set_checks", "checking", "agree_or_raise"]
 
@@ -98,14 +99,18 @@ def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseExce
         if error is not None:
             raise error
         return
-    names = list(fields)
     local = _encode(tuple(fields.items()), error is not None)
-    out = np.empty_like(local)
-    comm.Allreduce(local, out, op=MPI.MIN)
-    n = len(names)
-    lo, hi, failed = out[:n], -out[n:2 * n], out[-1] < 0
-    if not failed and (lo == hi).all():
+    out = local.copy()
+    _exchange(out, comm)
+    # Every rank agrees, and none failed, exactly when the MIN of [v, -v, -bad]
+    # is this rank's own [v, -v, 0]: a rank with a larger value in a field
+    # lowers -v, a smaller one lowers v, a failure lowers -bad. Every rank
+    # then sees a difference, or none does.
+    if error is None and out.tobytes() == local.tobytes():
         return
+    names = list(fields)
+    n = len(names)
+    lo, hi = out[:n], -out[n:2 * n]
     everyone = comm.allgather(({k: fields[k] for k in names},
                                None if error is None else f"{type(error).__name__}: {error}", what))
     problems = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(everyone) if err]
@@ -120,6 +125,31 @@ def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseExce
     whats = " / ".join(dict.fromkeys(w for _, _, w in everyone))  # the same text on every rank
     raise MismatchError(f"{whats}: the ranks of the communicator disagree or failed, so nothing was sent -- "
                         + " | ".join(problems))
+
+
+def _exchange(out: np.ndarray, comm: MPI.Intracomm) -> None:
+    """The MIN allreduce of the signatures, in place: ``MPI_Allreduce``,
+    which measured faster for it than oneshot's shared segment (one exchange
+    in C against one in Python: docs/results/allreduce.md, "Small messages:
+    oneshot"); with ``HPCJOBS_AGREE_VIA=oneshot``, the segment on a node
+    where every rank has a core."""
+    exchange = comm.Get_attr(_EXCHANGE_KEYVAL)
+    if exchange is None:  # decided once per communicator, the same on every rank
+        from . import oneshot  # (oneshot runs in the frame, which imports this module)
+
+        shared = _VIA == "oneshot" and is_single_node(comm) and not oneshot.oversubscribed(comm)
+        exchange = oneshot.allreduce_array if shared else _mpi_min
+        comm.Set_attr(_EXCHANGE_KEYVAL, exchange)
+    exchange(out, "min", comm)
+
+
+def _mpi_min(out: np.ndarray, op: str, comm: MPI.Intracomm) -> None:
+    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MIN)
+
+
+_EXCHANGE_KEYVAL = MPI.Comm.Create_keyval()
+# HPCJOBS_AGREE_VIA=mpi|oneshot: the exchange (to measure both; mpi by default).
+_VIA = os.environ.get("HPCJOBS_AGREE_VIA", "mpi")
 
 
 def _ranks(rs: list[int]) -> str:

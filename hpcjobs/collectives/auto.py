@@ -50,6 +50,7 @@ from ..comm import private
 from ..timing import Rounds
 from ..topology import detect_private
 from ._buffers import Flat, as_flat
+from . import oneshot
 from ._frame import Algorithm
 from ._shared import is_single_node
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
@@ -69,11 +70,13 @@ DEFAULT_TABLE = {
     "version": 1,
     "tables": [
         {"ranks": 2, "nodes": 1, "rows": [
-            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
-             "candidates": ["recursive_doubling", "parameter_server", "tree"]},
+            # oneshot: 9.7-11.9 us against recursive doubling's 12.9-20.5 at 8 B-4 KB
+            # (docs/results/allreduce.md, "Small messages: oneshot").
+            {"max_bytes": 16 << 10, "algorithm": "oneshot",
+             "candidates": ["oneshot", "recursive_doubling", "parameter_server"]},
             # Where latency gives way to bandwidth: here each of the three won some runs.
             {"max_bytes": 64 << 10, "algorithm": "shm",
-             "candidates": ["shm", "recursive_doubling", "parameter_server"]},
+             "candidates": ["shm", "oneshot", "recursive_doubling"]},
             {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
             {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
         {"ranks": 16, "nodes": 2, "rows": [
@@ -172,7 +175,9 @@ def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None) -> dict:
 
 
 def _placed(name: str, one_node: bool) -> str:
-    return name if name != "shm" or one_node else "hierarchical"
+    if one_node:
+        return name
+    return {"shm": "hierarchical", "oneshot": "recursive_doubling"}.get(name, name)
 
 
 def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> str:
@@ -278,6 +283,8 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
     # One simulated node may still span hosts: shm needs real shared memory.
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
+    if "oneshot" in names and oneshot.oversubscribed(comm):  # its waiters would starve the ranks they wait for
+        names = list(dict.fromkeys("recursive_doubling" if n == "oneshot" else n for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)

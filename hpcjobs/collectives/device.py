@@ -26,6 +26,7 @@ is how CI, without a GPU, tests them.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 from ._buffers import DTYPES, OP_TABLE
@@ -81,8 +82,6 @@ class DeviceFlat:
 
 def is_device_buffer(buf) -> bool:
     """Whether ``buf`` is a torch tensor that is not in host memory."""
-    import sys
-
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(buf, torch.Tensor) and buf.device.type != "cpu"
 

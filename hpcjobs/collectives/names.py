@@ -7,11 +7,11 @@ and :data:`hpcjobs.collectives.messages.MESSAGE_PASSING` -- hold these names in
 this order, and a test keeps them so.
 """
 
-__all__ = ["ALGORITHMS", "DEVICE_ALGORITHMS", "MESSAGE_ALGORITHMS", "INTRA"]
+__all__ = ["ALGORITHMS", "DEVICE_ALGORITHMS", "MESSAGE_ALGORITHMS", "SHARED_MEMORY", "INTRA"]
 
 # allreduce(algorithm=...): every algorithm, besides "auto".
 ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server",
-              "hierarchical", "shm")
+              "hierarchical", "shm", "oneshot")
 # allreduce(algorithm=...) on CUDA tensors only: the device transports
 # (every name above also takes CUDA tensors, staged through host memory).
 DEVICE_ALGORITHMS = ("cuda_ipc",)
@@ -19,6 +19,8 @@ DEVICE_ALGORITHMS = ("cuda_ipc",)
 # are given: they run across nodes, their bytes can be counted, and they
 # carry compressed payloads and hierarchical's inter-node stage.
 MESSAGE_ALGORITHMS = ("ring", "ring_pipelined", "recursive_doubling", "rabenseifner", "tree", "parameter_server")
+# The algorithms that need every rank on one node (MPI-3 shared memory).
+SHARED_MEMORY = ("shm", "oneshot")
 # hierarchical_allreduce(intra=...): the reduce-scatter and allgather inside a
 # node (cuda_ipc: CUDA tensors only).
 INTRA = ("ring", "shm", "cuda_ipc")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-from . import auto, cuda_ipc, hierarchical, shm, staged
+from . import auto, cuda_ipc, hierarchical, oneshot, shm, staged
 from ._frame import Algorithm, run
 from .device import DeviceFlat
 from .messages import MESSAGE_PASSING
@@ -33,6 +33,7 @@ REGISTRY: dict[str, Algorithm] = {
     "hierarchical": Algorithm("hierarchical", "hierarchical_allreduce", hierarchical.allreduce,
                               {"inter": "ring", "intra": "ring"}),
     "shm": Algorithm("shm", "shm_allreduce", shm.allreduce, {"block_bytes": shm.DEFAULT_BLOCK_BYTES}),
+    "oneshot": Algorithm("oneshot", "oneshot_allreduce", oneshot.allreduce),
 }
 # The public name of auto's calls: what the agreement check and the watchdog say.
 AUTO = "allreduce_auto"

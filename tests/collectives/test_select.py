@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from hpcjobs.collectives import (ALGORITHMS, MESSAGE_ALGORITHMS, allreduce, hierarchical_allreduce,
                                  parameter_server_allreduce, rabenseifner_allreduce, recursive_doubling_allreduce,
-                                 ring_allreduce, shm_allreduce, tree_allreduce)
+                                 ring_allreduce, oneshot_allreduce, shm_allreduce, tree_allreduce)
 from hpcjobs.collectives import select
 from hpcjobs.collectives.messages import MESSAGE_PASSING
 
@@ -48,6 +48,7 @@ PUBLIC = {
     "parameter_server": lambda buf, comm: parameter_server_allreduce(buf, "sum", comm),
     "hierarchical": lambda buf, comm: hierarchical_allreduce(buf, "sum", comm),
     "shm": lambda buf, comm: shm_allreduce(buf, "sum", comm),
+    "oneshot": lambda buf, comm: oneshot_allreduce(buf, "sum", comm),
 }
 
 
