@@ -164,7 +164,7 @@ def test_tune_writes_a_table_that_auto_then_reads(tmp_path):
     (t,) = data["tables"]
     assert (t["ranks"], t["nodes"]) == (2, 1) and t["rows"][-1]["max_bytes"] is None
     # On one node hierarchical is the ring: not timed, never a contender.
-    assert "2 ranks on 1 node(s); 7 algorithms x 5 sizes x 3 passes" in out.stdout
+    assert "2 ranks on 1 node(s); 8 algorithms x 5 sizes x 3 passes" in out.stdout
     assert "# left out: hierarchical: on one node it is its intra-node stage, the ring" in out.stdout
     assert all("hierarchical" not in r["candidates"] for r in t["rows"]), t["rows"]
     used = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64K", "-f", "8", "--iters", "2",

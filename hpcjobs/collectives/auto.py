@@ -70,13 +70,15 @@ DEFAULT_TABLE = {
     "version": 1,
     "tables": [
         {"ranks": 2, "nodes": 1, "rows": [
-            # oneshot: 9.7-11.9 us against recursive doubling's 12.9-20.5 at 8 B-4 KB
+            # oneshot: 9.1-10.7 us against recursive doubling's 13.2-21.4 at 8 B-4 KB
+            # here, and 1.6-1.8x faster than it at 4-16 ranks on a 16-core node
             # (docs/results/allreduce.md, "Small messages: oneshot").
             {"max_bytes": 16 << 10, "algorithm": "oneshot",
              "candidates": ["oneshot", "recursive_doubling", "parameter_server"]},
-            # Where latency gives way to bandwidth: here each of the three won some runs.
-            {"max_bytes": 64 << 10, "algorithm": "shm",
-             "candidates": ["shm", "oneshot", "recursive_doubling"]},
+            # Where latency gives way to bandwidth. At 32 KB on the 16-core node
+            # oneshot took 50-101 us where shm took 84-187.
+            {"max_bytes": 64 << 10, "algorithm": "oneshot",
+             "candidates": ["oneshot", "shm", "recursive_doubling"]},
             {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
             {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
         {"ranks": 16, "nodes": 2, "rows": [
