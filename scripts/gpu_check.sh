@@ -11,7 +11,7 @@
 # another), and installs what that python lacks (Open MPI, mpi4py, pytest,
 # pytest-mpi, mnist1d) from .whl/ into /tmp/hpcjobs-gpu, offline. Results:
 # $HPCJOBS_GPU_OUT (default results/gpu/): np<N>.log per test run,
-# bench-np<N>.txt/.json, staging.txt, summary.txt.
+# bench-np<N>.txt/.json, staging.txt, compression.txt, summary.txt.
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -97,6 +97,9 @@ if [[ " $PHASES " == *" bench "* ]]; then
     timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench staging --bytes 64M >"$OUT/staging.txt" 2>&1 \
         || failed=1
     tail -n 3 "$OUT/staging.txt" | tee -a "$OUT/summary.txt" >&2
+    timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench compression --device cuda \
+        --elements 1000000,25000000 --no-progress >"$OUT/compression.txt" 2>&1 || failed=1
+    say "bench compression --device cuda at 2 ranks: $OUT/compression.txt"
 fi
 say "$([ $failed = 0 ] && echo 'all GPU checks passed' || echo 'SOME GPU CHECKS FAILED')"
 exit $failed

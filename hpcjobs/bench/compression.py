@@ -62,21 +62,28 @@ def _codec_ms(c, t, name: str, iters: int) -> float:
         t0 = time.perf_counter()
         payload, ctx = c.compress(t, name=name, step=step)
         c.decompress(payload, ctx)
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[1:])
 
 
 def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str], iters: int, algorithm: str,
-                progress: Callable[[str], None] | None = None) -> list[dict]:
+                progress: Callable[[str], None] | None = None, device: str = "cpu") -> list[dict]:
     """Part 1 (module docstring): one row per size and compressor, the
     uncompressed ring and ``auto`` included; collective. Summable payloads
-    take ``algorithm``; ``iters`` timed rounds per size."""
+    take ``algorithm``; ``iters`` timed rounds per size. ``device``: where
+    the gradient lives ("cuda:0": compressors on the GPU, payloads through
+    host memory, the fp32 ring staged, ``auto`` among the GPU transports;
+    every timed call waits for the device)."""
+    on_gpu = device != "cpu"
+    wait = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
     rank = comm.Get_rank()
     rows = []
     for n in elements:
         shape = _shape(n)
         g = torch.Generator().manual_seed(1000 + rank)
-        grad = torch.randn(*shape, generator=g)
+        grad = torch.randn(*shape, generator=g).to(device)
         comps = {spec: make_compressor(spec, seed=0) for spec in compressors}
         last: dict[str, object] = {}
         sent: dict[str, int] = {}
@@ -86,17 +93,25 @@ def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str]
             def run():
                 out, b = compressed_allreduce(grad, comps[spec], name="w", comm=comm, algorithm=algorithm,
                                               step=step[0])
+                wait()
                 last["out"], sent[spec] = out, b
             return run
 
         work = grad.clone()
 
         def ring():
-            sent["fp32 ring"] = counted_allreduce(work, "avg", "ring", comm)
+            if on_gpu:  # the ring through host memory, as staged transports carry it; bytes counted there
+                host = work.cpu()
+                sent["fp32 ring"] = counted_allreduce(host, "avg", "ring", comm)
+                work.copy_(host)
+                wait()
+            else:
+                sent["fp32 ring"] = counted_allreduce(work, "avg", "ring", comm)
             last["out"] = work
 
         def auto():
             allreduce(work, op="avg", algorithm="auto", comm=comm)
+            wait()
             last["out"] = work
 
         def reset(_label):
@@ -104,7 +119,7 @@ def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str]
             step[0] += 1
 
         def check(_label) -> int:
-            h = zlib.crc32(last["out"].numpy().tobytes())
+            h = zlib.crc32(last["out"].cpu().numpy().tobytes())
             return int(h != comm.bcast(h, root=0))
 
         runs = {"fp32 ring": ring, "fp32 auto": auto} | {spec: compressed(spec) for spec in compressors}
@@ -118,7 +133,8 @@ def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str]
                      comm.allreduce(_codec_ms(comps[label], grad, "w", 3), op=MPI.MAX))
             rows.append(dict(elements=n, shape=list(shape), compressor=label, wire_bytes=b if b >= 0 else None,
                              ratio=base_bytes / b if b > 0 else None, codec_ms=codec, allreduce_ms=1e3 * t,
-                             vs_ring=t_ring / t, vs_auto=t_auto / t, differ=sum_over_ranks(wrong[label], comm)))
+                             vs_ring=t_ring / t, vs_auto=t_auto / t, differ=sum_over_ranks(wrong[label], comm),
+                             uncounted="(GPU)" if on_gpu else "(shm)"))
         if progress is not None:
             progress(f"{n:,} elements done")
     return rows
@@ -130,7 +146,8 @@ def tensor_table(rows: list[dict]) -> str:
              "vs fp32 ring | vs fp32 auto | #differ |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['elements']:,} | {r['compressor']} | "
-                     + (f"{r['wire_bytes']:,}" if r["wire_bytes"] is not None else "(shm)") + " | "
+                     + (f"{r['wire_bytes']:,}" if r["wire_bytes"] is not None else r.get("uncounted", "(shm)"))
+                     + " | "
                      + (f"{r['ratio']:.1f}" if r["ratio"] else "-") + " | "
                      + (f"{r['codec_ms']:.1f}" if r["codec_ms"] is not None else "-")
                      + f" | {r['allreduce_ms']:.1f} | {r['vs_ring']:.2f} | {r['vs_auto']:.2f} | {r['differ']} |")

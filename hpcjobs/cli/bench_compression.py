@@ -15,7 +15,7 @@ from ..bench.names import COMPRESSORS
 from ..collectives import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from ..training.config import MODELS
-from .args import check_outputs, comma_list, positive_float, positive_int
+from .args import UsageError, check_outputs, comma_list, positive_float, positive_int
 
 
 def _counts(text: str) -> list[int]:
@@ -63,6 +63,9 @@ def configure(p) -> None:
     # (docs/results/compression.md, "Accuracy"); uncompressed is best near 0.05.
     g.add_argument("--lr", type=positive_float, default=0.01, help="SGD rate, momentum 0.9 (default 0.01)")
     g.add_argument("--seeds", type=positive_int, default=3, help="seeds per cell (default 3)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the gradients live: cpu (default), or this rank's GPU (compressors run there with "
+                        "torch ops, payloads cross through host memory; tensors part only)")
     p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     p.add_argument("--out", "-O", metavar="DIR", help="write results.json and compression.md here (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -74,15 +77,27 @@ def run(args) -> int:
     from ..comm import print0, private
     from ..runtime import set_threads
 
+    device = "cpu"
+    if args.device == "cuda":
+        from ..bench.device import gpu_for_rank, no_gpu_reason
+
+        reason = no_gpu_reason()
+        if reason:
+            raise UsageError(f"--device cuda: {reason}")
+        if args.train:
+            raise UsageError("--train trains on the CPU; run the accuracy study without --device cuda")
     comm = private()
+    if args.device == "cuda":
+        device = gpu_for_rank(comm)
     size = comm.Get_size()
     check_outputs(comm, [("--out", args.out, True)])
     unchecked_benchmarks()
     threads = set_threads(args.threads, comm)
     progress = (lambda line: print0(f"# {line}")) if args.progress else None
     print0(f"# bench compression: {size} ranks, {threads} torch thread(s)/rank, compressors "
-           f"{','.join(args.compressors)}, summable payloads by {args.algorithm}")
-    rows = tensor_rows(comm, args.elements, args.compressors, args.iters, args.algorithm, progress)
+           f"{','.join(args.compressors)}, summable payloads by {args.algorithm}"
+           + ("" if device == "cpu" else f"; gradients on {device}"))
+    rows = tensor_rows(comm, args.elements, args.compressors, args.iters, args.algorithm, progress, device)
     tensor_md = tensor_table(rows)
     print0("\n" + tensor_md + "\n")
     trained, train_md = None, None

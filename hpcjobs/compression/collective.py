@@ -15,6 +15,10 @@
 3. Average once (the allreduce's ``avg``, or the sum divided by P).
 4. With ``memory``, keep what this rank's compression dropped.
 
+On a GPU every compressor runs with torch ops on the device and the
+error-feedback residuals stay there; the payloads, small by design, are
+copied to the host for the message-passing step and back.
+
 Wire bytes are counted as they are sent (:mod:`hpcjobs.collectives.counting`).
 Compression exists to cut those bytes, so payloads always take a
 message-passing algorithm: ``auto`` picks among them, and the shared-memory
@@ -40,7 +44,7 @@ __all__ = ["compressed_allreduce"]
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous().reshape(-1)
+    t = t.detach().contiguous().reshape(-1).cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return t.numpy()
@@ -48,7 +52,8 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 def _torch(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     t = torch.from_numpy(a)
-    return t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
+    t = t.view(torch.bfloat16) if like.dtype == torch.bfloat16 else t
+    return t.to(like.device)
 
 
 def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: ErrorFeedback | None = None,
@@ -58,8 +63,10 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
     (under the stall watchdog, :mod:`hpcjobs.collectives.watchdog`).
 
     Args:
-        tensor: a floating-point CPU tensor; the same shape and dtype on
-            every rank. Not modified.
+        tensor: a floating-point tensor, on the CPU or a GPU (the
+            compressor runs there, residuals stay there, payloads cross
+            through host memory); the same shape and dtype on every rank.
+            Not modified.
         compressor: the same compressor on every rank.
         memory: an :class:`ErrorFeedback` for this rank, or None.
         name: the tensor's name (parameter name), needed with ``memory`` and
@@ -93,7 +100,8 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
     is_tensor = isinstance(tensor, torch.Tensor)
     agree_or_raise(comm, "compressed_allreduce", {
         "shape": str(tuple(tensor.shape)) if is_tensor else None,
-        "dtype": str(tensor.dtype) if is_tensor else None, "compressor": repr(compressor), "name": name,
+        "dtype": str(tensor.dtype) if is_tensor else None, "device": tensor.device.type if is_tensor else None,
+        "compressor": repr(compressor), "name": name,
         "step": int(step), "algorithm": algorithm, "error feedback": memory is not None}, error)
     x = memory.compensate(name, tensor) if memory is not None else tensor
     sent = 0
@@ -101,7 +109,12 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
     def allreduce_mean(buf: torch.Tensor) -> None:
         # the ranks agreed above: the payload's own allreduces go unchecked
         nonlocal sent
-        sent += send_counted(as_flat(buf), "avg", algorithm, comm)
+        if buf.is_cpu:
+            sent += send_counted(as_flat(buf), "avg", algorithm, comm)
+        else:  # a device payload crosses through host memory, whole (payloads are small)
+            host = buf.cpu()
+            sent += send_counted(as_flat(host), "avg", algorithm, comm)
+            buf.copy_(host)
 
     reduce_mean = getattr(compressor, "reduce_mean", None)
     if reduce_mean is not None:

@@ -78,11 +78,11 @@ class PowerSGDCompressor(Compressor):
         g = torch.Generator().manual_seed(int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0]))
         return torch.randn(m, self.rank, generator=g)
 
-    def _q_for(self, name: str | None, m: int, step: int) -> torch.Tensor:
+    def _q_for(self, name: str | None, m: int, step: int, device="cpu") -> torch.Tensor:
         q = self._q.get(name) if self.warm_start else None
         if q is None or q.shape != (m, self.rank):
-            q = self._initial_q(name, m, step)
-        return q
+            q = self._initial_q(name, m, step)  # drawn on the host: the same on every rank
+        return q.to(device)
 
     @staticmethod
     def _orthonormalise(p: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ class PowerSGDCompressor(Compressor):
         if step < self.start_iter or not self.compresses(tensor.shape):
             return (tensor,), (tensor.shape, tensor.dtype, False)
         m_ = tensor.reshape(tensor.shape[0], -1).float()
-        p = self._orthonormalise(m_ @ self._q_for(name, m_.shape[1], step))
+        p = self._orthonormalise(m_ @ self._q_for(name, m_.shape[1], step, m_.device))
         return (p, m_.t() @ p), (tensor.shape, tensor.dtype, True)
 
     def decompress(self, payload, ctx) -> torch.Tensor:
@@ -121,7 +121,7 @@ class PowerSGDCompressor(Compressor):
             return mean, tensor
         shape, dtype = tensor.shape, tensor.dtype
         m_ = tensor.reshape(shape[0], -1).float()
-        p = m_ @ self._q_for(name, m_.shape[1], step)                  # 1
+        p = m_ @ self._q_for(name, m_.shape[1], step, m_.device)       # 1
         allreduce_mean(p)                                              # 2
         p = self._orthonormalise(p).contiguous()                       # 3
         q_local = m_.t() @ p                                           # 4

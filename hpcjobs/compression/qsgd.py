@@ -40,7 +40,7 @@ class QSGDCompressor(Compressor):
         if norm.item() == 0.0 or not torch.isfinite(norm).item():
             # all zeros; or a NaN/Inf gradient, whose norm then turns every
             # decompressed entry into NaN rather than into a finite lie
-            q = torch.zeros(x.numel(), dtype=self.wire_dtype)
+            q = torch.zeros(x.numel(), dtype=self.wire_dtype, device=x.device)
         else:
             level = x.abs().mul_(self.levels / norm).add_(torch.rand_like(x)).floor_()
             # an ulp over `levels` where |x_i| is the norm must not wrap around in int8

@@ -6,7 +6,9 @@ replacement. The choice is drawn from (seed, name, step), so every rank
 keeps the same positions of the same tensor at the same step: only the
 values travel, the indices are rebuilt on the receiving side, and payloads
 from different ranks add up position by position -- random-k is summable
-and goes through the ordinary allreduce (4k bytes for fp32).
+and goes through the ordinary allreduce (4k bytes for fp32). The indices
+are drawn on the host (numpy, the same on every rank whatever its device)
+and moved to the tensor's device.
 
 Two scalings:
 
@@ -52,14 +54,15 @@ class RandomKCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name=None, step=0):
         check_float(self, tensor)
         flat = tensor.reshape(-1)
-        idx = self.indices(flat.numel(), name, step)
+        idx = self.indices(flat.numel(), name, step).to(flat.device)
         return flat[idx], (idx, tensor.shape, tensor.dtype)
 
     def decompress(self, payload, ctx) -> torch.Tensor:
         idx, shape, dtype = ctx
         n = shape.numel()
-        out = torch.zeros(n, dtype=dtype)
+        out = torch.zeros(n, dtype=dtype, device=payload.device)
         values = payload.reshape(-1).to(dtype)
+        idx = idx.to(payload.device)
         out[idx] = values * (n / idx.numel()) if self.unbiased and idx.numel() else values
         return out.reshape(shape)
 

@@ -8,7 +8,8 @@ positive.
 
 Payload: the signs packed 8 to a byte (``numpy.packbits``) and the scale as
 one fp32: n/8 + 4 bytes, 32x fewer bits than fp32. Signs from different
-ranks cannot be added as bits, so payloads travel by allgather.
+ranks cannot be added as bits, so payloads travel by allgather. On a GPU
+the packing is done with torch ops on the device, to the same bytes.
 """
 
 from __future__ import annotations
@@ -31,12 +32,35 @@ class SignCompressor(Compressor):
         x = tensor.reshape(-1).float()
         n = x.numel()
         scale = (x.abs().sum() / max(n, 1)).reshape(1)
-        bits = torch.from_numpy(np.packbits((x >= 0).numpy()))
+        positive = x >= 0
+        bits = torch.from_numpy(np.packbits(positive.numpy())) if x.is_cpu else _pack(positive)
         return (bits, scale), (tensor.shape, tensor.dtype, n)
 
     def decompress(self, payload, ctx) -> torch.Tensor:
         bits, scale = payload
         shape, dtype, n = ctx
-        signs = np.unpackbits(bits.reshape(-1).numpy(), count=n).astype(np.float32)
-        out = torch.from_numpy(signs).mul_(2).sub_(1).mul_(scale.reshape(-1)[0])
+        bits = bits.reshape(-1)
+        if bits.is_cpu:
+            signs = torch.from_numpy(np.unpackbits(bits.numpy(), count=n).astype(np.float32))
+        else:
+            signs = _unpack(bits, n)
+        out = signs.mul_(2).sub_(1).mul_(scale.reshape(-1)[0].to(signs.device))
         return out.to(dtype).reshape(shape)
+
+
+# numpy.packbits' layout (the first entry in the byte's top bit), in torch
+# ops, for tensors on a GPU: the same bytes whichever device packed them.
+def _weights(device) -> torch.Tensor:
+    return torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+
+
+def _pack(positive: torch.Tensor) -> torch.Tensor:
+    n = positive.numel()
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=positive.device)
+    padded[:n] = positive
+    return (padded.view(-1, 8) * _weights(positive.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
+    w = _weights(bits.device)
+    return (bits.view(-1, 1).bitwise_and(w) != 0).reshape(-1)[:n].float()

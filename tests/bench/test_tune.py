@@ -86,8 +86,8 @@ def test_several_passes_rank_by_median_and_pool_nearby_winners():
 @pytest.mark.parametrize("shared_memory,nodes,out", [
     (True, 1, {"hierarchical"}),  # one node: hierarchical is the ring
     (True, 2, set()),             # simulated nodes on one host: both apply
-    (False, 2, {"shm"}),          # real nodes: no shared memory across them
-    (False, 1, {"shm", "hierarchical"}),
+    (False, 2, {"shm", "oneshot"}),  # real nodes: no shared memory across them
+    (False, 1, {"shm", "oneshot", "hierarchical"}),
 ])
 def test_tune_times_only_the_algorithms_that_differ_here(shared_memory, nodes, out):
     names, left_out = applicable(shared_memory, nodes)
