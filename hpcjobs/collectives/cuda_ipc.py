@@ -86,7 +86,7 @@ from ._shared import free_window, is_single_node, shared_window
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, Stream, divide
 
 __all__ = ["CAPACITY", "ONE_SHOT_BYTES", "IpcUnavailable", "allreduce", "reduce_scatter", "allgather", "device_bytes",
-           "sync_mode"]
+           "sync_mode", "unavailable"]
 
 # Largest staging buffer, in bytes (two per communicator and rank).
 CAPACITY = 256 << 20
@@ -129,15 +129,22 @@ class _Buffers:
             return
         from torch.multiprocessing.reductions import reduce_tensor
 
-        own = [torch.empty(nbytes, dtype=torch.uint8, device=like.device) for _ in range(2)]
-        events = [torch.cuda.Event(interprocess=True) for _ in range(2)]
-        for e in events:  # a handle needs a recorded event
-            e.record()
-        handles = comm.allgather(([reduce_tensor(b) for b in own],
-                                  [e.ipc_handle() for e in events]))
+        own, events, exported = [], [], None
+        try:  # a failure here (out of memory, no IPC) must still reach the allgather
+            own = [torch.empty(nbytes, dtype=torch.uint8, device=like.device) for _ in range(2)]
+            events = [torch.cuda.Event(interprocess=True) for _ in range(2)]
+            for e in events:  # a handle needs a recorded event
+                e.record()
+            exported = ([reduce_tensor(b) for b in own], [e.ipc_handle() for e in events])
+        except Exception as e:
+            error = f"rank {rank} cannot export its staging buffers: {type(e).__name__}: {e}"
+        handles = comm.allgather(exported)
         views = [[None] * size for _ in range(2)]
         peer_events = [[None] * size for _ in range(2)]
-        for q, (bufs, evs) in enumerate(handles):
+        for q, theirs in enumerate(handles):
+            if theirs is None or exported is None:
+                continue
+            bufs, evs = theirs
             for k in range(2):
                 if q == rank:
                     views[k][q], peer_events[k][q] = own[k], events[k]
@@ -222,6 +229,18 @@ def _state(comm: MPI.Intracomm, nbytes: int, like) -> tuple[_State, _Buffers]:
             raise
         _LIVE[id(state)] = (comm, state)
     return state, state.buffers
+
+
+def unavailable(comm: MPI.Intracomm, nbytes: int, like) -> str | None:
+    """Make this communicator's buffers for ``nbytes`` (collective over
+    ``comm``) and return why they cannot be opened, or None: for callers
+    that must agree on a fallback over a wider communicator than ``comm``
+    (``hierarchical`` across nodes)."""
+    try:
+        _state(comm, min(nbytes, CAPACITY), like)
+    except IpcUnavailable as e:
+        return str(e)
+    return None
 
 
 def device_bytes(comm: MPI.Intracomm) -> int:

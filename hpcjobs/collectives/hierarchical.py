@@ -97,6 +97,12 @@ def _on_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, topology, inter: 
                              ranks_per_node=ranks_per_node)
     topo = topology or detect_private(comm, ranks_per_node)
     L = topo.local_size
+    if intra == "cuda_ipc" and topo.uniform and L > 1:
+        # IPC may open on one node and not on another: agree over every rank
+        # (one small allreduce per call), and fall back together.
+        failed = cuda_ipc.unavailable(topo.node_comm, flat.count // L * L * flat.itemsize, flat.tensor)
+        if comm.allreduce(failed is not None, op=MPI.LOR):
+            intra = "staged"
     if intra != "cuda_ipc" or not topo.uniform or L == 1:
         staged.allreduce(flat, op, comm, host)
         return

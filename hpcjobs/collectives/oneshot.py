@@ -10,8 +10,11 @@ holding a sequence number and two slots. Call number c on rank r:
 1. Write: copy the buffer into slot c % 2 of rank r's segment, then store c
    into rank r's sequence number.
 2. Wait until every rank's sequence number is at least c.
-3. Read: reduce slot c % 2 of every segment, in rank order, into the
-   buffer (``avg`` then divides once).
+3. Read: reduce slot c % 2 of every segment into the buffer (``avg`` then
+   divides once): below 4 ranks a chain of ufunc calls in rank order,
+   from 4 one ``ufunc.reduce`` over the slots as the rows of one strided
+   array, which sums in numpy's own order (pairwise over many rows; float16
+   accumulated in float32).
 
 Every rank reduces the same P slots with the same operations in the same
 order, so every rank gets the same bits.
@@ -165,14 +168,18 @@ def _segments(comm: MPI.Intracomm) -> _Segments:
 
 
 def oversubscribed(comm: MPI.Intracomm) -> bool:
-    """Whether ``comm``'s ranks on this node outnumber its cores (collective
-    on first call per communicator, cached; the same answer on every rank)."""
+    """Whether ``comm``'s ranks on some node outnumber the cores they may run
+    on there: the union of their CPU affinities (what Slurm's cgroup or the
+    launcher's binding allows, not the machine's core count). Collective on
+    first call per communicator, cached; the same answer on every rank."""
     cached = comm.Get_attr(_OVERSUBSCRIBED)
     if cached is None:
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = set().union(*node.allgather(mine))
         local = node.Get_size()
         node.Free()
-        cached = bool(comm.allreduce(int(local > (os.cpu_count() or 1)), op=MPI.MAX))
+        cached = bool(comm.allreduce(int(local > len(cores)), op=MPI.MAX))
         comm.Set_attr(_OVERSUBSCRIBED, cached)
     return cached
 
@@ -207,7 +214,7 @@ def _one(s: _Segments, data: np.ndarray, nbytes: int, dtype: str, op: str) -> No
             _wait(seq, call)
     if _WIN_SYNC:
         s.win.Sync()
-    if bf16:  # 3. read, in rank order
+    if bf16:  # 3. read
         reduce(data)
     elif len(views) == 2:
         reduce(views[0], views[1], out=data)

@@ -25,8 +25,10 @@ first use, reused by every call and freed with the communicator: three so
 that the chunk being copied in, the one being reduced and the one being
 copied back never share a slot. Every copy runs on the transports' one
 stream (:class:`~hpcjobs.collectives.device.Stream`) in the order issued, so
-a slot is refilled only after the copy that emptied it; the host waits for
-each chunk's arrival with an event, never for the whole device.
+a slot is refilled only after the copy that emptied it, and each call's
+first copy into the slots waits for an event recorded after the previous
+call's last copy out of them, whichever stream that ran on; the host waits
+for each chunk's arrival with an event, never for the whole device.
 
 A message of one chunk has nothing to overlap: it is copied out and back on
 the caller's stream, without the second stream's events.
@@ -61,6 +63,7 @@ class _Pool:
         self.slots: list = []
         self.nbytes = 0
         self.device_type = None
+        self.released = None  # event after the last copy out of the slots (None: none pending)
 
     def get(self, nbytes: int, device_type: str) -> list:
         if nbytes > self.nbytes or device_type != self.device_type:
@@ -102,6 +105,8 @@ def _torch_dtype(dtype: str):
 def allreduce(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, chunk_bytes: int | None = None) -> None:
     """Allreduce the device buffer with the host step ``step(flat, op,
     comm)`` run on each pinned chunk, pipelined (module docstring)."""
+    import torch
+
     t, itemsize = dflat.tensor, dflat.itemsize
     per = max(1, (chunk_bytes or CHUNK_BYTES) // itemsize)
     n = dflat.count
@@ -109,13 +114,21 @@ def allreduce(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, chunk_bytes
     chunks = len(bounds) - 1
     dtype = _torch_dtype(dflat.dtype)
     slots = [s[:per * itemsize].view(dtype) for s in _pool(comm).get(per * itemsize, t.device.type)]
+    pool = _pool(comm)
     if chunks == 1:  # nothing to overlap: copy out and back on the caller's stream
         host = slots[0][:n]
+        cuda = t.device.type == "cuda"
+        if cuda and pool.released is not None:  # the last copy out of slot 0, on whichever stream
+            torch.cuda.current_stream(t.device).wait_event(pool.released)
         host.copy_(t)  # waits for the copy (and the caller's queued work before it)
         step(as_flat(host), op, comm)
         t.copy_(host, non_blocking=True)
+        if cuda:
+            pool.released = torch.cuda.current_stream(t.device).record_event()
         return
     with Stream.of(t) as stream:
+        if stream.cuda and pool.released is not None:
+            stream.stream.wait_event(pool.released)
         arrived = [None] * chunks
 
         def fetch(i: int) -> None:
@@ -135,6 +148,8 @@ def allreduce(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, chunk_bytes
             t[lo:hi].copy_(host, non_blocking=True)
             if i + 2 < chunks:
                 fetch(i + 2)
+        if stream.cuda:
+            pool.released = stream.stream.record_event()
 
 
 def whole(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, **options) -> None:

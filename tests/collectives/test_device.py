@@ -169,3 +169,23 @@ def test_staged_whole_runs_a_step_that_is_not_elementwise():
     b = chunk_bounds(10, size)
     want = np.arange(10) * size * (size + 1) / 2
     np.testing.assert_array_equal(t[b[rank]:b[rank + 1]].numpy(), want[b[rank]:b[rank + 1]])
+
+
+@pytest.mark.mpi(min_size=4)
+def test_hierarchical_falls_back_together_when_ipc_fails_on_one_node_only(monkeypatch):
+    """IPC refused on the second simulated node alone: every rank must take
+    the staged path (a rank alone on cuda_ipc would wait for ever)."""
+    comm = private(MPI.COMM_WORLD)
+    size = comm.Get_size()
+    if size % 2:
+        pytest.skip("uniform nodes of two ranks")
+    real = cuda_ipc.unavailable
+    monkeypatch.setattr(cuda_ipc, "unavailable", lambda c, n, like: "refused here" if MPI.COMM_WORLD.Get_rank() in (2, 3)
+                        else real(c, n, like))
+    calls = []
+    monkeypatch.setattr(cuda_ipc, "reduce_scatter", lambda *a: calls.append(a))  # must not be reached
+    inputs = _inputs(size, 1001, "float64", "sum")
+    flat = _flat(inputs[comm.Get_rank()], "float64")
+    hierarchical.allreduce(flat, "sum", comm, inter="ring", intra="cuda_ipc", ranks_per_node=2)
+    assert calls == []
+    check_allreduce(flat.tensor, inputs, "sum", "float64", MPI.COMM_WORLD)
