@@ -242,7 +242,10 @@ def shutdown() -> None:
     if _torch_dist_backend is not None:
         import torch.distributed as dist
 
+        from .device import forget_groups  # its Gloo group goes with the default group
+
         dist.destroy_process_group()
+        forget_groups()
         _torch_dist_backend = None
 
 

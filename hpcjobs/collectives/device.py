@@ -29,20 +29,15 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-from ._buffers import DTYPES, OP_TABLE
+from ._buffers import DTYPES
 
-__all__ = ["DeviceFlat", "is_device_buffer", "as_device_flat", "reduce_into", "divide", "Stream",
-           "device_dtypes", "DEVICE_REDUCE_DTYPES"]
+__all__ = ["DeviceFlat", "is_device_buffer", "as_device_flat", "divide", "Stream",
+           "DEVICE_REDUCE_DTYPES"]
 
 # The dtypes torch reduces on a CUDA device (add/min/max/mul). torch's
 # uint16/32/64 move and copy but have no CUDA arithmetic: those go through
 # the staged transport, whose host algorithms reduce every dtype.
 DEVICE_REDUCE_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8")
-
-
-def device_dtypes() -> tuple[str, ...]:
-    """The dtypes a device buffer may have (every host dtype)."""
-    return DTYPES
 
 
 @dataclass(frozen=True)
@@ -110,13 +105,6 @@ def as_device_flat(t) -> DeviceFlat:
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
     return DeviceFlat(t.detach().view(-1), name)
-
-
-def reduce_into(dst, src, op: str) -> None:
-    """``dst = dst op src`` in place, on the tensors' device (avg sums)."""
-    import torch
-
-    getattr(torch, OP_TABLE[op].torch)(dst, src, out=dst)
 
 
 def divide(t, dtype: str, size: int) -> None:

@@ -96,12 +96,6 @@ def pinned_bytes(comm: MPI.Intracomm) -> int:
     return 0 if pool is None else pool.nbytes * len(pool.slots)
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    return getattr(torch, dtype)
-
-
 def allreduce(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, chunk_bytes: int | None = None) -> None:
     """Allreduce the device buffer with the host step ``step(flat, op,
     comm)`` run on each pinned chunk, pipelined (module docstring)."""
@@ -112,7 +106,7 @@ def allreduce(dflat: DeviceFlat, op: str, comm: MPI.Intracomm, step, chunk_bytes
     n = dflat.count
     bounds = list(range(0, n, per)) + [n]
     chunks = len(bounds) - 1
-    dtype = _torch_dtype(dflat.dtype)
+    dtype = getattr(torch, dflat.dtype)
     slots = [s[:per * itemsize].view(dtype) for s in _pool(comm).get(per * itemsize, t.device.type)]
     pool = _pool(comm)
     if chunks == 1:  # nothing to overlap: copy out and back on the caller's stream
