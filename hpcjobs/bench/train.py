@@ -12,12 +12,14 @@ train`` runs it).
    samples/s per rank is recorded. The time of a round is the max over ranks.
 4. ``single`` is one rank training alone (the others wait without spinning):
    scaling efficiency = total samples/s / (P * single's samples/s).
-5. Horovod is started (``hvd.init()``) before each of its own rounds and
-   shut down after, because while it runs its background thread keeps
-   negotiating over MPI and burns about half a core on rank 0, which would
-   slow every other implementation measured beside it. Every implementation
-   takes one untimed step at the start of each of its rounds, so Horovod's
-   first step after a restart is not timed either.
+5. Horovod is measured first, as one block (its warmup and all its
+   rounds), then shut down before the others are measured: while it runs
+   its background thread keeps negotiating over MPI and burns about half a
+   core on rank 0, which would slow every other implementation measured
+   beside it, and Horovod 0.28.1 cannot be restarted reliably (started and
+   shut down around each round, about one run in ten at 3 ranks had a rank
+   leave a step while the others still waited in it). Every implementation
+   takes one untimed step at the start of each round.
 6. After timing, each implementation's parameters are compared across ranks
    (data parallelism keeps them identical); ranks that disagree count as
    ``#wrong`` and make the command exit non-zero.
@@ -85,10 +87,9 @@ class Result:
 class _Runner:
     """One implementation: a model, an optimizer, a step function."""
 
-    def __init__(self, name, model, step, alone=False, close=lambda: None, enter=lambda: None,
-                 leave=lambda: None):
+    def __init__(self, name, model, step, alone=False, close=lambda: None, block=False, leave=lambda: None):
         self.name, self.model, self.step, self.alone, self.close = name, model, step, alone, close
-        self.enter, self.leave = enter, leave
+        self.block, self.leave = block, leave  # block: measured alone first, then leave()
 
 
 def _make_model(w: Workload, seed_state):
@@ -128,13 +129,9 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
             opt.step()
         return _Runner(name, model, step)
     if name == "horovod":
-        hvd = horovod.start(comm)
+        hvd = horovod.start(comm)  # runs until its block is measured (module docstring, 5.)
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
-        hvd.shutdown()
-
-        def enter():
-            hvd.init(comm=MPI.COMM_WORLD)
-        return _Runner(name, model, loss_step(opt), enter=enter, leave=hvd.shutdown)
+        return _Runner(name, model, loss_step(opt), block=True, leave=horovod.stop)
     raise ValueError(name)
 
 
@@ -199,23 +196,32 @@ def _params_agree(runner: _Runner, comm) -> bool:
 
 def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: int, iters: int, rng,
              results, progress) -> None:
-    for r in runners:
-        r.enter()
+    def warm_up(r):
         for _ in range(warmup_batches):
             if r.alone:
                 _time_round(r, comm, 1, w.batch_size)
             else:
                 r.step()
+
+    def round_of(r):
+        _time_round(r, comm, 1, w.batch_size)  # untimed
+        sps = _time_round(r, comm, batches_per_iter, w.batch_size)
+        results.setdefault(r.name, Result(r.name)).per_rank_sps.append(sps)
+
+    for r in (r for r in runners if r.block):
+        warm_up(r)
+        for _ in range(iters):
+            round_of(r)
+        comm.Barrier()
         r.leave()
+    rest = [r for r in runners if not r.block]
+    for r in rest:
+        warm_up(r)
     for it in range(iters):
-        order = list(runners)
+        order = list(rest)
         rng.shuffle(order)
         for r in order:
-            r.enter()
-            _time_round(r, comm, 1, w.batch_size)  # untimed: first step after a (re)start
-            sps = _time_round(r, comm, batches_per_iter, w.batch_size)
-            r.leave()
-            results.setdefault(r.name, Result(r.name)).per_rank_sps.append(sps)
+            round_of(r)
         if progress is not None:
             progress(it + 1)
 

@@ -118,8 +118,17 @@ def jobs(cluster, tmp_path_factory):
     return results | {"stale session": stale}
 
 
+def _failure(output: str) -> str:
+    """What a failed job printed: its first error (which the tail of a job
+    whose ranks were then killed may not hold) and its last lines."""
+    lines = output.splitlines()
+    first = next((i for i, line in enumerate(lines) if "Traceback" in line or "Error" in line), None)
+    head = "" if first is None else "\n".join(lines[max(0, first - 3):first + 30]) + "\n[...]\n"
+    return head + output[-3000:]
+
+
 def _ok(r, bench=True):
-    assert (r["state"], r["exit"]) == ("COMPLETED", "0:0"), r["output"][-3000:]
+    assert (r["state"], r["exit"]) == ("COMPLETED", "0:0"), _failure(r["output"])
     if bench:  # the benchmark header: the hierarchical rows saw both fake nodes
         assert "#   nodes: 2 (slurm; ranks per node 2,2)" in r["output"]
 
