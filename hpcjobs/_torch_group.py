@@ -1,0 +1,314 @@
+"""The process group behind :mod:`hpcjobs.torch_backend` (its docstring
+says what runs on what): torch.distributed's calls queued to one worker
+thread per group and run on hpcjobs' collectives or MPI."""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.distributed import ReduceOp
+from torch.futures import Future
+
+from .collectives.agreement import agree_or_raise
+from ._torch_mpi import MPIOps, _cpu, _host, _into, _multiple, _same_shapes
+from .comm import private
+
+BACKEND = "hpcjobs"
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
+        ReduceOp.PRODUCT: "prod"}
+_BITWISE = {ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+_UNSUPPORTED = ("allgather_coalesced", "monitored_barrier", "split_group", "merge_remote_group")
+
+
+def _op_code(opts) -> object:
+    if opts is None:
+        return ReduceOp.SUM
+    op = opts.reduceOp.op if hasattr(opts.reduceOp, "op") else opts.reduceOp
+    if op not in _OPS and op not in _BITWISE:
+        raise NotImplementedError(f"the hpcjobs backend does not implement ReduceOp {op}")
+    return op
+
+
+class _Work(dist._Work):
+    """A queued operation: ``wait()`` blocks until the worker has run it and
+    raises what it raised (torch's future-wrapping Work does not)."""
+
+    def __init__(self, fut: Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()  # raises the operation's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> Future:
+        return self._fut
+
+
+class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
+    """A torch.distributed process group whose collectives are hpcjobs'
+    (module docstring). ``comm``: the MPI communicator of the group's ranks,
+    in group-rank order."""
+
+    def __init__(self, comm: MPI.Intracomm | None = None, algorithm: str | None = None):
+        comm = comm if comm is not None else MPI.COMM_WORLD
+        super().__init__(comm.Get_rank(), comm.Get_size())
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError("the hpcjobs backend needs MPI_THREAD_MULTIPLE (torch calls it from several "
+                               f"threads); this MPI gives level {MPI.Query_thread()}")
+        self._comm = private(comm)  # collective: here, on the creating thread
+        self._algorithm = algorithm or os.environ.get("HPCJOBS_TORCH_ALGORITHM", "auto")
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)
+        self._worker.start()
+        _live.add(self)
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run(*item)
+
+    @staticmethod
+    def _run(fn, fut: Future, result) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
+            fut.set_exception(e)
+        else:
+            fut.set_result(result)
+
+    def _submit(self, fn, result, tensors=()) -> dist.Work:
+        """Queue ``fn`` for the worker; a Work whose future gives ``result``."""
+        devices = {t.device for t in tensors if t.device.type == "cuda"}
+        for d in devices:
+            torch.cuda.current_stream(d).synchronize()
+        run = fn
+        if devices:
+            def run():
+                fn()
+                for d in devices:
+                    torch.cuda.current_stream(d).synchronize()
+        fut: Future = Future()
+        if threading.current_thread() is self._worker:
+            # Called from a callback chained on one of this group's futures
+            # (they run on the worker that completes them): DDP's PowerSGD
+            # hook issues and waits on collectives there. Run it now, in the
+            # same order on every rank; queued, it would wait for itself.
+            self._run(run, fut, result)
+        else:
+            self._queue.put((run, fut, result))
+        return _Work(fut)
+
+    def _agree(self, what: str, check=None, **fields) -> None:
+        """Every rank has the same ``fields`` and passed ``check`` (a callable
+        raising ValueError/TypeError/NotImplementedError on bad input), or
+        every rank raises (collective)."""
+        error = None
+        if check is not None:
+            try:
+                check()
+            except (ValueError, TypeError, NotImplementedError) as e:
+                error = e
+        agree_or_raise(self._comm, what, fields, error)
+
+    def getBackendName(self) -> str:  # noqa: N802 -- torch's name
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"HpcjobsProcessGroup(rank={self.rank()}, size={self.size()}, algorithm={self._algorithm!r})"
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the worker (``destroy_process_group``
+        calls it; so does interpreter exit, before MPI is finalized)."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            if threading.current_thread() is not self._worker:
+                self._worker.join()
+
+    # -- reductions ---------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        op = _op_code(opts)
+        return self._submit(lambda: [self._allreduce_one(t, op) for t in tensors], tensors, tensors)
+
+    def _allreduce_one(self, t: torch.Tensor, op) -> None:
+        if op in _BITWISE:
+            self._agree("allreduce", count=t.numel(), dtype=str(t.dtype), op=str(op))
+            work = _cpu(t)
+            self._comm.Allreduce(MPI.IN_PLACE, _host(work), op=_BITWISE[op])
+            _into(t, work)
+            return
+        from .collectives import allreduce
+
+        # count, dtype and op are agreed inside; CUDA tensors stay on the GPU
+        work = t if t.is_contiguous() else t.contiguous()
+        allreduce(work, _OPS[op], self._algorithm, self._comm)
+        _into(t, work)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op = _op_code(opts)
+
+        def run():
+            self._agree("allreduce_coalesced", count=len(tensors),
+                        dtypes=",".join(str(t.dtype) for t in tensors))
+            by_kind: dict = {}
+            for t in tensors:
+                by_kind.setdefault((t.dtype, t.device), []).append(t)
+            for group in by_kind.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                self._allreduce_one(flat, op)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+        return self._submit(run, tensors, tensors)
+
+    def reduce(self, tensors, opts):
+        op, root = _op_code(opts), opts.rootRank
+
+        def run():
+            # an allreduce whose result only the root keeps: the other
+            # ranks' tensors are left as they were
+            for t in tensors:
+                keep = None if self.rank() == root else t.detach().clone()
+                self._allreduce_one(t, op)
+                if keep is not None:
+                    t.copy_(keep)
+        return self._submit(run, tensors, tensors)
+
+    def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op) -> None:
+        from .collectives import ring_reduce_scatter
+
+        def check():
+            if flat.numel() != out.numel() * self.size():
+                raise ValueError(f"rank {self.rank()}: the input holds {flat.numel()} elements, not "
+                                 f"{self.size()} x the output's {out.numel()}")
+            if op in _BITWISE:
+                raise NotImplementedError(f"the hpcjobs backend does not implement reduce_scatter with {op}")
+        self._agree("reduce_scatter", check, count=flat.numel(), dtype=str(flat.dtype), op=str(op))
+        work = flat.detach().to("cpu").contiguous()  # a copy: the input is not ours to change
+        ring_reduce_scatter(work, _OPS[op], self._comm)
+        n = out.numel()
+        out.copy_(work[self.rank() * n:(self.rank() + 1) * n].view_as(out))
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=None):
+        op = _op_code(opts)
+
+        def run():
+            for out, parts in zip(output_tensors, input_lists):
+                self._agree("reduce_scatter", lambda: _same_shapes(parts, out, self.size()), parts=len(parts))
+                self._reduce_scatter_flat(out, torch.cat([p.reshape(-1) for p in parts]), op)
+        return self._submit(run, output_tensors, [*output_tensors, *[p for ps in input_lists for p in ps]])
+
+    def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002 -- torch's name
+        op = _op_code(opts)
+        return self._submit(lambda: self._reduce_scatter_flat(output, input.reshape(-1), op), output,
+                            [output, input])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        op = _op_code(opts)
+
+        def run():
+            for out, inp in zip(outputs, inputs):
+                self._reduce_scatter_flat(out, inp.reshape(-1), op)
+        return self._submit(run, outputs, [*outputs, *inputs])
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # -- gathers ------------------------------------------------------------
+
+    def _allgather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
+        from .collectives import ring_allgather, ring_allgatherv
+
+        def check():
+            if len(outs) != self.size():
+                raise ValueError(f"rank {self.rank()}: {len(outs)} output tensors for {self.size()} ranks")
+            if outs[self.rank()].numel() != inp.numel():
+                raise ValueError(f"rank {self.rank()}: its output holds {outs[self.rank()].numel()} elements, "
+                                 f"its input {inp.numel()}")
+            if any(o.dtype != inp.dtype for o in outs):
+                raise TypeError(f"rank {self.rank()}: outputs and input differ in dtype")
+        equal = len(outs) == self.size() and all(o.numel() == inp.numel() for o in outs)
+        self._agree("allgather", check, dtype=str(inp.dtype), equal=equal,
+                    sizes=",".join(str(o.numel()) for o in outs))
+        src = _cpu(inp).reshape(-1)
+        if equal:
+            n = inp.numel()
+            buf = torch.empty(self.size() * n, dtype=inp.dtype)
+            buf[self.rank() * n:(self.rank() + 1) * n] = src
+            ring_allgather(buf, self._comm)
+            parts = [buf[q * n:(q + 1) * n] for q in range(self.size())]
+        else:
+            got = ring_allgatherv([_host(src)], self._comm)
+            parts = [torch.from_numpy(np.ascontiguousarray(g[0])).view(inp.dtype) for g in got]
+        for o, part in zip(outs, parts):
+            o.copy_(part.view_as(o))
+
+    def allgather(self, output_lists, input_tensors, opts=None):
+        def run():
+            for outs, inp in zip(output_lists, input_tensors):
+                self._allgather_into(list(outs), inp)
+        return self._submit(run, output_lists, [*input_tensors, *[o for os_ in output_lists for o in os_]])
+
+    def all_gather_single(self, output, input, opts=None):  # noqa: A002 -- torch's name
+        def run():
+            self._agree("all_gather_into_tensor", lambda: _multiple(output, input, self.size()))
+            self._allgather_into(list(output.reshape(-1).chunk(self.size())), input)
+        return self._submit(run, output, [output, input])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        def run():
+            for o, i in zip(outputs, inputs):
+                self._agree("all_gather_into_tensor", lambda: _multiple(o, i, self.size()))
+                self._allgather_into(list(o.reshape(-1).chunk(self.size())), i)
+        return self._submit(run, outputs, [*outputs, *inputs])
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_lists, input_tensors, opts):
+        root = opts.rootRank
+
+        def run():  # an allgather that only the root keeps
+            inp = input_tensors[0]
+            outs = list(output_lists[0]) if self.rank() == root else [torch.empty_like(inp)
+                                                                      for _ in range(self.size())]
+            self._allgather_into(outs, inp)
+        return self._submit(run, output_lists, [*input_tensors])
+
+def _refuse(name: str):
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(f"the hpcjobs backend does not implement {name}")
+    refuse.__name__ = name
+    return refuse
+
+
+for _name in _UNSUPPORTED:
+    setattr(HpcjobsProcessGroup, _name, _refuse(_name))
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for pg in list(_live):
+        pg.shutdown()

@@ -1,0 +1,142 @@
+"""The MPI half of :mod:`hpcjobs.torch_backend`'s process group: the calls
+that move data without reducing it (broadcast, scatter, all-to-all,
+send/recv, barrier), on the group's private communicator, and the buffer
+helpers both halves use."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a contiguous CPU tensor (bfloat16 as its bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where it is a contiguous CPU tensor, else a CPU copy."""
+    return t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
+
+
+def _into(t: torch.Tensor, work: torch.Tensor) -> None:
+    """Copy a result back where ``work`` is a copy of ``t``."""
+    if work is not t:
+        t.copy_(work.view_as(t))
+
+
+def _same_shapes(parts, out: torch.Tensor, size: int) -> None:
+    if len(parts) != size or any(p.shape != out.shape for p in parts):
+        raise ValueError(f"{size} input tensors shaped like the output {tuple(out.shape)} are needed, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+
+
+def _multiple(output: torch.Tensor, input: torch.Tensor, size: int) -> None:  # noqa: A002
+    if output.numel() != input.numel() * size:
+        raise ValueError(f"the output holds {output.numel()} elements, not {size} x the input's {input.numel()}")
+
+
+def _counts(tensors, size: int) -> None:
+    if len(tensors) != size:
+        raise ValueError(f"{size} tensors (one per rank) are needed, got {len(tensors)}")
+
+
+class MPIOps:
+    """Mixed into :class:`~hpcjobs._torch_group.HpcjobsProcessGroup`, which
+    provides ``_submit``, ``_agree``, ``_comm``, ``rank()`` and ``size()``."""
+
+    def scatter(self, output_tensors, input_lists, opts):
+        root = opts.rootRank
+
+        def run():
+            out = output_tensors[0]
+
+            def check():
+                if self.rank() == root:
+                    _same_shapes(input_lists[0], out, self.size())
+            self._agree("scatter", check, count=out.numel(), dtype=str(out.dtype), root=root)
+            work = _cpu(out)
+            send = None
+            if self.rank() == root:
+                send = _host(torch.cat([_cpu(p).reshape(-1) for p in input_lists[0]]))
+            self._comm.Scatter(send, _host(work), root=root)
+            _into(out, work)
+        return self._submit(run, output_tensors, [*output_tensors])
+
+    def broadcast(self, tensors, opts):
+        root = opts.rootRank
+
+        def run():
+            for t in tensors:
+                self._agree("broadcast", count=t.numel(), dtype=str(t.dtype), root=root)
+                work = _cpu(t)
+                self._comm.Bcast(_host(work), root=root)
+                _into(t, work)
+        return self._submit(run, tensors, tensors)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        def run():
+            self._agree("alltoall", lambda: _counts(input_tensors, self.size()),
+                        dtype=str(input_tensors[0].dtype))
+            send = torch.cat([_cpu(t).reshape(-1) for t in input_tensors])
+            recv = torch.empty(sum(o.numel() for o in output_tensors), dtype=send.dtype)
+            self._alltoallv(send, [t.numel() for t in input_tensors], recv, [o.numel() for o in output_tensors])
+            off = 0
+            for o in output_tensors:
+                o.copy_(recv[off:off + o.numel()].view_as(o))
+                off += o.numel()
+        return self._submit(run, output_tensors, [*output_tensors, *input_tensors])
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        def run():
+            size = self.size()
+            row = input[0].numel() if input.dim() > 1 and input.shape[0] else max(1, int(np.prod(input.shape[1:])))
+            ins = list(input_split_sizes) or [input.shape[0] // size] * size
+            outs = list(output_split_sizes) or [output.shape[0] // size] * size
+            self._agree("all_to_all_single", dtype=str(input.dtype), row=row)
+            recv = torch.empty(output.numel(), dtype=output.dtype)
+            self._alltoallv(_cpu(input).reshape(-1), [n * row for n in ins], recv, [n * row for n in outs])
+            output.copy_(recv.view_as(output))
+        return self._submit(run, output, [output, input])
+
+    alltoall_base = all_to_all_single
+
+    def _alltoallv(self, send: torch.Tensor, scounts, recv: torch.Tensor, rcounts) -> None:
+        # every rank must expect what the others send it: one allgather of
+        # the send counts checks the whole matrix on every rank
+        matrix = np.array(self._comm.allgather(list(scounts)), dtype=np.int64)
+        expected = matrix[:, self.rank()].tolist()
+        mismatch = self._comm.allreduce(int(expected != list(rcounts)), op=MPI.MAX)
+        if mismatch:
+            raise ValueError(f"all_to_all: the ranks' send and receive sizes do not match (rank {self.rank()} "
+                             f"expects {list(rcounts)}, is sent {expected})")
+        sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(int).tolist()
+        rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(int).tolist()
+        self._comm.Alltoallv([_host(send), (list(scounts), sdispl)], [_host(recv), (list(rcounts), rdispl)])
+
+    def barrier(self, opts=None):
+        return self._submit(self._comm.Barrier, None)
+
+    # -- point to point -----------------------------------------------------
+
+    def send(self, tensors, dst: int, tag: int):
+        def run():
+            for t in tensors:
+                self._comm.Send(_host(_cpu(t)), dest=dst, tag=tag)
+        return self._submit(run, None, tensors)
+
+    def recv(self, tensors, src: int, tag: int):
+        def run():
+            for t in tensors:
+                work = _cpu(t)
+                self._comm.Recv(_host(work), source=src, tag=tag)
+                _into(t, work)
+        return self._submit(run, tensors, tensors)
+
+    def recv_anysource(self, tensors, tag: int):
+        raise NotImplementedError("the hpcjobs backend does not implement recv from any source; name the source")

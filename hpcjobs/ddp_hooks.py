@@ -1,0 +1,122 @@
+"""hpcjobs' compressors as DDP communication hooks.
+
+DDP hands a comm hook each gradient bucket (a flat tensor) and waits on the
+future it returns. :func:`register` installs one that sends the bucket
+through :func:`hpcjobs.compression.compressed_allreduce` -- each compressor
+on the collective it needs (fp16/bf16 and QSGD on an allreduce, top-k,
+random-k and 1-bit sign on an allgather, PowerSGD on two allreduces of its
+factors), with error feedback if asked::
+
+    import hpcjobs.torch_backend  # noqa: F401
+    from hpcjobs import ddp_hooks
+
+    dist.init_process_group("hpcjobs")          # or gloo: the hook brings its own communicator
+    model = DistributedDataParallel(model)
+    ddp_hooks.register(model, "topk:0.01", error_feedback=True)
+
+How it works:
+
+- The casts (``fp16``, ``bf16``) compress a bucket whole; the others work
+  per tensor (top-k per layer, PowerSGD's matrices), so the hook cuts the
+  bucket into its parameters' gradients and reduces each under its
+  parameter's name (error-feedback residuals, shared random draws; DDP
+  rebuilds its buckets after the first step, names do not change).
+- The hook queues the bucket to one worker thread per hook and returns at
+  once, so the exchange overlaps the rest of backward, as DDP's own
+  allreduce does; buckets run in the order DDP hands them over, which is
+  the same on every rank.
+- The hook reduces on a duplicate of ``comm`` (default ``COMM_WORLD``) made
+  when it is registered, whatever DDP's process group is; its ranks must be
+  DDP's ranks in the same order.
+- The step count (random-k's and PowerSGD's shared seed) advances after the
+  last bucket of each backward.
+"""
+
+# No ``from __future__ import annotations``: DDP reads the hook's return
+# annotation and wants the object torch.futures.Future[torch.Tensor].
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+from torch.futures import Future
+
+from .compression import ErrorFeedback, compressed_allreduce, make_compressor
+
+__all__ = ["HookState", "register", "compression_hook"]
+
+
+class HookState:
+    """What one registered hook keeps: the compressor, the residuals, the
+    step, the communicator and the worker thread.
+
+    Raises:
+        ValueError: an unknown compression, ``"none"``, or error feedback
+            with nothing to feed back.
+    """
+
+    def __init__(self, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,
+                 algorithm: str = "auto", seed: int = 0):
+        self.compressor = make_compressor(compression, seed=seed)
+        if self.compressor is None:
+            raise ValueError("compression 'none' needs no hook: DDP's own allreduce (on the hpcjobs backend, "
+                             "ours) does that")
+        self.memory = ErrorFeedback() if error_feedback else None
+        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()  # collective, here
+        self.algorithm = algorithm
+        self.step = 0
+        self.sent_bytes = 0
+        self.names: dict[int, str] = {}  # id(parameter) -> its name in the model, set by register()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._serve, name="hpcjobs-ddp-hook", daemon=True)
+        self._worker.start()
+
+    def _serve(self) -> None:
+        while True:
+            bucket, fut = self._queue.get()
+            try:
+                fut.set_result(self._reduce(bucket))
+            except BaseException as e:  # noqa: BLE001 -- DDP's wait raises it
+                fut.set_exception(e)
+
+    def _reduce(self, bucket) -> torch.Tensor:
+        buf = bucket.buffer()
+        names = [self.names.get(id(p), f"unnamed{i}") for i, p in enumerate(bucket.parameters())]
+        if self.compressor.fusable:
+            # DDP rebuilds its buckets after the first step: a bucket's
+            # residual is keyed by what it holds, not by its index
+            pieces = [("+".join(names), buf)]
+        else:
+            pieces, offset = [], 0
+            for name, g in zip(names, bucket.gradients()):
+                pieces.append((name, buf[offset:offset + g.numel()].view_as(g)))
+                offset += g.numel()
+        for name, grad in pieces:
+            avg, sent = compressed_allreduce(grad, self.compressor, self.memory, name=name, comm=self.comm,
+                                             algorithm=self.algorithm, step=self.step)
+            grad.copy_(avg)
+            self.sent_bytes += sent
+        if bucket.is_last():
+            self.step += 1
+        return buf
+
+
+def compression_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """The DDP comm hook (``model.register_comm_hook(state,
+    compression_hook)``): the bucket's average through ``state``'s
+    compressor, on a future the worker completes."""
+    fut: Future = Future()
+    state._queue.put((bucket, fut))
+    return fut
+
+
+def register(model, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,
+             algorithm: str = "auto", seed: int = 0) -> HookState:
+    """Install the hook on a ``DistributedDataParallel`` ``model`` (before its
+    first backward); returns its state (``sent_bytes``, ``step``). Collective
+    over ``comm``."""
+    state = HookState(compression, error_feedback, comm, algorithm, seed)
+    state.names = {id(p): n for n, p in model.module.named_parameters()}
+    model.register_comm_hook(state, compression_hook)
+    return state

@@ -1,0 +1,114 @@
+"""torch.distributed backend ``"hpcjobs"``: DDP and every torch.distributed
+call on hpcjobs' collectives, under mpirun or srun.
+
+Importing this module registers the backend::
+
+    import torch.distributed as dist
+    import hpcjobs.torch_backend  # noqa: F401  registers "hpcjobs"
+
+    dist.init_process_group("hpcjobs")       # rank and size from MPI
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+How it works:
+
+1. **Rendezvous.** ``init_process_group`` with no ``init_method`` uses
+   ``env://``, which wants ``MASTER_ADDR``. This backend needs no TCP
+   store: where ``MASTER_ADDR`` is unset, the ``env://`` handler installed
+   here takes rank and size from ``MPI_COMM_WORLD`` and gives torch a
+   process-local store (which nothing of ours reads). Where it is set,
+   torch's own handler runs, so Gloo or NCCL groups beside ours keep working.
+   Without ``MASTER_ADDR`` only this backend can start (a Gloo group would
+   wait on the local store until its timeout).
+2. **One process group = one MPI communicator.** The default group is
+   ``COMM_WORLD``; ``new_group(ranks)`` builds ``MPI_Comm_create_group`` over
+   those world ranks (only the members call the creator, as torch does).
+   Every group reduces on its own private duplicate, so no message of ours
+   meets a user's MPI traffic.
+3. **Asynchronous work.** Each group has one worker thread; a call queues
+   its operation and returns a ``Work`` carrying a ``torch.futures.Future``
+   that the worker completes (DDP calls ``allreduce`` from autograd's thread
+   and chains ``then`` callbacks on the future). One worker per group runs
+   the operations in the order they were issued, which is the same on every
+   rank, so the collectives match. This needs ``MPI_THREAD_MULTIPLE``
+   (mpi4py's default); a lower level is refused when the group starts.
+4. **What runs on what.** allreduce (sum, avg, min, max, product) and its
+   coalesced form on :func:`hpcjobs.collectives.allreduce` (``algorithm``:
+   ``HPCJOBS_TORCH_ALGORITHM``, default ``auto``); reduce-scatter on
+   :func:`ring_reduce_scatter`; allgather on :func:`ring_allgather` (equal
+   sizes) or :func:`ring_allgatherv`; broadcast, reduce, gather, scatter,
+   all-to-all, send/recv, barrier and the bitwise reductions on MPI. Shapes,
+   dtypes and ops are agreed across the ranks first: a rank that differs
+   gets :class:`~hpcjobs.collectives.agreement.MismatchError` on every rank
+   (from ``work.wait()``), never a wrong answer.
+5. **CUDA tensors** are reduced where they live (the GPU transports of
+   :mod:`hpcjobs.collectives`); the caller's stream is synchronized before
+   the worker reads them, and the worker's after it writes them.
+
+A call this backend does not implement raises ``NotImplementedError``
+naming it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ._torch_group import BACKEND, HpcjobsProcessGroup
+
+__all__ = ["BACKEND", "HpcjobsProcessGroup", "new_process_group"]
+
+
+def new_process_group(comm: MPI.Intracomm | None = None, algorithm: str | None = None) -> HpcjobsProcessGroup:
+    """A process group over ``comm`` (default COMM_WORLD) without making it
+    torch's default group: ``DistributedDataParallel(model,
+    process_group=new_process_group())`` beside a Gloo default group."""
+    return HpcjobsProcessGroup(comm, algorithm)
+
+
+def _create(opts, backend_options=None) -> HpcjobsProcessGroup:
+    """torch's creator hook (extended API): the group's world ranks give its
+    MPI communicator."""
+    world = MPI.COMM_WORLD
+    ranks = list(opts.global_ranks_in_group) or list(range(world.Get_size()))
+    if ranks == list(range(world.Get_size())):
+        comm = world
+    else:
+        comm = world.Create_group(world.Get_group().Incl(ranks))
+    if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
+        raise RuntimeError(f"the hpcjobs backend: torch gives this rank {opts.group_rank} of {opts.group_size}, "
+                           f"MPI {comm.Get_rank()} of {comm.Get_size()} (torch's ranks must be COMM_WORLD's)")
+    return HpcjobsProcessGroup(comm)
+
+
+def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):
+    """``env://`` without ``MASTER_ADDR``: rank and size from MPI, a local
+    store (module docstring, 1.); with it, torch's own handler."""
+    if os.environ.get("MASTER_ADDR"):
+        yield from _torch_env_rendezvous(url, timeout=timeout, **kwargs)
+        return
+    world = MPI.COMM_WORLD
+    store = dist.HashStore()
+    store.set_timeout(timeout)
+    yield store, world.Get_rank(), world.Get_size()
+    raise RuntimeError("the hpcjobs env:// rendezvous cannot re-rendezvous")
+
+
+def _register() -> None:
+    # the module, which torch.distributed's function of the same name hides
+    rendezvous = importlib.import_module("torch.distributed.rendezvous")
+
+    global _torch_env_rendezvous
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    handlers = rendezvous._rendezvous_handlers
+    if handlers.get("env") is not _env_rendezvous:
+        _torch_env_rendezvous = handlers["env"]
+        handlers["env"] = _env_rendezvous
+
+
+_torch_env_rendezvous = None
+_register()

@@ -1,0 +1,144 @@
+"""Every torch.distributed call a script makes, on backend "hpcjobs" under
+mpirun (``mpirun -n P python calls_script.py``), each checked against its
+closed form; prints "rank r: all calls ok"."""
+
+import torch
+import torch.distributed as dist
+
+import hpcjobs.torch_backend  # noqa: F401
+from hpcjobs.collectives.agreement import MismatchError
+
+dist.init_process_group("hpcjobs")  # no MASTER_ADDR: rank and size from MPI
+r, P = dist.get_rank(), dist.get_world_size()
+R = dist.ReduceOp
+tri = P * (P + 1) // 2  # sum of rank+1 over the ranks
+
+
+def full(v, n=5, dtype=torch.float32):
+    return torch.full((n,), v, dtype=dtype)
+
+
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64):
+    for op, want in ((R.SUM, tri), (R.MIN, 1), (R.MAX, P)):
+        t = full(r + 1, 7, dtype)
+        dist.all_reduce(t, op=op)
+        assert t.tolist() == [want] * 7, (dtype, op, t)
+t = full(float(r + 1))
+dist.all_reduce(t, op=R.AVG)
+assert torch.allclose(t, full((P + 1) / 2)), t
+t = full(float(r + 1))
+dist.all_reduce(t, op=R.PRODUCT)
+assert t.tolist() == [float(torch.arange(1, P + 1).prod())] * 5
+t = torch.tensor([1 << r, 3], dtype=torch.int64)
+dist.all_reduce(t, op=R.BOR)
+assert t.tolist() == [(1 << P) - 1, 3]
+t = torch.arange(12.).reshape(3, 4).t()  # not contiguous
+dist.all_reduce(t)
+assert torch.equal(t, P * torch.arange(12.).reshape(3, 4).t())
+work = dist.all_reduce(full(1.0), async_op=True)
+assert work.wait() and work.get_future().wait()[0].tolist() == [float(P)] * 5
+
+ts = [full(float(r)), full(1.0, 3)]
+dist.all_reduce_coalesced(ts)
+assert ts[0].tolist() == [P * (P - 1) / 2] * 5 and ts[1].tolist() == [P] * 3
+
+root = 1 % P
+b = torch.arange(4.) if r == root else torch.zeros(4)
+dist.broadcast(b, src=root)
+assert b.tolist() == [0, 1, 2, 3]
+objs = [{"rank": r}] if r == root else [None]
+dist.broadcast_object_list(objs, src=root)
+assert objs == [{"rank": root}]
+
+outs = [torch.zeros(2) for _ in range(P)]
+dist.all_gather(outs, full(float(r), 2))
+assert [o.tolist() for o in outs] == [[q, q] for q in range(P)]
+uneven = [torch.zeros(q + 1) for q in range(P)]  # rank q sends q+1 elements
+dist.all_gather(uneven, full(float(r), r + 1))
+assert [o.tolist() for o in uneven] == [[q] * (q + 1) for q in range(P)]
+o = torch.zeros(2 * P)
+dist.all_gather_into_tensor(o, full(float(r), 2))
+assert o.tolist() == [q for q in range(P) for _ in range(2)]
+gathered = [None] * P
+dist.all_gather_object(gathered, ("r", r, "x" * r))
+assert gathered == [("r", q, "x" * q) for q in range(P)]
+
+inp = torch.arange(2. * P) + r
+out = torch.zeros(2)
+dist.reduce_scatter_tensor(out, inp)
+total = P * torch.arange(2. * P) + P * (P - 1) / 2
+assert out.tolist() == total[2 * r:2 * r + 2].tolist()
+out = torch.zeros(2)
+dist.reduce_scatter(out, [full(float(q + r), 2) for q in range(P)])
+assert out.tolist() == [P * r + P * (P - 1) / 2] * 2
+
+ins = torch.arange(P, dtype=torch.float32) + 10 * r
+got = torch.zeros(P)
+dist.all_to_all_single(got, ins)
+assert got.tolist() == [10 * q + r for q in range(P)]
+# uneven splits: rank r sends q+1 rows to rank q
+send = torch.cat([full(float(10 * r + q), q + 1) for q in range(P)]).reshape(-1, 1)
+recv = torch.zeros(P * (r + 1), 1)
+dist.all_to_all_single(recv, send, output_split_sizes=[r + 1] * P, input_split_sizes=[q + 1 for q in range(P)])
+assert recv.reshape(-1).tolist() == [10 * q + r for q in range(P) for _ in range(r + 1)]
+lists_out = [torch.zeros(1) for _ in range(P)]
+dist.all_to_all(lists_out, [full(float(10 * r + q), 1) for q in range(P)])
+assert [x.item() for x in lists_out] == [10 * q + r for q in range(P)]
+
+t = full(float(r + 1))
+dist.reduce(t, dst=0)
+assert t.tolist() == ([float(tri)] * 5 if r == 0 else [float(r + 1)] * 5)
+gl = [torch.zeros(1) for _ in range(P)] if r == 0 else None
+dist.gather(full(float(r), 1), gl, dst=0)
+assert r != 0 or [x.item() for x in gl] == list(range(P))
+sc = torch.zeros(2)
+dist.scatter(sc, [full(float(q), 2) for q in range(P)] if r == 0 else None, src=0)
+assert sc.tolist() == [r, r]
+
+if r == 0:
+    dist.send(torch.arange(3.), dst=P - 1)
+if r == P - 1:
+    x = torch.zeros(3)
+    dist.recv(x, src=0)
+    assert x.tolist() == [0, 1, 2]
+req = dist.isend(full(float(r), 1), dst=(r + 1) % P)
+x = torch.zeros(1)
+dist.irecv(x, src=(r - 1) % P).wait()
+req.wait()
+assert x.item() == (r - 1) % P
+dist.barrier()
+
+# a subgroup: the even ranks
+evens = list(range(0, P, 2))
+sub = dist.new_group(evens, backend="hpcjobs")
+if r in evens:
+    t = full(1.0)
+    dist.all_reduce(t, group=sub)
+    assert t.tolist() == [len(evens)] * 5
+
+# a rank that differs fails on every rank, with one message, and nothing hangs
+try:
+    dist.all_reduce(torch.ones(3 + r))
+    raise AssertionError("a count mismatch went through")
+except MismatchError as e:
+    assert "count differs" in str(e), e
+try:
+    dist.all_reduce(torch.ones(3, dtype=torch.float32 if r else torch.float64))
+    raise AssertionError("a dtype mismatch went through")
+except MismatchError as e:
+    assert "dtype differs" in str(e), e
+try:
+    dist.broadcast(torch.ones(2 + r), src=0)
+    raise AssertionError("a broadcast of different sizes went through")
+except MismatchError as e:
+    assert "count differs" in str(e), e
+try:
+    dist.monitored_barrier()
+    raise AssertionError("monitored_barrier went through")
+except (NotImplementedError, ValueError) as e:  # torch refuses it for any backend but Gloo
+    assert "monitored_barrier" in str(e), e
+t = full(1.0)
+dist.all_reduce(t)  # still in step after the errors
+assert t.tolist() == [float(P)] * 5
+dist.destroy_process_group()
+print(f"rank {r}: all calls ok")

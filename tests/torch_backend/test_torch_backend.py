@@ -1,0 +1,201 @@
+"""The torch.distributed backend "hpcjobs": every call against its closed
+form, a plain DDP script against Gloo and against one process on the whole
+batch, DDP's own comm hooks and ours over it."""
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from hpcjobs.collectives.agreement import MismatchError
+from hpcjobs.torch_backend import new_process_group
+from launch import _mpirun_prefix, launch_env, run
+
+HERE = Path(__file__).resolve().parent
+torch.set_num_threads(1)
+
+
+def _launch(n, script, *args, env=None):
+    with launch_env(env) as e:
+        return run([*_mpirun_prefix(n), "-W", "ignore", str(HERE / script), *map(str, args)], 240, e)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(backend, n, out, hook=""):
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if backend == "gloo" else {}
+    proc = _launch(n, "ddp_script.py", backend, out, hook, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(proc.stdout.split("\n"))[-n:] == [f"rank {r}: done" for r in range(n)], proc.stdout
+    return torch.load(out)
+
+
+def _reference(n):
+    """ddp_script.py's training in one process on the whole batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(20, 8 * n, 20, generator=g), torch.randint(0, 5, (20, 8 * n), generator=g)
+    for step in range(20):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[step]), y[step]).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_torch_distributed_call_on_the_hpcjobs_backend(n):
+    proc = _launch(n, "calls_script.py")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(line for line in proc.stdout.split("\n") if line.endswith("ok")) == \
+        [f"rank {r}: all calls ok" for r in range(n)], proc.stdout
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_ddp_script_trains_to_the_parameters_gloo_gives(n, tmp_path):
+    """The bar: 20 steps, backend "hpcjobs" against "gloo", 1e-5; and both
+    against one process on the P*b batch."""
+    ours = _train("hpcjobs", n, tmp_path / "ours.pt")
+    gloo = _train("gloo", n, tmp_path / "gloo.pt")
+    assert _rel(ours, gloo) <= 1e-5, _rel(ours, gloo)
+    assert _rel(ours, _reference(n)) <= 1e-5, _rel(ours, _reference(n))
+
+
+def test_ddp_own_comm_hooks_run_over_it(tmp_path):
+    fp16 = _train("hpcjobs", 2, tmp_path / "fp16.pt", "fp16")
+    fp16_gloo = _train("gloo", 2, tmp_path / "fp16-gloo.pt", "fp16")
+    assert _rel(fp16, fp16_gloo) <= 1e-5, _rel(fp16, fp16_gloo)
+    powersgd = _train("hpcjobs", 2, tmp_path / "powersgd.pt", "powersgd")  # the script checks the ranks agree
+    ref = _reference(2)
+    assert 0 < _rel(powersgd, ref) < 0.5, _rel(powersgd, ref)  # rank 2 of 1024-wide layers: close, not equal
+
+
+@pytest.mark.parametrize("compression", ["fp16", "topk:0.3", "powersgd:2"])
+def test_our_compressors_as_ddp_comm_hooks(compression, tmp_path):
+    got = _train("hpcjobs", 2, tmp_path / "c.pt", f"hpcjobs:{compression}")
+    ref = _reference(2)
+    bound = 1e-3 if compression == "fp16" else 0.5
+    assert _rel(got, ref) < bound, _rel(got, ref)
+
+
+# -- in-process, under mpirun: the process group's own methods -------------
+
+def _opts(kind, **kw):
+    o = getattr(dist, kind)()
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+@pytest.fixture(scope="module")
+def pg():
+    group = new_process_group()
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
+                                                       torch.int64)
+                                      for o in ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
+                                      if d.is_floating_point or o != "AVG"])  # AVG: floating point
+def test_allreduce_matches_the_closed_form(pg, dtype, op):
+    r, p = pg.rank(), pg.size()
+    t = torch.full((11,), r + 1, dtype=dtype)
+    pg.allreduce([t], _opts("AllreduceOptions", reduceOp=getattr(dist.ReduceOp, op))).wait()
+    vals = np.arange(1, p + 1, dtype=np.float64)
+    want = {"SUM": vals.sum(), "AVG": vals.mean(), "MIN": 1, "MAX": p, "PRODUCT": vals.prod()}[op]
+    assert torch.allclose(t.double(), torch.full((11,), float(want), dtype=torch.float64), rtol=1e-2 if
+                          dtype == torch.bfloat16 else 1e-12)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_allreduce_equals_mpi_allreduce_on_random_data(pg):
+    rng = np.random.default_rng(pg.rank())
+    data = rng.standard_normal(10_001)
+    want = data.copy()
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, want)
+    t = torch.from_numpy(data.copy())
+    pg.allreduce([t]).wait()
+    np.testing.assert_allclose(t.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_differs_fails_on_every_rank_and_the_group_goes_on(pg):
+    r, p = pg.rank(), pg.size()
+    with pytest.raises(MismatchError, match="count differs"):
+        pg.allreduce([torch.ones(4 + (r == p - 1))]).wait()
+    with pytest.raises(MismatchError, match="dtype differs"):
+        pg.allreduce([torch.ones(4, dtype=torch.float64 if r == 0 else torch.float32)]).wait()
+    with pytest.raises(MismatchError, match="op differs"):
+        op = dist.ReduceOp.MAX if r == 0 else dist.ReduceOp.SUM
+        pg.allreduce([torch.ones(4)], _opts("AllreduceOptions", reduceOp=op)).wait()
+    with pytest.raises(MismatchError):  # one output too few on the last rank
+        outs = [torch.zeros(2) for _ in range(p - (r == p - 1))]
+        pg.allgather([outs], [torch.ones(2)]).wait()
+    t = torch.ones(3)
+    pg.allreduce([t]).wait()
+    assert t.tolist() == [p] * 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_reduce_scatter_allgather_alltoall_round_trip(pg):
+    r, p = pg.rank(), pg.size()
+    inp = torch.arange(3.0 * p) * (r + 1)
+    out = torch.zeros(3)
+    pg.reduce_scatter_single(out, inp).wait()
+    tri = p * (p + 1) / 2
+    assert out.tolist() == (torch.arange(3.0 * p) * tri)[3 * r:3 * r + 3].tolist()
+    full = torch.zeros(3 * p)
+    pg.all_gather_single(full, out).wait()
+    assert full.tolist() == (torch.arange(3.0 * p) * tri).tolist()
+    outs = [torch.zeros(q + 1, dtype=torch.int64) for q in range(p)]
+    pg.allgather([outs], [torch.full((r + 1,), r)]).wait()
+    assert [o.tolist() for o in outs] == [[q] * (q + 1) for q in range(p)]
+    send = torch.arange(p * 2.0).reshape(p, 2) + 100 * r
+    recv = torch.zeros(p, 2)
+    pg.alltoall_base(recv, send, [], []).wait()
+    assert recv.tolist() == [[100 * q + 2 * r, 100 * q + 2 * r + 1] for q in range(p)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unimplemented_calls_say_so(pg):
+    with pytest.raises(NotImplementedError, match="allgather_coalesced"):
+        pg.allgather_coalesced([], [])
+    with pytest.raises(NotImplementedError, match="recv from any source"):
+        pg.recv_anysource([torch.zeros(1)], 0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_ddp_on_a_group_beside_the_default_one_equals_one_process(pg):
+    """DDP(process_group=new_process_group()): P ranks x 8 samples equal
+    one process x 8P samples after 20 steps (1e-5)."""
+    r, p = pg.rank(), pg.size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg, bucket_cap_mb=0.002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(20, 8 * p, 20, generator=g), torch.randint(0, 5, (20, 8 * p), generator=g)
+    for step in range(20):
+        opt.zero_grad()
+        mine = slice(8 * r, 8 * (r + 1))
+        torch.nn.functional.cross_entropy(ddp(x[step, mine]), y[step, mine]).backward()
+        opt.step()
+    got = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    assert _rel(got, _reference(p)) <= 1e-5
