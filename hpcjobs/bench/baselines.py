@@ -33,7 +33,7 @@ from mpi4py import MPI
 from ..collectives._buffers import OP_TABLE, as_flat, check_op, finish_avg, torch_view
 from ..comm import private
 from ..topology import detect_private
-from . import horovod
+from . import doors, horovod
 from .horovod import Unavailable, horovod_allreduce, horovod_supports
 from .names import BASELINES
 
@@ -239,6 +239,7 @@ def shutdown() -> None:
     so a long-lived process (a test session) stops paying for their threads."""
     global _torch_dist_backend
     horovod.stop()
+    doors.stop()
     if _torch_dist_backend is not None:
         import torch.distributed as dist
 
@@ -257,6 +258,8 @@ ADAPTERS: dict[str, tuple[Callable, Callable[[str], bool], Callable | None]] = {
     "nccl": (tensor_allreduce, nccl_supports, cuda_stage),
     "horovod": (horovod_allreduce, horovod_supports, None),
     "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports, None),
+    "ddp-hpcjobs": (doors.backend_allreduce, doors.door_supports, None),
+    "hvd-hpcjobs": (doors.hvd_api_allreduce, doors.door_supports, None),
 }
 # Measured after everything else, each in a pass of its own, in this order:
 # Horovod's coordinator thread burns about half a core on rank 0 from

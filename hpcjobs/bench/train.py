@@ -116,18 +116,30 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
                                    compression=make_compressor(compression), fusion_bytes=w.fusion_bytes,
                                    overlap=overlap)
         return _Runner(name, model, loss_step(opt), close=opt.close)
-    if name == "ddp":
+    if name in ("ddp", "ddp-hpcjobs"):
         from torch.nn.parallel import DistributedDataParallel
 
-        ensure_process_group(comm)
-        ddp = DistributedDataParallel(model)
+        if name == "ddp":
+            ensure_process_group(comm)  # Gloo, torch's default group
+            ddp = DistributedDataParallel(model)
+        else:  # the same DDP on a group of the hpcjobs backend
+            from ..torch_backend import new_process_group
+
+            group = new_process_group(comm)
+            ddp = DistributedDataParallel(model, process_group=group)
         opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=0.9)
 
         def step():
             opt.zero_grad()
             F.cross_entropy(ddp(x), y).backward()
             opt.step()
-        return _Runner(name, model, step)
+        return _Runner(name, model, step, close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
+    if name == "hvd-hpcjobs":
+        from ..horovod import torch as hvd_api
+
+        hvd_api.init(comm)
+        opt = hvd_api.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        return _Runner(name, model, loss_step(opt), close=hvd_api.shutdown)
     if name == "horovod":
         hvd = horovod.start(comm)  # runs until its block is measured (module docstring, 5.)
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
@@ -142,10 +154,11 @@ def check_impl(name: str) -> tuple[str, str, str] | None:
     Raises:
         ValueError: an unknown implementation, algorithm, compression or overlap.
     """
-    if name in ("single", "ddp", "horovod"):
+    if name in ("single", "ddp", "horovod", "ddp-hpcjobs", "hvd-hpcjobs"):
         return None
     if not name.startswith("ours:"):
-        raise ValueError(f"unknown implementation {name!r}; choose from single, ddp, horovod, "
+        raise ValueError(f"unknown implementation {name!r}; choose from single, ddp, horovod, ddp-hpcjobs, "
+                         "hvd-hpcjobs, "
                          "ours:<algorithm>[+<compression>][/thread|/none]")
     spec, _, overlap = name[len("ours:"):].partition("/")
     algorithm, _, compression = spec.partition("+")

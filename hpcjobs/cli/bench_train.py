@@ -16,7 +16,9 @@ from .args import check_outputs, comma_list, dataclass_values, parse_bytes, posi
 
 def configure(p) -> None:
     p.add_argument("--impl", default=",".join(TRAIN_IMPLS),
-                   help="comma-separated: single, ours:<algorithm>[+<compression>][/thread|/none], ddp, horovod "
+                   help="comma-separated: single, ours:<algorithm>[+<compression>][/thread|/none], ddp, horovod, "
+                        "ddp-hpcjobs (DDP on the hpcjobs torch.distributed backend), hvd-hpcjobs (our "
+                        "Horovod-compatible API) "
                         f"(default: {','.join(TRAIN_IMPLS)})")
     p.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
     p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
