@@ -1,0 +1,65 @@
+"""Horovod's helpers (``horovod/torch/functions.py``): start every rank
+from the same model and optimizer, and move Python objects.
+
+- ``broadcast_parameters(params, root_rank)``: every tensor in one grouped
+  broadcast (:func:`~hpcjobs.horovod._ops.submit_broadcast`: one agreement
+  on all the shapes, then an ``MPI_Bcast`` per tensor), in place; CPU or
+  CUDA tensors. A dict (``model.state_dict()``) goes in sorted name order,
+  as Horovod's does; lists of tensors or of ``(name, tensor)`` pairs, and
+  the generators ``model.parameters()`` and ``model.named_parameters()``,
+  in their order.
+- ``broadcast_optimizer_state(optimizer, root_rank)``: root's
+  ``state_dict()`` -- state tensors, step counts and hyper-parameters such
+  as the learning rate -- loaded on every other rank, with
+  :func:`hpcjobs.training.broadcast_optimizer_state`. Any optimizer (L-BFGS
+  too, which Horovod refuses), an ``hvd.DistributedOptimizer``, or an
+  :class:`hpcjobs.training.DistributedOptimizer`.
+- ``broadcast_object`` / ``allgather_object``: pickled with mpi4py's
+  object collectives (``pickle``, not Horovod's ``cloudpickle``: lambdas
+  and local classes do not travel).
+
+All run on the ``hvd`` worker thread, in order with the other collectives.
+"""
+
+from __future__ import annotations
+
+from . import _collectives as C
+from ._handles import run, synchronize
+from ._ops import submit_broadcast
+from ._state import check_process_set, global_process_set, world
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
+
+
+def broadcast_parameters(params, root_rank: int) -> None:
+    """Overwrite every tensor in ``params`` with root's, in place (module
+    docstring); the same tensors, in the same order, on every rank."""
+    items = sorted(params.items()) if isinstance(params, dict) else params
+    tensors = [p[1] if isinstance(p, tuple) else p for p in items]
+    if tensors:
+        synchronize(submit_broadcast(tensors, root_rank, None))
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
+    """Load root's optimizer state on every rank (module docstring).
+    ``model`` is accepted for Horovod's signature; sparse parameters need no
+    special care here."""
+    from ..training.broadcast import broadcast_optimizer_state as broadcast_state
+
+    w = world()
+    if not 0 <= root_rank < w.size:
+        raise ValueError(f"root_rank {root_rank} is not one of the {w.size} ranks")
+    run("broadcast_optimizer_state", None, lambda: broadcast_state(optimizer, root_rank, comm=w.ops))
+
+
+def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``obj`` on every rank (pickled)."""
+    check_process_set(process_set)
+    comm = world().ops
+    return run("broadcast_object", name, lambda: C.broadcast_object(obj, root_rank, name, comm))
+
+
+def allgather_object(obj, name=None) -> list:
+    """Every rank's ``obj`` (pickled), as a list in rank order."""
+    comm = world().ops
+    return run("allgather_object", name, lambda: C.allgather_object(obj, name, comm))

@@ -1,0 +1,264 @@
+"""``hvd.DistributedOptimizer``: Horovod's optimizer wrapper, reducing
+gradients with :class:`hpcjobs.training.DistributedOptimizer`.
+
+What it returns. Horovod builds, at run time, a subclass of the wrapped
+optimizer's class, so that scripts go on treating the result as that
+optimizer: ``isinstance(opt, torch.optim.SGD)``, learning-rate schedulers
+(which insist on a ``torch.optim.Optimizer``), ``opt.param_groups``,
+``opt.state_dict()``. So do we: the class is
+``type(name, (_DistributedOptimizer, optimizer.__class__), {})`` and the
+object starts with the wrapped optimizer's attributes -- the same
+``param_groups`` and ``state`` objects, so a change made through either
+shows in both (what shadows a method on the original, such as a scheduler's
+``step`` wrapper, stays behind). Its ``step()`` reduces the gradients, then
+runs the original class's ``step``.
+
+How the gradients are reduced:
+
+- parameters on the CPU: :class:`hpcjobs.training.DistributedOptimizer`
+  (buckets of ``fusion_bytes``, reduced during backward on its
+  communication thread, compressed as ``compression`` says). It averages;
+  Horovod's ``op`` and ``gradient_predivide_factor`` become scale factors
+  around the average: Average with factor f is x1/f before and xf after
+  (Horovod's split), Sum is the average times P (the sum, up to rounding).
+  Its thread needs ``MPI_THREAD_MULTIPLE`` here (the ``hvd`` worker may be
+  in a collective at the same time); with less it reduces in ``step()``;
+- parameters on a GPU, which that class does not take: ``synchronize()``
+  reduces every gradient with ``hvd.grouped_allreduce_`` (one fused
+  allreduce per dtype, on the device), after backward rather than during
+  it; compression: ``Compression.none``, ``fp16``, ``bf16`` or a user's
+  Horovod-style class;
+- one rank: nothing is reduced or compressed, as in Horovod.
+
+The rest is Horovod's: ``synchronize()``, ``skip_synchronize()`` (call
+``synchronize()``, change the gradients -- clip them, say -- then ``step()``
+inside the context), ``zero_grad()`` refused between backward and the
+reduction, ``set_backward_passes_per_step``, and default names
+``allreduce.noname.<group>.<index>``. ``groups`` and ``num_groups`` are
+checked as Horovod checks them and otherwise unused: hpcjobs fuses the
+gradients into buckets by size (:mod:`hpcjobs.training.buckets`), not by
+groups. ``sparse_as_dense=True`` turns a sparse gradient (``nn.Embedding(
+sparse=True)``) dense once it has accumulated, before it is reduced, and it
+stays dense for the update (Horovod makes it sparse again); without it,
+sparse gradients are not reduced. Refused: ``op`` Adasum, Min, Max or
+Product, and process sets other than the global one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+
+import torch
+from mpi4py import MPI
+
+from ..training.distributed import DistributedOptimizer as _Engine
+from ._allreduce import grouped_allreduce_
+from ._collectives import scale
+from ._compression import Compression, _Ours, engine_compressor
+from ._state import Average, Sum, check_process_set, global_process_set, reduce_op, world
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _DistributedOptimizer:
+    """Placed before the wrapped optimizer's class (module docstring)."""
+
+    def synchronize(self) -> None:
+        """Reduce the gradients now and leave the result in ``.grad``."""
+        if self._hvd_reducer is not None:
+            self._hvd_reducer.synchronize()
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside the context does not reduce (after ``synchronize()``)."""
+        self._hvd_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._hvd_should_synchronize = True
+
+    def step(self, closure=None):
+        if self._hvd_should_synchronize:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._hvd_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hvd_reducer is not None and self._hvd_reducer.pending:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
+                                 "cause a race condition.")
+        return super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict):
+        self._hvd_synchronized = False
+        return super().load_state_dict(state_dict)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        if self._hvd_reducer is not None:
+            self._hvd_reducer.backward_passes_per_step = passes
+
+
+class _EngineReducer(_Engine):
+    """hpcjobs' optimizer as a gradient reducer, with scale factors around
+    each bucket's average (its ``step`` is never called)."""
+
+    def __init__(self, optimizer, named, comm, compression, backward_passes_per_step, prescale, postscale):
+        self.prescale, self.postscale = prescale, postscale
+        overlap = "auto" if MPI.Query_thread() == MPI.THREAD_MULTIPLE else "none"
+        super().__init__(optimizer, named, comm=comm, compression=compression,
+                         backward_passes_per_step=backward_passes_per_step, overlap=overlap)
+
+    def _reduce(self, bucket) -> None:
+        scale(bucket.buffer, self.prescale)
+        super()._reduce(bucket)
+        scale(bucket.buffer, self.postscale)
+
+    @property
+    def pending(self) -> bool:
+        """Some gradient has arrived since the last reduction."""
+        return any(self._passes.values())
+
+
+class _DeviceReducer:
+    """Gradients on a GPU: one grouped allreduce of all of them, in
+    ``synchronize()``."""
+
+    pending = False
+
+    def __init__(self, params: list, compression, op: int, prescale: float, postscale: float):
+        if isinstance(compression, _Ours):
+            raise ValueError(f"{compression!r} compresses CPU parameters only (hpcjobs.training.DistributedOptimizer"
+                             "); on a GPU use Compression.none, Compression.fp16 or Compression.bf16")
+        self.params, self.compression = params, compression
+        self.op, self.prescale, self.postscale = op, prescale, postscale
+
+    def synchronize(self) -> None:
+        for p in self.params:
+            if p.grad is None:  # not computed here, maybe elsewhere: contribute zeros
+                p.grad = torch.zeros_like(p)
+        pairs = [self.compression.compress(p.grad) for p in self.params]
+        reduced = grouped_allreduce_([c for c, _ in pairs], op=self.op, prescale_factor=self.prescale,
+                                     postscale_factor=self.postscale)
+        for p, r, (_, ctx) in zip(self.params, reduced, pairs):
+            out = self.compression.decompress(r, ctx)
+            if out is not p.grad:
+                p.grad.copy_(out)
+
+    def close(self) -> None:
+        """Nothing to release (the engine's counterpart removes its hooks)."""
+
+
+def _named(optimizer: torch.optim.Optimizer, named_parameters) -> list:
+    """``named_parameters`` checked as Horovod checks it (None: Horovod's default names)."""
+    if named_parameters is None:
+        return [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])]
+    named = list(named_parameters)
+    if any(not isinstance(p, tuple) for p in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    names = [n for n, _ in named]
+    dups = sorted({n for n in names if names.count(n) > 1})
+    if dups:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+    unnamed = {id(p) for g in optimizer.param_groups for p in g["params"]} - {id(p) for _, p in named}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         f"Python object ids: {', '.join(map(str, unnamed))}")
+    return named
+
+
+def _check_groups(groups) -> None:
+    if groups is None:
+        return
+    if not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+
+
+def _reducer(optimizer, named: list, compression, backward_passes_per_step: int, op: int, predivide: float):
+    w = world()
+    if w.size == 1:
+        return None
+    updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params = [(n, p) for n, p in named if id(p) in updated and p.requires_grad]
+    if all(p.device.type == "cpu" for _, p in params):
+        prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, float(w.size))
+        return _EngineReducer(optimizer, params, w.comm, engine_compressor(compression), backward_passes_per_step,
+                              prescale, postscale)
+    prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
+    return _DeviceReducer([p for _, p in params], compression, op, prescale, postscale)
+
+
+def _densify(param: torch.Tensor) -> None:
+    """After accumulation, before the reducer's hook (``sparse_as_dense=True``):
+    a sparse gradient turns dense."""
+    if param.grad.is_sparse:
+        param.grad = param.grad.to_dense()
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """``optimizer``, now reducing gradients over the ranks before each step
+    (module docstring); an instance of ``optimizer``'s class.
+
+    Raises:
+        ValueError: Horovod's argument errors; op Adasum, Min, Max or Product.
+        NotImplementedError: a process set other than the global one.
+    """
+    check_process_set(process_set)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    op = reduce_op(op, None)
+    if op not in (Average, Sum):
+        raise ValueError("hvd.DistributedOptimizer reduces gradients with op=hvd.Average or op=hvd.Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=2)
+        groups = num_groups if groups is None else groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    _check_groups(groups)
+    named = _named(optimizer, named_parameters)
+    hooks = ([p.register_post_accumulate_grad_hook(_densify) for _, p in named if p.requires_grad]
+             if sparse_as_dense else [])
+    reducer = _reducer(optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor)
+
+    cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
+    opt = cls.__new__(cls)
+    opt.__dict__.update({k: v for k, v in vars(optimizer).items() if not callable(getattr(type(optimizer), k, None))})
+    opt.backward_passes_per_step = backward_passes_per_step
+    opt.op, opt.gradient_predivide_factor = op, gradient_predivide_factor
+    opt.sparse_as_dense, opt.process_set = sparse_as_dense, process_set
+    opt._hvd_reducer, opt._hvd_synchronized, opt._hvd_should_synchronize = reducer, False, True
+    # The engine's hooks live on the parameters: remove them with the optimizer.
+    weakref.finalize(opt, _release, reducer, hooks)
+    return opt
+
+
+def _release(reducer, hooks: list) -> None:
+    if reducer is not None:
+        reducer.close()
+    for h in hooks:
+        h.remove()
