@@ -13,7 +13,11 @@ from the same model and optimizer, and move Python objects.
   as the learning rate -- loaded on every other rank, with
   :func:`hpcjobs.training.broadcast_optimizer_state`. Any optimizer (L-BFGS
   too, which Horovod refuses), an ``hvd.DistributedOptimizer``, or an
-  :class:`hpcjobs.training.DistributedOptimizer`.
+  :class:`hpcjobs.training.DistributedOptimizer`. Like Horovod, an
+  optimizer with no state yet first takes one local step on zero gradients
+  to create it (momentum buffers, Adam's moments): with weight decay that
+  step moves the parameters, and a script gets Horovod's numbers only if
+  it happens here too.
 - ``broadcast_object`` / ``allgather_object``: pickled with mpi4py's
   object collectives (``pickle``, not Horovod's ``cloudpickle``: lambdas
   and local classes do not travel).
@@ -22,6 +26,8 @@ All run on the ``hvd`` worker thread, in order with the other collectives.
 """
 
 from __future__ import annotations
+
+import torch
 
 from . import _collectives as C
 from ._handles import run, synchronize
@@ -49,7 +55,27 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
     w = world()
     if not 0 <= root_rank < w.size:
         raise ValueError(f"root_rank {root_rank} is not one of the {w.size} ranks")
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer)
     run("broadcast_optimizer_state", None, lambda: broadcast_state(optimizer, root_rank, comm=w.ops))
+
+
+def _initialize_state(optimizer) -> None:
+    """Horovod's state initialization: zero gradients where none are, and
+    one step of the wrapped optimizer alone (no reduction, so no rank waits
+    on another)."""
+    from ..training.distributed import DistributedOptimizer as Engine
+    from ._optimizer import _DistributedOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, Engine) else optimizer
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    if isinstance(inner, _DistributedOptimizer):
+        super(_DistributedOptimizer, inner).step()
+    else:
+        inner.step()
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
