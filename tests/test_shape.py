@@ -136,6 +136,11 @@ def test_the_public_names_import():
     from hpcjobs.topology import detect  # noqa: F401
     from hpcjobs.training import (DistributedOptimizer, TrainConfig, broadcast_optimizer_state,  # noqa: F401
                                   broadcast_parameters, schedule, train)
+    from hpcjobs import ddp_hooks  # noqa: F401
+    from hpcjobs.horovod import torch as hvd
+    from hpcjobs.torch_backend import new_process_group  # noqa: F401
+    from hpcjobs.training.resnet import resnet18, resnet50  # noqa: F401
+    assert callable(hvd.DistributedOptimizer) and callable(ddp_hooks.register)
 
     import hpcjobs
     import hpcjobs.collectives
