@@ -47,6 +47,7 @@ from ..comm import agree
 from ..compression import make_compressor
 from ..training import DistributedOptimizer
 from ..training.config import OVERLAPS
+from ..training.config import IMAGE_MODELS
 from ..training.models import build_model
 from . import horovod
 from .baselines import available, ensure_process_group, shutdown
@@ -61,7 +62,8 @@ class Workload:
     model: str
     width: int
     batch_norm: bool
-    input_size: int  # features per sample
+    input_size: int  # features per sample (mlp, cnn1d)
+    image_size: int  # pixels per side (the ResNets: 3 x image_size x image_size)
     num_classes: int
     batch_size: int  # samples per rank per step
     fusion_bytes: int  # our bucket size
@@ -94,6 +96,14 @@ class _Runner:
 
 def _make_model(w: Workload, seed_state):
     torch.set_rng_state(seed_state)
+    return _model(w)
+
+
+def _model(w: Workload):
+    if w.model in IMAGE_MODELS:
+        from ..training import resnet
+
+        return getattr(resnet, w.model)(num_classes=w.num_classes)
     return build_model(w.model, (w.input_size,), w.num_classes, width=w.width, batch_norm=w.batch_norm)
 
 
@@ -253,8 +263,7 @@ def unavailable(names: list[str], comm) -> dict[str, str]:
 
 def parameters(w: Workload) -> int:
     """The model's parameter count."""
-    return sum(p.numel() for p in build_model(w.model, (w.input_size,), w.num_classes, width=w.width,
-                                              batch_norm=w.batch_norm).parameters())
+    return sum(p.numel() for p in _model(w).parameters())
 
 
 def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batches: int, batches_per_iter: int,
@@ -265,7 +274,8 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     torch.manual_seed(w.seed)
     seed_state = torch.get_rng_state()
     g = torch.Generator().manual_seed(w.seed + comm.Get_rank())
-    x = torch.randn(w.batch_size, w.input_size, generator=g)
+    shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
+    x = torch.randn(w.batch_size, *shape, generator=g)
     y = torch.randint(0, w.num_classes, (w.batch_size,), generator=g)
     rng = random.Random(w.seed)
     results: dict[str, Result] = {}

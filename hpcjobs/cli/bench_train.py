@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..bench.names import TRAIN_IMPLS
-from ..training.config import MODELS
+from ..training.config import IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 from .args import check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int, usage
 
 
@@ -20,7 +20,10 @@ def configure(p) -> None:
                         "ddp-hpcjobs (DDP on the hpcjobs torch.distributed backend), hvd-hpcjobs (our "
                         "Horovod-compatible API) "
                         f"(default: {','.join(TRAIN_IMPLS)})")
-    p.add_argument("--model", choices=MODELS, default="mlp", help="default: %(default)s")
+    p.add_argument("--model", choices=MODELS + IMAGE_MODELS, default="mlp",
+                   help="default: %(default)s; resnet18/resnet50 train on random images (--image-size)")
+    p.add_argument("--image-size", type=positive_int, default=224,
+                   help=f"pixels per side for the ResNets (default 224; at least {MIN_IMAGE_SIZE})")
     p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
     p.add_argument("--batch-norm", action="store_true")
     p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
@@ -48,13 +51,17 @@ def run(args) -> int:
     with usage():
         for n in names:
             check_impl(n)
+        if args.model in IMAGE_MODELS and args.image_size < MIN_IMAGE_SIZE:
+            raise ValueError(f"--image-size {args.image_size}: {args.model} needs images of at least "
+                             f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}")
     check_outputs(comm, [("--json", args.json, False)])
     threads = set_threads(args.threads, comm)
     skipped = unavailable(names, comm)
     names = [n for n in names if n not in skipped]
     w = Workload(**dataclass_values(Workload, args))
     nparams = parameters(w)
-    print0(f"# bench train: {w.model} width {w.width} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
+    shape = f"at {w.image_size}x{w.image_size}" if w.model in IMAGE_MODELS else f"width {w.width}"
+    print0(f"# bench train: {w.model} {shape} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
            f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
            f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")
     for n, why in skipped.items():

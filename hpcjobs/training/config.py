@@ -15,9 +15,13 @@ from ..collectives.names import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from . import schedule
 
-__all__ = ["TrainConfig", "MODELS", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
 
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
+# torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
+# bench train measures them on random images, as Horovod's synthetic benchmark does
+IMAGE_MODELS = ("resnet18", "resnet50")
+MIN_IMAGE_SIZE = 32  # below it the last stage sees 1x1 maps; BatchNorm needs more than one value
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
 # DistributedOptimizer's options (hpcjobs.training.distributed).
 OVERLAPS = ("auto", "thread", "none")

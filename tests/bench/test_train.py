@@ -23,3 +23,19 @@ def test_bench_train_refuses_unknown_implementations():
     assert out.returncode == 2 and "unknown implementation 'tensorflow'" in out.stderr
     out = _mpirun(2, "bench", "train", "--impl", "ours:auto+zip")
     assert out.returncode == 2 and "unknown compression 'zip'" in out.stderr
+
+
+def test_bench_train_on_resnet18_images(tmp_path):
+    """ResNet-18 on random 32x32 images, the doors beside ours."""
+    out = _mpirun(2, "bench", "train", "--model", "resnet18", "--image-size", "32", "--batch-size", "2",
+                  "--impl", "ours:auto,ddp-hpcjobs,hvd-hpcjobs", "--num-iters", "1", "--num-batches-per-iter", "1",
+                  "--num-warmup-batches", "1", "--json", str(tmp_path / "t.json"), "--no-progress", timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "# bench train: resnet18 at 32x32 (11181642 parameters" in out.stdout
+    rows = {r["impl"]: r for r in json.load(open(tmp_path / "t.json"))["results"]}
+    assert list(rows) == ["ours:auto", "ddp-hpcjobs", "hvd-hpcjobs"] and all(r["wrong"] == 0 for r in rows.values())
+
+
+def test_bench_train_refuses_images_a_resnet_cannot_take():
+    out = _mpirun(2, "bench", "train", "--model", "resnet18", "--image-size", "16")
+    assert out.returncode == 2 and "needs images of at least 32x32" in out.stderr
