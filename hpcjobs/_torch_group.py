@@ -10,7 +10,6 @@ import queue
 import threading
 import weakref
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -257,7 +256,11 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             parts = [buf[q * n:(q + 1) * n] for q in range(self.size())]
         else:
             got = ring_allgatherv([_host(src)], self._comm)
-            parts = [torch.from_numpy(np.ascontiguousarray(g[0])).view(inp.dtype) for g in got]
+            parts = []
+            for g in got:
+                part = torch.empty(g[0].size, dtype=inp.dtype)
+                _host(part)[:] = g[0]
+                parts.append(part)
         for o, part in zip(outs, parts):
             o.copy_(part.view_as(o))
 

@@ -57,7 +57,7 @@ class HookState:
     """
 
     def __init__(self, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,
-                 algorithm: str = "auto", seed: int = 0):
+                 algorithm: str = "auto", seed: int = 0, names: dict[int, str] | None = None):
         self.compressor = make_compressor(compression, seed=seed)
         if self.compressor is None:
             raise ValueError("compression 'none' needs no hook: DDP's own allreduce (on the hpcjobs backend, "
@@ -67,7 +67,7 @@ class HookState:
         self.algorithm = algorithm
         self.step = 0
         self.sent_bytes = 0
-        self.names: dict[int, str] = {}  # id(parameter) -> its name in the model, set by register()
+        self.names = names or {}  # id(parameter) -> its name in the model
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-ddp-hook", daemon=True)
         self._worker.start()
@@ -116,7 +116,7 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
     """Install the hook on a ``DistributedDataParallel`` ``model`` (before its
     first backward); returns its state (``sent_bytes``, ``step``). Collective
     over ``comm``."""
-    state = HookState(compression, error_feedback, comm, algorithm, seed)
-    state.names = {id(p): n for n, p in model.module.named_parameters()}
+    state = HookState(compression, error_feedback, comm, algorithm, seed,
+                      names={id(p): n for n, p in model.module.named_parameters()})
     model.register_comm_hook(state, compression_hook)
     return state

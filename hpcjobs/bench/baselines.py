@@ -258,8 +258,9 @@ ADAPTERS: dict[str, tuple[Callable, Callable[[str], bool], Callable | None]] = {
     "nccl": (tensor_allreduce, nccl_supports, cuda_stage),
     "horovod": (horovod_allreduce, horovod_supports, None),
     "horovod-gloo": (functools.partial(horovod_allreduce, controller="gloo"), horovod_supports, None),
-    "ddp-hpcjobs": (doors.backend_allreduce, doors.door_supports, None),
-    "hvd-hpcjobs": (doors.hvd_api_allreduce, doors.door_supports, None),
+    # the doors take what torch.distributed takes
+    "ddp-hpcjobs": (doors.backend_allreduce, gloo_supports, None),
+    "hvd-hpcjobs": (doors.hvd_api_allreduce, gloo_supports, None),
 }
 # Measured after everything else, each in a pass of its own, in this order:
 # Horovod's coordinator thread burns about half a core on rank 0 from

@@ -13,13 +13,9 @@ from mpi4py import MPI
 from ..collectives._buffers import OP_TABLE, as_flat, check_op, torch_view
 from ..comm import private
 
-__all__ = ["backend_allreduce", "hvd_api_allreduce", "door_supports", "stop"]
+__all__ = ["backend_allreduce", "hvd_api_allreduce", "stop"]
 
 _groups: dict = {}  # the private communicator (its Fortran handle) -> its hpcjobs process group
-
-
-def door_supports(dtype: str) -> bool:
-    return dtype in ("float16", "float32", "float64", "int32", "int64", "bfloat16")
 
 
 def backend_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):

@@ -16,6 +16,7 @@ import hpcjobs.horovod.torch as hvd
 from hpcjobs.collectives import chunk_bounds
 from hpcjobs.collectives.agreement import MismatchError, checking
 from hpcjobs.horovod._optimizer import _DeviceReducer
+from equivalence import flat_params, fresh_model, global_data, rel_diff
 from hpcjobs.training.models import build_model
 
 torch.set_num_threads(1)
@@ -280,23 +281,6 @@ def test_mismatched_arguments_raise_on_every_rank():
 
 
 # -- DistributedOptimizer ----------------------------------------------------
-
-def global_data(steps, global_batch, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, global_batch, 40, generator=g), torch.randint(0, 10, (steps, global_batch), generator=g)
-
-
-def fresh_model(seed):
-    torch.manual_seed(seed)
-    return build_model("mlp", (40,), 10, width=24)
-
-
-def flat_params(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
-def rel_diff(a, b):
-    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
 
 
 def loss_of(model, x, y):

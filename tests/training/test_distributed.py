@@ -11,6 +11,7 @@ from mpi4py import MPI
 from hpcjobs.compression import (ErrorFeedback, FP16Compressor, PowerSGDCompressor, RandomKCompressor,
                                  SignCompressor, TopKCompressor, compressed_allreduce)
 from hpcjobs.training import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from equivalence import flat_params, fresh_model, global_data, rel_diff
 from hpcjobs.training.models import build_model
 
 torch.set_num_threads(1)
@@ -24,20 +25,6 @@ OPTIMIZERS = {
     "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.5),
 }
-
-
-def global_data(steps, global_batch, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, global_batch, 40, generator=g), torch.randint(0, 10, (steps, global_batch), generator=g)
-
-
-def fresh_model(seed):
-    torch.manual_seed(seed)
-    return build_model("mlp", (40,), 10, width=24)
-
-
-def flat_params(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def reference(opt_name, x, y, passes=1):
@@ -75,10 +62,6 @@ def distributed(opt_name, x, y, comm, passes=1, **kwargs):
         opt.step()
     opt.close()
     return flat_params(model), opt
-
-
-def rel_diff(a, b):
-    return float(torch.linalg.vector_norm(a.double() - b.double()) / torch.linalg.vector_norm(b.double()))
 
 
 def same_on_every_rank(t, comm):
