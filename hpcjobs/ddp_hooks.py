@@ -34,8 +34,10 @@ How it works:
 
 # No ``from __future__ import annotations``: DDP reads the hook's return
 # annotation and wants the object torch.futures.Future[torch.Tensor].
+import atexit
 import queue
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -71,10 +73,24 @@ class HookState:
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-ddp-hook", daemon=True)
         self._worker.start()
+        _live.add(self)
+
+    def close(self) -> None:
+        """Finish the buckets queued, then stop the worker. Interpreter exit
+        calls it: a daemon worker still inside torch's ``set_result`` (DDP's
+        callbacks run there after backward has returned) would be killed at
+        finalization, and that aborts the process."""
+        if self._worker.is_alive():
+            self._queue.put(None)
+            if threading.current_thread() is not self._worker:
+                self._worker.join()
 
     def _serve(self) -> None:
         while True:
-            bucket, fut = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            bucket, fut = item
             try:
                 fut.set_result(self._reduce(bucket))
             except BaseException as e:  # noqa: BLE001 -- DDP's wait raises it
@@ -120,3 +136,12 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
                       names={id(p): n for n, p in model.module.named_parameters()})
     model.register_comm_hook(state, compression_hook)
     return state
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for state in list(_live):
+        state.close()
