@@ -140,6 +140,7 @@ def test_the_public_names_import():
     from hpcjobs.horovod import torch as hvd
     from hpcjobs.torch_backend import new_process_group  # noqa: F401
     from hpcjobs.training.resnet import resnet18, resnet50  # noqa: F401
+    from hpcjobs.training.gpt import GPT, GPTConfig, gpt, lm_loss  # noqa: F401
     assert callable(hvd.DistributedOptimizer) and callable(ddp_hooks.register)
 
     import hpcjobs

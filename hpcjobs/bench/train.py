@@ -46,8 +46,7 @@ from ..collectives import ALGORITHMS
 from ..comm import agree
 from ..compression import make_compressor
 from ..training import DistributedOptimizer
-from ..training.config import OVERLAPS
-from ..training.config import IMAGE_MODELS
+from ..training.config import GPT_MODELS, IMAGE_MODELS, OVERLAPS
 from ..training.models import build_model
 from . import horovod
 from .baselines import available, ensure_process_group, shutdown
@@ -69,6 +68,23 @@ class Workload:
     fusion_bytes: int  # our bucket size
     lr: float
     seed: int
+    # the GPTs (hpcjobs.training.gpt): None keeps the preset's value
+    seq_len: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    embed: int | None = None
+    vocab: int | None = None
+    amp: str = "none"  # mixed precision: none, bf16 (autocast) or fp16 (autocast and a GradScaler)
+
+    def gpt_config(self):
+        """The GPT's :class:`~hpcjobs.training.gpt.GPTConfig` (the preset,
+        with the fields set here)."""
+        from dataclasses import replace
+
+        from ..training.gpt import PRESETS
+
+        fields = {k: getattr(self, k) for k in ("seq_len", "layers", "heads", "embed", "vocab")}
+        return replace(PRESETS[self.model], **{k: v for k, v in fields.items() if v is not None})
 
 
 @dataclass
@@ -100,6 +116,10 @@ def _make_model(w: Workload, seed_state):
 
 
 def _model(w: Workload):
+    if w.model in GPT_MODELS:
+        from ..training.gpt import GPT
+
+        return GPT(w.gpt_config())
     if w.model in IMAGE_MODELS:
         from ..training import resnet
 
@@ -107,16 +127,67 @@ def _model(w: Workload):
     return build_model(w.model, (w.input_size,), w.num_classes, width=w.width, batch_norm=w.batch_norm)
 
 
+def _data(w: Workload, g: torch.Generator):
+    """This rank's fixed batch: random images, features or tokens."""
+    if w.model in GPT_MODELS:
+        cfg = w.gpt_config()
+        tokens = torch.randint(0, cfg.vocab, (w.batch_size, cfg.seq_len + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]  # next-token prediction
+    shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
+    return torch.randn(w.batch_size, *shape, generator=g), torch.randint(0, w.num_classes, (w.batch_size,),
+                                                                          generator=g)
+
+
+def _stepper(w: Workload, net, x, y):
+    """``make(opt, sync)``: a training step of ``net`` with ``opt``.
+
+    ``sync`` says how ``opt`` averages gradients, which matters only for
+    fp16's GradScaler, whose unscale must see the averaged gradients: None
+    (``opt.step()`` needs nothing first: one process, or DDP that averages
+    in backward), ``("ours", inner)`` (our DistributedOptimizer:
+    synchronize, then unscale and step the wrapped optimizer) or
+    ``"horovod"`` (Horovod's recipe: synchronize, unscale, step under
+    ``skip_synchronize()``)."""
+    lm = w.model in GPT_MODELS
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
+                            enabled=w.amp != "none"):
+            out = net(x)
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
+
+    def make(opt, sync=None):
+        if w.amp != "fp16":
+            def step():
+                opt.zero_grad()
+                loss().backward()
+                opt.step()
+            return step
+        scaler = torch.amp.GradScaler("cpu")
+
+        def scaled_step():
+            opt.zero_grad()
+            scaler.scale(loss()).backward()
+            if sync is None:
+                scaler.step(opt)
+            elif sync == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                opt.synchronize()
+                scaler.unscale_(sync[1])
+                scaler.step(sync[1])
+            scaler.update()
+        return scaled_step
+    return make
+
+
 def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
     model = _make_model(w, seed_state)
     sgd = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-
-    def loss_step(opt):
-        def step():
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        return step
+    loss_step = _stepper(w, model, x, y)
 
     if name == "single":
         return _Runner(name, model, loss_step(sgd), alone=True)
@@ -125,7 +196,7 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
         opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=algorithm,
                                    compression=make_compressor(compression), fusion_bytes=w.fusion_bytes,
                                    overlap=overlap)
-        return _Runner(name, model, loss_step(opt), close=opt.close)
+        return _Runner(name, model, loss_step(opt, ("ours", sgd)), close=opt.close)
     if name in ("ddp", "ddp-hpcjobs"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -138,22 +209,17 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
             group = new_process_group(comm)
             ddp = DistributedDataParallel(model, process_group=group)
         opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=0.9)
-
-        def step():
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        return _Runner(name, model, step, close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
+        return _Runner(name, model, _stepper(w, ddp, x, y)(opt), close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
     if name == "hvd-hpcjobs":
         from ..horovod import torch as hvd_api
 
         hvd_api.init(comm)
         opt = hvd_api.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
-        return _Runner(name, model, loss_step(opt), close=hvd_api.shutdown)
+        return _Runner(name, model, loss_step(opt, "horovod"), close=hvd_api.shutdown)
     if name == "horovod":
         hvd = horovod.start(comm)  # runs until its block is measured (module docstring, 5.)
         opt = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
-        return _Runner(name, model, loss_step(opt), block=True, leave=horovod.stop)
+        return _Runner(name, model, loss_step(opt, "horovod"), block=True, leave=horovod.stop)
     raise ValueError(name)
 
 
@@ -273,10 +339,7 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     with ``wrong`` set where the ranks' parameters came out different."""
     torch.manual_seed(w.seed)
     seed_state = torch.get_rng_state()
-    g = torch.Generator().manual_seed(w.seed + comm.Get_rank())
-    shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
-    x = torch.randn(w.batch_size, *shape, generator=g)
-    y = torch.randint(0, w.num_classes, (w.batch_size,), generator=g)
+    x, y = _data(w, torch.Generator().manual_seed(w.seed + comm.Get_rank()))
     rng = random.Random(w.seed)
     results: dict[str, Result] = {}
     runners = [_build(n, w, comm, seed_state, x, y) for n in names]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from ..bench.names import TRAIN_IMPLS
-from ..training.config import IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
+from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 from .args import check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int, usage
 
 
@@ -20,10 +20,19 @@ def configure(p) -> None:
                         "ddp-hpcjobs (DDP on the hpcjobs torch.distributed backend), hvd-hpcjobs (our "
                         "Horovod-compatible API) "
                         f"(default: {','.join(TRAIN_IMPLS)})")
-    p.add_argument("--model", choices=MODELS + IMAGE_MODELS, default="mlp",
-                   help="default: %(default)s; resnet18/resnet50 train on random images (--image-size)")
+    p.add_argument("--model", choices=MODELS + IMAGE_MODELS + GPT_MODELS, default="mlp",
+                   help="default: %(default)s; resnet18/resnet50 train on random images (--image-size), "
+                        "gpt-mini (10.8M parameters) and gpt2-small (124M) on random tokens")
     p.add_argument("--image-size", type=positive_int, default=224,
                    help=f"pixels per side for the ResNets (default 224; at least {MIN_IMAGE_SIZE})")
+    g = p.add_argument_group("GPT shape (default: the preset's)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (gpt-mini 256, gpt2-small 1024)")
+    g.add_argument("--layers", type=positive_int, help="transformer blocks (6, 12)")
+    g.add_argument("--heads", type=positive_int, help="attention heads (6, 12)")
+    g.add_argument("--embed", type=positive_int, help="model width (384, 768); a multiple of --heads")
+    g.add_argument("--vocab", type=positive_int, help="vocabulary (256, 50257)")
+    p.add_argument("--amp", choices=AMP, default="none",
+                   help="mixed precision: bf16 (autocast) or fp16 (autocast and a GradScaler) (default none)")
     p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
     p.add_argument("--batch-norm", action="store_true")
     p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
@@ -54,13 +63,25 @@ def run(args) -> int:
         if args.model in IMAGE_MODELS and args.image_size < MIN_IMAGE_SIZE:
             raise ValueError(f"--image-size {args.image_size}: {args.model} needs images of at least "
                              f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}")
+        gpt_flags = [f for f in ("seq_len", "layers", "heads", "embed", "vocab") if getattr(args, f) is not None]
+        if gpt_flags and args.model not in GPT_MODELS:
+            raise ValueError(f"--{gpt_flags[0].replace('_', '-')} shapes the GPTs ({', '.join(GPT_MODELS)}), "
+                             f"not {args.model}")
     check_outputs(comm, [("--json", args.json, False)])
     threads = set_threads(args.threads, comm)
     skipped = unavailable(names, comm)
     names = [n for n in names if n not in skipped]
     w = Workload(**dataclass_values(Workload, args))
-    nparams = parameters(w)
-    shape = f"at {w.image_size}x{w.image_size}" if w.model in IMAGE_MODELS else f"width {w.width}"
+    with usage():
+        nparams = parameters(w)  # checks the GPT's shape
+    if w.model in GPT_MODELS:
+        c = w.gpt_config()
+        shape = (f"({c.layers} layers, {c.heads} heads, {c.embed} wide, vocabulary {c.vocab}; a sample is a "
+                 f"sequence of {c.seq_len} tokens)")
+    else:
+        shape = f"at {w.image_size}x{w.image_size}" if w.model in IMAGE_MODELS else f"width {w.width}"
+    if w.amp != "none":
+        shape += f", autocast to {w.amp}"
     print0(f"# bench train: {w.model} {shape} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
            f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
            f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")

@@ -15,12 +15,16 @@ from ..collectives.names import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from . import schedule
 
-__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
 
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
 # torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
 # bench train measures them on random images, as Horovod's synthetic benchmark does
 IMAGE_MODELS = ("resnet18", "resnet50")
+# GPT-style decoders (hpcjobs.training.gpt's presets), on random tokens in bench train
+GPT_MODELS = ("gpt-mini", "gpt2-small")
+# mixed precision: torch.autocast to bfloat16, or to float16 with a GradScaler
+AMP = ("none", "bf16", "fp16")
 MIN_IMAGE_SIZE = 32  # below it the last stage sees 1x1 maps; BatchNorm needs more than one value
 OPTIMIZERS = ("sgd", "nesterov", "adam", "adagrad", "adadelta", "rmsprop", "lars")
 # DistributedOptimizer's options (hpcjobs.training.distributed).

@@ -39,3 +39,25 @@ def test_bench_train_on_resnet18_images(tmp_path):
 def test_bench_train_refuses_images_a_resnet_cannot_take():
     out = _mpirun(2, "bench", "train", "--model", "resnet18", "--image-size", "16")
     assert out.returncode == 2 and "needs images of at least 32x32" in out.stderr
+
+
+def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
+    """gpt-mini, shortened, on random tokens under bf16 autocast: ours, DDP on
+    our backend and our Horovod API with fp16's GradScaler recipes alike."""
+    for amp in ("bf16", "fp16"):
+        out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--layers", "1", "--seq-len", "16",
+                      "--batch-size", "2", "--amp", amp, "--impl", "single,ours:auto,ddp-hpcjobs,hvd-hpcjobs",
+                      "--num-iters", "1", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
+                      "--json", str(tmp_path / "t.json"), "--no-progress", timeout=240)
+        assert out.returncode == 0, out.stderr
+        assert ("# bench train: gpt-mini (1 layers, 6 heads, 384 wide, vocabulary 256; a sample is a sequence of "
+                f"16 tokens), autocast to {amp} (1879680 parameters") in out.stdout
+        rows = {r["impl"]: r for r in json.load(open(tmp_path / "t.json"))["results"]}
+        assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 for r in rows.values())
+
+
+def test_bench_train_refuses_gpt_shapes_it_cannot_build():
+    out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--embed", "100")
+    assert out.returncode == 2 and "embed 100 is not a multiple of heads 6" in out.stderr
+    out = _mpirun(2, "bench", "train", "--model", "mlp", "--seq-len", "64")
+    assert out.returncode == 2 and "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp" in out.stderr
