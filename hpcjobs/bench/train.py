@@ -32,6 +32,7 @@ Launch::
 from __future__ import annotations
 
 import gc
+import os
 import random
 import statistics
 import time
@@ -39,52 +40,18 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from mpi4py import MPI
 
 from ..collectives import ALGORITHMS
 from ..comm import agree
 from ..compression import make_compressor
 from ..training import DistributedOptimizer
-from ..training.config import GPT_MODELS, IMAGE_MODELS, OVERLAPS
-from ..training.models import build_model
+from ..training.config import OVERLAPS
 from . import horovod
 from .baselines import available, ensure_process_group, shutdown
+from .workload import Workload, data, model, stepper
 
 __all__ = ["Workload", "Result", "check_impl", "unavailable", "parameters", "bench_train", "table"]
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The model and batch every implementation trains."""
-
-    model: str
-    width: int
-    batch_norm: bool
-    input_size: int  # features per sample (mlp, cnn1d)
-    image_size: int  # pixels per side (the ResNets: 3 x image_size x image_size)
-    num_classes: int
-    batch_size: int  # samples per rank per step
-    fusion_bytes: int  # our bucket size
-    lr: float
-    seed: int
-    # the GPTs (hpcjobs.training.gpt): None keeps the preset's value
-    seq_len: int | None = None
-    layers: int | None = None
-    heads: int | None = None
-    embed: int | None = None
-    vocab: int | None = None
-    amp: str = "none"  # mixed precision: none, bf16 (autocast) or fp16 (autocast and a GradScaler)
-
-    def gpt_config(self):
-        """The GPT's :class:`~hpcjobs.training.gpt.GPTConfig` (the preset,
-        with the fields set here)."""
-        from dataclasses import replace
-
-        from ..training.gpt import PRESETS
-
-        fields = {k: getattr(self, k) for k in ("seq_len", "layers", "heads", "embed", "vocab")}
-        return replace(PRESETS[self.model], **{k: v for k, v in fields.items() if v is not None})
 
 
 @dataclass
@@ -112,82 +79,13 @@ class _Runner:
 
 def _make_model(w: Workload, seed_state):
     torch.set_rng_state(seed_state)
-    return _model(w)
-
-
-def _model(w: Workload):
-    if w.model in GPT_MODELS:
-        from ..training.gpt import GPT
-
-        return GPT(w.gpt_config())
-    if w.model in IMAGE_MODELS:
-        from ..training import resnet
-
-        return getattr(resnet, w.model)(num_classes=w.num_classes)
-    return build_model(w.model, (w.input_size,), w.num_classes, width=w.width, batch_norm=w.batch_norm)
-
-
-def _data(w: Workload, g: torch.Generator):
-    """This rank's fixed batch: random images, features or tokens."""
-    if w.model in GPT_MODELS:
-        cfg = w.gpt_config()
-        tokens = torch.randint(0, cfg.vocab, (w.batch_size, cfg.seq_len + 1), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]  # next-token prediction
-    shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
-    return torch.randn(w.batch_size, *shape, generator=g), torch.randint(0, w.num_classes, (w.batch_size,),
-                                                                          generator=g)
-
-
-def _stepper(w: Workload, net, x, y):
-    """``make(opt, sync)``: a training step of ``net`` with ``opt``.
-
-    ``sync`` says how ``opt`` averages gradients, which matters only for
-    fp16's GradScaler, whose unscale must see the averaged gradients: None
-    (``opt.step()`` needs nothing first: one process, or DDP that averages
-    in backward), ``("ours", inner)`` (our DistributedOptimizer:
-    synchronize, then unscale and step the wrapped optimizer) or
-    ``"horovod"`` (Horovod's recipe: synchronize, unscale, step under
-    ``skip_synchronize()``)."""
-    lm = w.model in GPT_MODELS
-
-    def loss():
-        with torch.autocast("cpu", dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
-                            enabled=w.amp != "none"):
-            out = net(x)
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
-
-    def make(opt, sync=None):
-        if w.amp != "fp16":
-            def step():
-                opt.zero_grad()
-                loss().backward()
-                opt.step()
-            return step
-        scaler = torch.amp.GradScaler("cpu")
-
-        def scaled_step():
-            opt.zero_grad()
-            scaler.scale(loss()).backward()
-            if sync is None:
-                scaler.step(opt)
-            elif sync == "horovod":
-                opt.synchronize()
-                scaler.unscale_(opt)
-                with opt.skip_synchronize():
-                    scaler.step(opt)
-            else:
-                opt.synchronize()
-                scaler.unscale_(sync[1])
-                scaler.step(sync[1])
-            scaler.update()
-        return scaled_step
-    return make
+    return model(w)
 
 
 def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
     model = _make_model(w, seed_state)
     sgd = torch.optim.SGD(model.parameters(), lr=w.lr, momentum=0.9)
-    loss_step = _stepper(w, model, x, y)
+    loss_step = stepper(w, model, x, y)
 
     if name == "single":
         return _Runner(name, model, loss_step(sgd), alone=True)
@@ -200,16 +98,17 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
     if name in ("ddp", "ddp-hpcjobs"):
         from torch.nn.parallel import DistributedDataParallel
 
+        cap = {"bucket_cap_mb": w.fusion_bytes / 2**20} if w.same_buckets else {}
         if name == "ddp":
             ensure_process_group(comm)  # Gloo, torch's default group
-            ddp = DistributedDataParallel(model)
+            ddp = DistributedDataParallel(model, **cap)
         else:  # the same DDP on a group of the hpcjobs backend
             from ..torch_backend import new_process_group
 
             group = new_process_group(comm)
-            ddp = DistributedDataParallel(model, process_group=group)
+            ddp = DistributedDataParallel(model, process_group=group, **cap)
         opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=0.9)
-        return _Runner(name, model, _stepper(w, ddp, x, y)(opt), close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
+        return _Runner(name, model, stepper(w, ddp, x, y)(opt), close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
     if name == "hvd-hpcjobs":
         from ..horovod import torch as hvd_api
 
@@ -329,7 +228,7 @@ def unavailable(names: list[str], comm) -> dict[str, str]:
 
 def parameters(w: Workload) -> int:
     """The model's parameter count."""
-    return sum(p.numel() for p in _model(w).parameters())
+    return sum(p.numel() for p in model(w).parameters())
 
 
 def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batches: int, batches_per_iter: int,
@@ -339,7 +238,9 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     with ``wrong`` set where the ranks' parameters came out different."""
     torch.manual_seed(w.seed)
     seed_state = torch.get_rng_state()
-    x, y = _data(w, torch.Generator().manual_seed(w.seed + comm.Get_rank()))
+    x, y = data(w, torch.Generator().manual_seed(w.seed + comm.Get_rank()))
+    if w.same_buckets:  # read by Horovod and by our Horovod API when they start
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = str(w.fusion_bytes)
     rng = random.Random(w.seed)
     results: dict[str, Result] = {}
     runners = [_build(n, w, comm, seed_state, x, y) for n in names]

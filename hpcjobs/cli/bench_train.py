@@ -42,6 +42,8 @@ def configure(p) -> None:
     p.add_argument("--num-batches-per-iter", type=positive_int, default=5, help="default: %(default)s")
     p.add_argument("--num-iters", type=positive_int, default=10, help="timed rounds (default 10)")
     p.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="our bucket size (default 1M)")
+    p.add_argument("--same-buckets", action="store_true",
+                   help="DDP and Horovod fuse --fusion-bytes too (default: theirs, 25 MiB and 64 MiB)")
     p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
@@ -85,6 +87,7 @@ def run(args) -> int:
     print0(f"# bench train: {w.model} {shape} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
            f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
            f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")
+    print0(f"# {w.buckets()}")
     for n, why in skipped.items():
         print0(f"# {n}: skipped ({why})")
     progress = (lambda done: print0(f"# round {done}/{args.num_iters}")) if args.progress else None

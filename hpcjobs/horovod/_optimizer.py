@@ -16,7 +16,8 @@ runs the original class's ``step``.
 How the gradients are reduced:
 
 - parameters on the CPU: :class:`hpcjobs.training.DistributedOptimizer`
-  (buckets of ``fusion_bytes``, reduced during backward on its
+  (buckets of ``HOROVOD_FUSION_THRESHOLD`` bytes as in Horovod, 1 MiB
+  unless set where Horovod's default is 64 MiB; reduced during backward on its
   communication thread, compressed as ``compression`` says). It averages;
   Horovod's ``op`` and ``gradient_predivide_factor`` become scale factors
   around the average: Average with factor f is x1/f before and xf after
@@ -47,12 +48,14 @@ Product, and process sets other than the global one.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 
 import torch
 from mpi4py import MPI
 
+from ..training.config import DEFAULT_FUSION_BYTES
 from ..training.distributed import DistributedOptimizer as _Engine
 from ._allreduce import grouped_allreduce_
 from ._collectives import scale
@@ -108,6 +111,21 @@ class _DistributedOptimizer:
             self._hvd_reducer.backward_passes_per_step = passes
 
 
+def fusion_threshold() -> int:
+    """The bucket size: ``HOROVOD_FUSION_THRESHOLD`` (bytes) as Horovod
+    reads it, else hpcjobs' default (1 MiB; Horovod's is 64 MiB)."""
+    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if value is None:
+        return DEFAULT_FUSION_BYTES
+    try:
+        threshold = int(value)
+    except ValueError:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={value!r}: expected a number of bytes") from None
+    if threshold < 1:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={threshold}: this API needs buckets of at least 1 byte")
+    return threshold
+
+
 class _EngineReducer(_Engine):
     """hpcjobs' optimizer as a gradient reducer, with scale factors around
     each bucket's average (its ``step`` is never called)."""
@@ -116,7 +134,8 @@ class _EngineReducer(_Engine):
         self.prescale, self.postscale = prescale, postscale
         overlap = "auto" if MPI.Query_thread() == MPI.THREAD_MULTIPLE else "none"
         super().__init__(optimizer, named, comm=comm, compression=compression,
-                         backward_passes_per_step=backward_passes_per_step, overlap=overlap)
+                         backward_passes_per_step=backward_passes_per_step, overlap=overlap,
+                         fusion_bytes=fusion_threshold())
 
     def _reduce(self, bucket) -> None:
         scale(bucket.buffer, self.prescale)

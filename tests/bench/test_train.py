@@ -54,6 +54,16 @@ def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
                 f"16 tokens), autocast to {amp} (1879680 parameters") in out.stdout
         rows = {r["impl"]: r for r in json.load(open(tmp_path / "t.json"))["results"]}
         assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 for r in rows.values())
+        assert "# buckets: ours 1 MiB (--fusion-bytes), ddp and ddp-hpcjobs 25 MiB (DDP's default)" in out.stdout
+
+
+def test_bench_train_with_the_same_buckets_for_every_library(tmp_path):
+    out = _mpirun(2, "bench", "train", "--model", "mlp", "--width", "64", "--same-buckets", "--fusion-bytes", "4K",
+                  "--impl", "ours:auto,ddp,hvd-hpcjobs", "--num-iters", "1", "--num-batches-per-iter", "1",
+                  "--num-warmup-batches", "1", "--json", str(tmp_path / "t.json"), "--no-progress", timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "# buckets: 0.00390625 MiB for every implementation (--same-buckets)" in out.stdout
+    assert json.load(open(tmp_path / "t.json"))["config"]["same_buckets"] is True
 
 
 def test_bench_train_refuses_gpt_shapes_it_cannot_build():

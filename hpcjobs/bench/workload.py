@@ -1,0 +1,129 @@
+"""What ``hpcjobs bench train`` trains: the model, its fixed random batch
+and its training step (plain, or under autocast with each library's
+GradScaler recipe), the same for every implementation measured."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from ..training.config import GPT_MODELS, IMAGE_MODELS
+from ..training.models import build_model
+
+__all__ = ["Workload", "model", "data", "stepper"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch every implementation trains."""
+
+    model: str
+    width: int
+    batch_norm: bool
+    input_size: int  # features per sample (mlp, cnn1d)
+    image_size: int  # pixels per side (the ResNets: 3 x image_size x image_size)
+    num_classes: int
+    batch_size: int  # samples per rank per step
+    fusion_bytes: int  # our bucket size
+    lr: float
+    seed: int
+    # the GPTs (hpcjobs.training.gpt): None keeps the preset's value
+    seq_len: int | None = None
+    layers: int | None = None
+    heads: int | None = None
+    embed: int | None = None
+    vocab: int | None = None
+    amp: str = "none"  # mixed precision: none, bf16 (autocast) or fp16 (autocast and a GradScaler)
+    same_buckets: bool = False  # DDP and Horovod fuse fusion_bytes too, rather than their defaults
+
+    def buckets(self) -> str:
+        """Which bucket size each row uses, for the run's header."""
+        mib = f"{self.fusion_bytes / 2**20:g} MiB"
+        if self.same_buckets:
+            return f"buckets: {mib} for every implementation (--same-buckets)"
+        env = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        hvd = (f"horovod and hvd-hpcjobs {int(env) / 2**20:g} MiB (HOROVOD_FUSION_THRESHOLD)" if env else
+               "horovod 64 MiB (its default), hvd-hpcjobs 1 MiB (its default)")
+        return f"buckets: ours {mib} (--fusion-bytes), ddp and ddp-hpcjobs 25 MiB (DDP's default), {hvd}"
+
+    def gpt_config(self):
+        """The GPT's :class:`~hpcjobs.training.gpt.GPTConfig` (the preset,
+        with the fields set here)."""
+        from ..training.gpt import PRESETS
+
+        fields = {k: getattr(self, k) for k in ("seq_len", "layers", "heads", "embed", "vocab")}
+        return replace(PRESETS[self.model], **{k: v for k, v in fields.items() if v is not None})
+
+
+def model(w: Workload):
+    """A fresh model of ``w``'s kind (its initial weights come from torch's
+    global generator: seed it first)."""
+    if w.model in GPT_MODELS:
+        from ..training.gpt import GPT
+
+        return GPT(w.gpt_config())
+    if w.model in IMAGE_MODELS:
+        from ..training import resnet
+
+        return getattr(resnet, w.model)(num_classes=w.num_classes)
+    return build_model(w.model, (w.input_size,), w.num_classes, width=w.width, batch_norm=w.batch_norm)
+
+
+def data(w: Workload, g: torch.Generator):
+    """This rank's fixed batch: random images, features or tokens."""
+    if w.model in GPT_MODELS:
+        cfg = w.gpt_config()
+        tokens = torch.randint(0, cfg.vocab, (w.batch_size, cfg.seq_len + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]  # next-token prediction
+    shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
+    return torch.randn(w.batch_size, *shape, generator=g), torch.randint(0, w.num_classes, (w.batch_size,),
+                                                                          generator=g)
+
+
+def stepper(w: Workload, net, x, y):
+    """``make(opt, sync)``: a training step of ``net`` with ``opt``.
+
+    ``sync`` says how ``opt`` averages gradients, which matters only for
+    fp16's GradScaler, whose unscale must see the averaged gradients: None
+    (``opt.step()`` needs nothing first: one process, or DDP that averages
+    in backward), ``("ours", inner)`` (our DistributedOptimizer:
+    synchronize, then unscale and step the wrapped optimizer) or
+    ``"horovod"`` (Horovod's recipe: synchronize, unscale, step under
+    ``skip_synchronize()``)."""
+    lm = w.model in GPT_MODELS
+
+    def loss():
+        with torch.autocast("cpu", dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
+                            enabled=w.amp != "none"):
+            out = net(x)
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
+
+    def make(opt, sync=None):
+        if w.amp != "fp16":
+            def step():
+                opt.zero_grad()
+                loss().backward()
+                opt.step()
+            return step
+        scaler = torch.amp.GradScaler("cpu")
+
+        def scaled_step():
+            opt.zero_grad()
+            scaler.scale(loss()).backward()
+            if sync is None:
+                scaler.step(opt)
+            elif sync == "horovod":
+                opt.synchronize()
+                scaler.unscale_(opt)
+                with opt.skip_synchronize():
+                    scaler.step(opt)
+            else:
+                opt.synchronize()
+                scaler.unscale_(sync[1])
+                scaler.step(sync[1])
+            scaler.update()
+        return scaled_step
+    return make
