@@ -75,9 +75,10 @@ def run(args) -> int:
         summary = summarize(results)
         table = markdown_table(summary, base, args.lr)
         (out / "table.md").write_text(
-            f"# Large-minibatch SGD on MNIST-1D ({comm.Get_size()} ranks)\n\n"
+            f"# Large-minibatch SGD on {args.dataset} ({comm.Get_size()} ranks)\n\n"
             f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
-            f"Model {args.model}, {args.num_samples} MNIST-1D samples (80% train), SGD momentum {args.momentum}, "
+            f"Model {args.model}, dataset {args.dataset} ({args.num_samples or 'default'} samples), "
+            f"SGD momentum {args.momentum}, "
             f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
         print(table, flush=True)
         written = plot(results, summary, out, base)

@@ -16,7 +16,7 @@ import sys
 
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
-from ..training.config import MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
+from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_outputs, dataclass_values, nonnegative_float, nonnegative_int, parse_bytes,
@@ -44,16 +44,26 @@ def compression_spec(spec: str) -> str:
 def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
     """Model and data flags, shared with ``experiment large-batch``."""
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", choices=MODELS, default=DEFAULTS.model, help="default: %(default)s")
+    g.add_argument("--model", choices=MODELS + IMAGE_MODELS + GPT_MODELS, default=DEFAULTS.model,
+                   help="default: %(default)s; resnet18/resnet50 on cifar10, gpt-mini/gpt2-small on text")
     g.add_argument("--width", type=positive_int, help="hidden units (mlp, default 256) or channels (cnn1d, default 32)")
     g.add_argument("--batch-norm", action="store_true", help="BatchNorm after hidden layers (per-worker statistics)")
     g.add_argument("--dataset", choices=DATASETS, default=DEFAULTS.dataset, help="default: %(default)s")
     g.add_argument("--data-dir", metavar="DIR",
-                   help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs)")
+                   help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
+                        "the files to read (default: hpcjobs' own source)")
     g.add_argument("--num-samples", type=positive_int,
-                   help="mnist1d samples to generate (default 5000, 80%% train) or synthetic size (default 8192)")
+                   help="mnist1d samples to generate (default 5000, 80%% train), synthetic size (default 8192), "
+                        "text sequences (default: the whole corpus)")
     g.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed,
                    help="seed of the generated data (default: %(default)s)")
+    g.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
+                   help="text: tokens (bytes) per sample (default %(default)s)")
+    g.add_argument("--layers", type=positive_int, help="GPT blocks (default: the preset's, 6 or 12)")
+    g.add_argument("--heads", type=positive_int, help="GPT attention heads (default: the preset's, 6 or 12)")
+    g.add_argument("--embed", type=positive_int, help="GPT width, a multiple of --heads (default 384 or 768)")
+    g.add_argument("--amp", choices=AMP, default=DEFAULTS.amp,
+                   help="mixed precision: bf16 (autocast) or fp16 (autocast and a GradScaler) (default none)")
 
 
 def add_optim_arguments(p: argparse.ArgumentParser) -> None:

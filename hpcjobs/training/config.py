@@ -45,6 +45,12 @@ class TrainConfig:
     model: str = "mlp"
     width: int | None = None
     batch_norm: bool = False
+    # the GPTs: their shape (None: the preset's) and the text dataset's sequences
+    layers: int | None = None
+    heads: int | None = None
+    embed: int | None = None
+    seq_len: int = 128
+    amp: str = "none"
     dataset: str = "mnist1d"
     data_dir: str | None = None
     num_samples: int | None = None
@@ -91,6 +97,17 @@ class TrainConfig:
                                     final_lr=self.final_lr)
 
     def validate(self) -> None:
+        if self.model not in MODELS + IMAGE_MODELS + GPT_MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose from "
+                             f"{', '.join(MODELS + IMAGE_MODELS + GPT_MODELS)}")
+        shaped = [f for f in ("layers", "heads", "embed") if getattr(self, f) is not None]
+        if shaped and self.model not in GPT_MODELS:
+            raise ValueError(f"{shaped[0]} shapes the GPTs ({', '.join(GPT_MODELS)}), not {self.model}")
+        if self.amp not in AMP:
+            raise ValueError(f"unknown amp {self.amp!r}; choose from {', '.join(AMP)}")
+        if self.amp == "fp16" and self.nonfinite != "ignore":
+            raise ValueError("amp fp16's GradScaler skips the steps whose gradients overflow; nonfinite "
+                             f"{self.nonfinite!r} would act on them first: leave nonfinite at 'ignore'")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if make_compressor(self.compression) is None:
@@ -99,7 +116,7 @@ class TrainConfig:
         elif self.algorithm != "auto" and self.algorithm not in MESSAGE_ALGORITHMS:
             raise ValueError(f"compressed gradients need a message-passing algorithm (auto or "
                              f"{', '.join(MESSAGE_ALGORITHMS)}), got {self.algorithm!r}")
-        for name in ("batch_per_rank", "backward_passes_per_step", "epochs"):
+        for name in ("batch_per_rank", "backward_passes_per_step", "epochs", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.resume and not self.checkpoint:

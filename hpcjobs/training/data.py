@@ -14,6 +14,9 @@ Datasets (:data:`DATASETS`):
   optionally ``.gz``) from ``data_dir``.
 - ``cifar10`` -- the CIFAR-10 binary batches (``data_batch_1.bin`` ..
   ``data_batch_5.bin``, ``test_batch.bin``) from ``data_dir``.
+- ``text`` -- bytes of text for the GPTs, ``seq_len`` tokens per sample
+  and the next byte at each position as its targets: hpcjobs' own source,
+  or every file under ``data_dir`` (:mod:`hpcjobs.training.text`).
 
 Sharding: every epoch one permutation of the training set is drawn from
 ``(seed, epoch)`` -- the same on every rank, no communication. Step ``s``
@@ -35,10 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+from . import text
+
 __all__ = ["DATASETS", "Rows", "Split", "Dataset", "load_dataset", "read_idx", "default_cache_dir",
            "rank_batches", "steps_per_epoch", "eval_shard"]
 
-DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10")
+DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
 
 
 class Rows:
@@ -86,7 +91,9 @@ class Split:
 @dataclass
 class Dataset:
     """A train and a test split; inputs are normalised as ``(x - mean) / std``
-    when a batch is taken (so memory-mapped raw bytes stay raw)."""
+    when a batch is taken (so memory-mapped raw bytes stay raw). ``tokens``:
+    inputs are token ids (int64, never normalised) and each sample has a
+    target per position; ``num_classes`` is then the vocabulary."""
 
     name: str
     train: Split
@@ -94,13 +101,17 @@ class Dataset:
     num_classes: int
     mean: float = 0.0
     std: float = 1.0
+    tokens: bool = False
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.train.x.row_shape)
 
     def batch(self, split: Split, index: np.ndarray):
-        """``(x float32, y int64)`` numpy arrays for the given rows."""
+        """``(x float32, y int64)`` numpy arrays for the given rows (``x``
+        int64 for tokens)."""
+        if self.tokens:
+            return split.x.take(index).astype(np.int64), split.y.take(index).astype(np.int64)
         x = split.x.take(index).astype(np.float32)
         if self.mean != 0.0 or self.std != 1.0:
             x = (x - np.float32(self.mean)) / np.float32(self.std)
@@ -191,6 +202,19 @@ def _cifar10(data_dir: Path) -> Dataset:
                    Split(Rows(te[0]), Rows(te[1])), 10, mean=0.4734 * 255, std=0.2516 * 255)
 
 
+def _text(data_dir: str | os.PathLike | None, seq_len: int, num_samples: int | None) -> Dataset:
+    data = text.corpus(data_dir)
+    if num_samples is not None:
+        data = data[:num_samples * seq_len + 1]
+    cut = int(0.9 * len(data))
+    train, test = text.windows(data[:cut], seq_len), text.windows(data[cut:], seq_len)
+    if len(train) == 0 or len(test) == 0:
+        raise ValueError(f"the text corpus has {len(data)} bytes: too few for a test split of sequences of "
+                         f"{seq_len} (lower --seq-len or raise --num-samples)")
+    return Dataset("text", Split(Rows(train[:, :-1]), Rows(train[:, 1:])),
+                   Split(Rows(test[:, :-1]), Rows(test[:, 1:])), text.VOCAB, tokens=True)
+
+
 def _digits(seed: int) -> Dataset:
     from sklearn.datasets import load_digits
 
@@ -258,7 +282,7 @@ def _mnist1d(cache_dir: Path, num_samples: int, seed: int) -> Dataset:
 
 
 def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = None,
-                 num_samples: int | None = None, seed: int = 42) -> Dataset:
+                 num_samples: int | None = None, seed: int = 42, seq_len: int = 128) -> Dataset:
     """Open a dataset on every rank of ``comm``.
 
     Args:
@@ -266,10 +290,13 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
         comm: an MPI communicator; for ``mnist1d`` its rank 0 generates the
             cache when missing and the others wait for it. None: this process
             alone.
-        data_dir: where ``mnist``/``cifar10`` files are, and where ``mnist1d``
-            is cached (default :func:`default_cache_dir`).
+        data_dir: where ``mnist``/``cifar10`` files are, where ``mnist1d``
+            is cached (default :func:`default_cache_dir`), the ``text``
+            corpus (default: hpcjobs' source).
         num_samples: ``mnist1d``: samples generated (default 5,000, 80% for
-            training, as the MNIST-1D paper); ``synthetic``: default 8,192.
+            training, as the MNIST-1D paper); ``synthetic``: default 8,192;
+            ``text``: about this many sequences (default: the whole corpus).
+        seq_len: ``text``: tokens per sample.
         seed: the data seed (generation of ``mnist1d``/``synthetic``, the
             ``digits`` split).
 
@@ -286,6 +313,8 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
         return _digits(seed)
     if name == "synthetic":
         return _synthetic(num_samples or 8192, seed)
+    if name == "text":
+        return _text(data_dir, seq_len, num_samples)
     if name in ("mnist", "cifar10"):
         if data_dir is None:
             raise ValueError(f"dataset {name!r} reads local files: give data_dir (--data-dir)")

@@ -24,6 +24,13 @@ fresh model, or the checkpoint's), then, per epoch:
    atomic checkpoint (temp file, fsync, rename) that ``resume`` continues
    from, with the same data order and schedule position.
 
+Mixed precision (``amp``): the forward pass runs under ``torch.autocast``
+(bfloat16, or float16 with a ``GradScaler``); the gradients stay float32.
+For fp16 the scaler unscales the *averaged* gradients, which are bitwise
+the same on every rank, so every rank skips the same overflowing steps. The
+scaler's state is not checkpointed: after a resume it recalibrates its
+scale within a few steps.
+
 With ``checkpoint_every=N`` a checkpoint is also written after every N-th
 step inside an epoch, so a job killed mid-epoch loses at most N steps
 (:mod:`hpcjobs.training.checkpoint` says what a checkpoint holds).
@@ -105,17 +112,28 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
                 t.div_(comm.Get_size())
 
 
+def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-sample cross-entropy and the number of samples right. A language
+    model's sample is a sequence: its loss is the mean over its positions,
+    and it counts as the fraction of its next tokens predicted right."""
+    if y.ndim == 2:  # (N, T) targets, (N, T, V) logits
+        loss = torch.nn.functional.cross_entropy(out.transpose(1, 2).float(), y, reduction="none").mean(1)
+        return loss, float((out.argmax(-1) == y).float().mean(1).sum())
+    return (torch.nn.functional.cross_entropy(out.float(), y, reduction="none"),
+            float((out.argmax(1) == y).sum()))
+
+
 @torch.no_grad()
-def _evaluate(model, ds, comm) -> tuple[float, float]:
+def _evaluate(model, ds, comm, amp: str = "none") -> tuple[float, float]:
     model.eval()
     idx = eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size())
     sums = np.zeros(3)
-    for lo in range(0, len(idx), 1024):
-        x, y = ds.batch(ds.test, idx[lo:lo + 1024])
-        out = model(torch.from_numpy(x))
-        y = torch.from_numpy(y)
-        sums += [float(torch.nn.functional.cross_entropy(out, y, reduction="sum")),
-                 float((out.argmax(1) == y).sum()), len(y)]
+    for lo in range(0, len(idx), 256):
+        x, y = ds.batch(ds.test, idx[lo:lo + 256])
+        with _autocast(amp):
+            out = model(torch.from_numpy(x))
+        loss, correct = _losses(out, torch.from_numpy(y))
+        sums += [float(loss.sum()), correct, len(y)]
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     model.train()
     return sums[0] / sums[2], sums[1] / sums[2]
@@ -138,6 +156,7 @@ class _Run:
     start_epoch: int = 0
     start_step: int = 0
     partial: dict | None = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
+    scaler: torch.amp.GradScaler | None = None  # amp="fp16"
 
     @property
     def rank(self) -> int:
@@ -192,12 +211,20 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
 def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     """The data, a fresh model (seeded), the wrapped optimizer and the schedule."""
     ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
-                      seed=cfg.data_seed)
+                      seed=cfg.data_seed, seq_len=cfg.seq_len)
     global_batch = cfg.global_batch(comm.Get_size())
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm,
+                        tokens=ds.tokens, layers=cfg.layers, heads=cfg.heads, embed=cfg.embed)
     return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
-                steps_per_epoch(len(ds.train), global_batch), global_batch)
+                steps_per_epoch(len(ds.train), global_batch), global_batch,
+                scaler=torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None)
+
+
+def _autocast(amp: str):
+    """Mixed precision for a forward pass: autocast to bfloat16 or float16,
+    or nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16 if amp == "bf16" else torch.float16, enabled=amp != "none")
 
 
 def _start(run: _Run, user_comm: MPI.Comm) -> None:
@@ -231,7 +258,8 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
               f"{run.size} ranks x {cfg.batch_per_rank} x {cfg.backward_passes_per_step} passes = global batch "
               f"{run.global_batch}, {run.steps_per_epoch} steps/epoch, peak lr {peak:g} "
               f"({cfg.warmup} warmup {cfg.warmup_epochs:g} epochs), {cfg.optimizer}, algorithm {cfg.algorithm}, "
-              f"{run.opt.num_buckets} buckets, overlap {run.opt.overlap}", flush=True)
+              f"{run.opt.num_buckets} buckets, overlap {run.opt.overlap}"
+              + (f", autocast to {cfg.amp}" if cfg.amp != "none" else ""), flush=True)
 
 
 def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, float]:
@@ -243,7 +271,7 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
     idx = rank_batches(len(ds.train), micro * passes, run.rank, run.size, epoch, cfg.seed)
     xs, ys = ds.batch(ds.train, idx.ravel())
     xs = torch.from_numpy(xs).reshape(spe, passes, micro, *ds.input_shape)
-    ys = torch.from_numpy(ys).reshape(spe, passes, micro)
+    ys = torch.from_numpy(ys).reshape(spe, passes, micro, *ys.shape[1:])
     opt.reset_stats()
     sums, first, elapsed = np.zeros(3), 0, 0.0
     if run.partial is not None and epoch == run.start_epoch:
@@ -257,11 +285,19 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
         opt.zero_grad()
         for k in range(passes):
-            out = run.model(xs[s, k])
-            loss = torch.nn.functional.cross_entropy(out, ys[s, k])
-            (loss / passes).backward()
-            sums += [float(loss.detach()) * micro, float((out.argmax(1) == ys[s, k]).sum()), micro]
-        opt.step()
+            with _autocast(cfg.amp):
+                out = run.model(xs[s, k])
+            losses, correct = _losses(out, ys[s, k])
+            loss = losses.mean()
+            (run.scaler.scale(loss / passes) if run.scaler else loss / passes).backward()
+            sums += [float(loss.detach()) * micro, correct, micro]
+        if run.scaler is None:
+            opt.step()
+        else:  # the scaler unscales the averages, identical on every rank: all skip alike
+            opt.synchronize()
+            run.scaler.unscale_(run.inner)
+            run.scaler.step(run.inner)
+            run.scaler.update()
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
             checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
@@ -277,7 +313,7 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _average_bn_stats(run.model, comm)
-    test_loss, test_acc = _evaluate(run.model, run.ds, comm)
+    test_loss, test_acc = _evaluate(run.model, run.ds, comm, run.cfg.amp)
     spe = run.steps_per_epoch
     record = {
         "epoch": epoch + 1, "step": (epoch + 1) * spe, "lr": sched.lr_at((epoch + 1) * spe - 1, spe, run.schedule),

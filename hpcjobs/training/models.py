@@ -1,6 +1,8 @@
 """Models for the training jobs: an MLP and a 1-D CNN (the MNIST-1D paper's
 baselines: an MLP with two hidden layers of 100, and a three-layer
-convolutional net with 25 channels; here the widths are parameters).
+convolutional net with 25 channels; here the widths are parameters), and
+by name the real ones: ResNet-18/50 (:mod:`hpcjobs.training.resnet`) and
+the GPTs (:mod:`hpcjobs.training.gpt`).
 
 ``batch_norm=True`` inserts BatchNorm after each hidden layer; its statistics
 are per worker, computed over the rank's own ``b`` samples (Goyal et al. 2017
@@ -13,7 +15,7 @@ import math
 
 from torch import nn
 
-from .config import MODELS
+from .config import GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 
 __all__ = ["MODELS", "MLP", "CNN1D", "build_model"]
 
@@ -66,13 +68,34 @@ class CNN1D(nn.Module):
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, width: int | None = None,
-                batch_norm: bool = False) -> nn.Module:
+                batch_norm: bool = False, tokens: bool = False, **gpt_shape: int | None) -> nn.Module:
     """A model for inputs of ``input_shape`` (one sample, no batch dim).
 
     ``cnn1d`` reads (L,) as one channel and (C, H, W) images as C channels of
     length H*W. ``width``: hidden units of the MLP (two layers) or channels
-    of the CNN.
+    of the CNN. The ResNets take (3, H, W) images of at least 32 pixels a
+    side. The GPTs take ``tokens`` (a text dataset): (T,) token ids from a
+    vocabulary of ``num_classes``; ``gpt_shape``: ``layers``, ``heads``,
+    ``embed`` (None: the preset's).
+
+    Raises:
+        ValueError: an unknown name, or data the model cannot take.
     """
+    if name in GPT_MODELS and not tokens:
+        raise ValueError(f"{name} is a language model: it trains on the text dataset")
+    if tokens and name not in GPT_MODELS:
+        raise ValueError(f"the text dataset is for the GPTs ({', '.join(GPT_MODELS)}), not {name}")
+    if name in GPT_MODELS:
+        from .gpt import gpt
+
+        return gpt(name, vocab=num_classes, seq_len=input_shape[0], **gpt_shape)
+    if name in IMAGE_MODELS:
+        if len(input_shape) != 3 or input_shape[0] != 3 or min(input_shape[1:]) < MIN_IMAGE_SIZE:
+            raise ValueError(f"{name} takes 3-channel images of at least {MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE} "
+                             f"(cifar10); this dataset's samples are {tuple(input_shape)}")
+        from . import resnet
+
+        return getattr(resnet, name)(num_classes=num_classes)
     if name == "mlp":
         return MLP(math.prod(input_shape), num_classes, hidden=(width or 256,) * 2, batch_norm=batch_norm)
     if name == "cnn1d":
@@ -82,7 +105,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, wi
             channels, length = input_shape[0], math.prod(input_shape[1:])
         return _Reshape(CNN1D(length, num_classes, in_channels=channels, channels=width or 32,
                               batch_norm=batch_norm), (channels, length))
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS + IMAGE_MODELS + GPT_MODELS)}")
 
 
 class _Reshape(nn.Module):

@@ -154,3 +154,32 @@ def test_rows_takes_across_parts():
     np.testing.assert_array_equal(rows.take([4, 0, 3]), [[8, 9], [0, 1], [6, 7]])
     with pytest.raises(IndexError):
         rows.take([5])
+
+
+def test_text_is_bytes_and_the_next_byte_at_every_position(tmp_path):
+    (tmp_path / "a.txt").write_bytes(bytes(range(200)))
+    (tmp_path / "b.txt").write_bytes(b"xyz" * 100)
+    ds = load_dataset("text", data_dir=tmp_path, seq_len=10)
+    assert ds.tokens and ds.num_classes == 256 and ds.input_shape == (10,)
+    corpus = bytes(range(200)) + b"\n\n" + b"xyz" * 100  # the files in path order, apart
+    x, y = ds.batch(ds.train, np.arange(len(ds.train)))
+    assert x.dtype == y.dtype == np.int64 and (x[:, 1:] == y[:, :-1]).all()
+    assert bytes(x[3].astype(np.uint8)) == corpus[30:40] and bytes(y[3].astype(np.uint8)) == corpus[31:41]
+    cut = int(0.9 * len(corpus))
+    assert len(ds.train) == (cut - 1) // 10 and len(ds.test) == (len(corpus) - cut - 1) // 10
+    xt, _ = ds.batch(ds.test, np.arange(1))
+    assert bytes(xt[0].astype(np.uint8)) == corpus[cut:cut + 10]  # the test text follows the training text
+
+
+def test_text_defaults_to_the_projects_source_and_refuses_too_little(tmp_path):
+    ds = load_dataset("text", seq_len=64, num_samples=100)
+    x, _ = ds.batch(ds.train, np.arange(1))
+    assert bytes(x[0].astype(np.uint8)).startswith(b'"""')  # a module docstring
+    assert 80 <= len(ds.train) + len(ds.test) <= 100
+    with pytest.raises(FileNotFoundError, match="no text to read"):
+        load_dataset("text", data_dir=tmp_path)
+    (tmp_path / "short.txt").write_bytes(b"x" * 50)
+    with pytest.raises(ValueError, match="too few for a test split of sequences of 10"):
+        load_dataset("text", data_dir=tmp_path, seq_len=10)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        load_dataset("text", data_dir=tmp_path / "missing")
