@@ -74,6 +74,17 @@ class Bucket:
             else:
                 slot.param.grad.copy_(avg)
 
+    def zero_unused_grads(self) -> None:
+        """Alone, with nothing to reduce: parameters without a gradient get
+        zeros, as they would from the ranks' average."""
+        for slot in self.slots:
+            if slot.param.grad is None:
+                slot.param.grad = torch.zeros_like(slot.param)
+
+    def nonfinite_grads(self) -> list[str]:
+        """Names of the parameters whose ``.grad`` holds a NaN or an Inf."""
+        return [s.name for s in self.slots if s.param.grad is not None and not torch.isfinite(s.param.grad).all()]
+
     def nonfinite(self) -> list[str]:
         """Names of the parameters whose values here hold a NaN or an Inf."""
         if torch.isfinite(self.buffer).all():

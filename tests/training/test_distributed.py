@@ -94,7 +94,8 @@ def test_every_algorithm_and_overlap_mode_gives_the_same_training(algorithm, ove
     want = reference("momentum", x, y)
     got, opt = distributed("momentum", x, y, comm, algorithm=algorithm, overlap=overlap, fusion_bytes=2048)
     assert opt.overlap == overlap and opt.stats["steps"] == 20
-    assert opt.stats["allreduces"] == 20 * opt.num_buckets
+    # one rank reduces nothing: its gradient is the average
+    assert opt.stats["allreduces"] == (20 * opt.num_buckets if comm.Get_size() > 1 else 0)
     assert rel_diff(got, want) <= 1e-5
 
 
@@ -104,7 +105,8 @@ def test_backward_passes_per_step_accumulates_locally():
     x, y = global_data(20, 6 * comm.Get_size())
     want = reference("nesterov", x, y, passes=1)
     got, opt = distributed("nesterov", x, y, comm, passes=3)
-    assert opt.stats["allreduces"] == 20 * opt.num_buckets   # one reduction per step, not per pass
+    # one reduction per step, not per pass (none alone)
+    assert opt.stats["allreduces"] == (20 * opt.num_buckets if comm.Get_size() > 1 else 0)
     assert rel_diff(got, want) <= 1e-5
 
 
