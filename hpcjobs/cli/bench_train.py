@@ -11,7 +11,8 @@ import json
 
 from ..bench.names import TRAIN_IMPLS
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
-from .args import check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int, usage
+from .args import (check_amp, check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int,
+                   usage)
 
 
 def configure(p) -> None:
@@ -32,7 +33,8 @@ def configure(p) -> None:
     g.add_argument("--embed", type=positive_int, help="model width (384, 768); a multiple of --heads")
     g.add_argument("--vocab", type=positive_int, help="vocabulary (256, 50257)")
     p.add_argument("--amp", choices=AMP, default="none",
-                   help="mixed precision: bf16 (autocast) or fp16 (autocast and a GradScaler) (default none)")
+                   help="mixed precision: bf16 (autocast); fp16 (autocast and a GradScaler) is for GPUs and refused "
+                        "on CPUs (default none)")
     p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
     p.add_argument("--batch-norm", action="store_true")
     p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
@@ -56,6 +58,7 @@ def run(args) -> int:
     from ..comm import print0, private
     from ..runtime import set_threads
 
+    check_amp(args.amp)
     comm = private()
     size = comm.Get_size()
     names = comma_list(args.impl)

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from ..training.schedule import WARMUPS
-from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
-                   positive_int, usage)
+from .args import (UsageError, check_amp, check_outputs, comma_list, dataclass_values, nonnegative_float,
+                   positive_float, positive_int, usage)
 from .train import add_comm_arguments, add_model_data_arguments
 
 
@@ -47,6 +47,7 @@ def run(args) -> int:
     from ..training.experiment import batch_sizes, markdown_table, plot, run_grid, summarize
 
     comm = MPI.COMM_WORLD
+    check_amp(args.amp)
     if not args.warmups or set(args.warmups) - set(WARMUPS):
         raise UsageError(f"--warmups takes a subset of {','.join(WARMUPS)}, got {','.join(args.warmups)}")
     if args.min_batch > args.max_batch:

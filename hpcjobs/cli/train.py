@@ -19,8 +19,8 @@ from ..compression.names import COMPRESSIONS, make_compressor
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
-from .args import (UsageError, check_outputs, dataclass_values, nonnegative_float, nonnegative_int, parse_bytes,
-                   positive_float, positive_int, usage)
+from .args import (UsageError, check_amp, check_outputs, dataclass_values, nonnegative_float, nonnegative_int,
+                   parse_bytes, positive_float, positive_int, usage)
 
 DEFAULTS = TrainConfig()
 
@@ -63,7 +63,8 @@ def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heads", type=positive_int, help="GPT attention heads (default: the preset's, 6 or 12)")
     g.add_argument("--embed", type=positive_int, help="GPT width, a multiple of --heads (default 384 or 768)")
     g.add_argument("--amp", choices=AMP, default=DEFAULTS.amp,
-                   help="mixed precision: bf16 (autocast) or fp16 (autocast and a GradScaler) (default none)")
+                   help="mixed precision: bf16 (autocast); fp16 (autocast and a GradScaler) is for GPUs and refused "
+                        "on CPUs (default none)")
 
 
 def add_optim_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,6 +168,7 @@ def run(args) -> int:
     from ..training.loop import train
 
     comm = MPI.COMM_WORLD
+    check_amp(args.amp)
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:

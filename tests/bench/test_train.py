@@ -3,6 +3,7 @@
 import json
 
 from launch import mpirun as _mpirun
+from launch import mpirun_script
 
 
 def test_bench_train_measures_every_implementation(tmp_path):
@@ -43,18 +44,24 @@ def test_bench_train_refuses_images_a_resnet_cannot_take():
 
 def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
     """gpt-mini, shortened, on random tokens under bf16 autocast: ours, DDP on
-    our backend and our Horovod API with fp16's GradScaler recipes alike."""
-    for amp in ("bf16", "fp16"):
-        out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--layers", "1", "--seq-len", "16",
-                      "--batch-size", "2", "--amp", amp, "--impl", "single,ours:auto,ddp-hpcjobs,hvd-hpcjobs",
-                      "--num-iters", "1", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
-                      "--json", str(tmp_path / "t.json"), "--no-progress", timeout=240)
-        assert out.returncode == 0, out.stderr
-        assert ("# bench train: gpt-mini (1 layers, 6 heads, 384 wide, vocabulary 256; a sample is a sequence of "
-                f"16 tokens), autocast to {amp} (1879680 parameters") in out.stdout
-        rows = {r["impl"]: r for r in json.load(open(tmp_path / "t.json"))["results"]}
-        assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 for r in rows.values())
-        assert "# buckets: ours 1 MiB (--fusion-bytes), ddp and ddp-hpcjobs 25 MiB (DDP's default)" in out.stdout
+    our backend and our Horovod API."""
+    out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--layers", "1", "--seq-len", "16",
+                  "--batch-size", "2", "--amp", "bf16", "--impl", "single,ours:auto,ddp-hpcjobs,hvd-hpcjobs",
+                  "--num-iters", "1", "--num-batches-per-iter", "2", "--num-warmup-batches", "1",
+                  "--json", str(tmp_path / "t.json"), "--no-progress", timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert ("# bench train: gpt-mini (1 layers, 6 heads, 384 wide, vocabulary 256; a sample is a sequence of "
+            "16 tokens), autocast to bf16 (1879680 parameters") in out.stdout
+    rows = {r["impl"]: r for r in json.load(open(tmp_path / "t.json"))["results"]}
+    assert list(rows) == ["single", "ours:auto", "ddp-hpcjobs", "hvd-hpcjobs"]
+    assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 for r in rows.values())
+    assert "# buckets: ours 1 MiB (--fusion-bytes), ddp and ddp-hpcjobs 25 MiB (DDP's default)" in out.stdout
+
+
+def test_fp16_autocast_is_refused_on_cpus():
+    for command in (("bench", "train"), ("train",), ("experiment", "large-batch", "--out", "/tmp/never")):
+        out = _mpirun(2, *command, "--amp", "fp16")
+        assert out.returncode == 2 and "--amp fp16 is for GPUs" in out.stderr, (command, out.stderr)
 
 
 def test_bench_train_with_the_same_buckets_for_every_library(tmp_path):
@@ -71,3 +78,22 @@ def test_bench_train_refuses_gpt_shapes_it_cannot_build():
     assert out.returncode == 2 and "embed 100 is not a multiple of heads 6" in out.stderr
     out = _mpirun(2, "bench", "train", "--model", "mlp", "--seq-len", "64")
     assert out.returncode == 2 and "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp" in out.stderr
+
+
+def test_fp16_grad_scaler_recipes_from_the_library():
+    """Refused on the command line on CPUs, fp16 still runs through the
+    library (for GPUs): each implementation's GradScaler recipe keeps the
+    ranks' parameters equal."""
+    out = mpirun_script(2, """
+import torch
+from mpi4py import MPI
+from hpcjobs.bench.train import Workload, bench_train
+torch.set_num_threads(1)
+w = Workload(model="gpt-mini", width=0, batch_norm=False, input_size=0, image_size=0, num_classes=0, batch_size=2,
+             fusion_bytes=1 << 20, lr=0.01, seed=0, seq_len=8, layers=1, amp="fp16")
+results = bench_train(MPI.COMM_WORLD, ["single", "ours:auto", "ddp-hpcjobs", "hvd-hpcjobs"], w, 1, 2, 1)
+assert sorted(results) == ["ddp-hpcjobs", "hvd-hpcjobs", "ours:auto", "single"], results
+assert all(r.wrong == 0 and r.median > 0 for r in results.values()), results
+print("ok", MPI.COMM_WORLD.Get_rank())
+""", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stderr
