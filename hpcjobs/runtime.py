@@ -12,7 +12,9 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["bind_gpu", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
+__all__ = ["bind_gpu", "pick_device", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
+
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def bind_gpu() -> None:
@@ -31,6 +33,36 @@ def bind_gpu() -> None:
     index = int(local)
     os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % len(visible)] if visible else str(index)
     os.environ["LOCAL_RANK"] = local
+
+
+def pick_device(choice: str, comm):
+    """The ``torch.device`` this rank trains on, and make it current.
+
+    ``auto``: this rank's GPU when every rank of ``comm`` sees one, else the
+    CPU; ``cuda``: this rank's GPU, or ValueError on every rank when some
+    rank sees none. This rank's GPU is its local index on the node modulo
+    the GPUs it sees (one when ``HPCJOBS_BIND_GPU=1`` or the Slurm templates
+    bound it; ranks share GPUs when there are more ranks than GPUs).
+    Collective over ``comm``.
+    """
+    import torch
+    from mpi4py import MPI
+
+    if choice not in DEVICES:
+        raise ValueError(f"unknown device {choice!r}; choose from {', '.join(DEVICES)}")
+    gpus = torch.cuda.device_count() if choice != "cpu" and torch.cuda.is_available() else 0
+    everyone = comm.allreduce(int(gpus > 0), op=MPI.MIN) == 1
+    if choice == "cpu" or (choice == "auto" and not everyone):
+        return torch.device("cpu")
+    if not everyone:
+        raise ValueError("--device cuda: " + ("no CUDA GPU is visible to this rank (torch.cuda.is_available() "
+                                              "is False)" if not gpus else "another rank sees no CUDA GPU"))
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_rank()
+    node.Free()
+    device = torch.device("cuda", local % gpus)
+    torch.cuda.set_device(device)
+    return device
 
 
 def cores_per_rank(comm) -> int:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks: the CUDA tests at 2, 3 and 4 ranks sharing the GPU(s), then the
-# --device cuda benchmark tables and the staging pipeline's breakdown.
+# --device cuda benchmark tables and the staging pipeline's breakdown, then
+# training on the GPU (phase "train": ResNet-50 alone against plain torch,
+# bf16, 2 ranks sharing the GPU, gpt-mini on text).
 # CI has no GPU; run this on a GPU machine (docs/testing.md, "GPU checks").
 #
 #   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/
@@ -11,7 +13,8 @@
 # another), and installs what that python lacks (Open MPI, mpi4py, pytest,
 # pytest-mpi, mnist1d) from .whl/ into /tmp/hpcjobs-gpu, offline. Results:
 # $HPCJOBS_GPU_OUT (default results/gpu/): np<N>.log per test run,
-# bench-np<N>.txt/.json, staging.txt, compression.txt, summary.txt.
+# bench-np<N>.txt/.json, staging.txt, compression.txt, train-*.txt,
+# summary.txt. HPCJOBS_GPU_PHASES picks phases (default: tests bench train).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -67,14 +70,19 @@ failed=0
 tests() {  # tests <ranks>
     local n=$1 log=$OUT/np$1.log
     timeout "$T" mpirun --oversubscribe -n "$n" scripts/rank_pytest.sh -p no:cacheprovider -q --with-mpi \
-        -m "cuda or mpi" tests/gpu tests/collectives/test_device.py >"$log" 2>&1
+        -m "cuda or mpi" tests/gpu tests/collectives/test_device.py tests/training/test_model_equivalence.py \
+        >"$log" 2>&1
     local rc=$? line
     line=$(grep -aE '[0-9]+ (passed|failed)' "$log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g')
     say "tests at $n ranks: ${line:-no summary} (rc $rc)"
     [ $rc = 0 ] || failed=1
 }
-PHASES=${HPCJOBS_GPU_PHASES:-tests bench}  # a subset, to split the run
+PHASES=${HPCJOBS_GPU_PHASES:-tests bench train}  # a subset, to split the run
 if [[ " $PHASES " == *" tests "* ]]; then
+    # ResNets against torchvision itself (it imports here), the GPT's shape
+    "$PY" -m pytest -p no:cacheprovider -q tests/training/test_resnet.py tests/training/test_gpt.py \
+        >"$OUT/models.log" 2>&1 || failed=1
+    say "models vs torchvision: $(tail -n 1 "$OUT/models.log")"
     tests 2
     [ $QUICK = 1 ] || { tests 3; tests 4; }
 fi
@@ -100,6 +108,25 @@ if [[ " $PHASES " == *" bench "* ]]; then
     timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench compression --device cuda \
         --elements 1000000,25000000 --no-progress >"$OUT/compression.txt" 2>&1 || failed=1
     say "bench compression --device cuda at 2 ranks: $OUT/compression.txt"
+fi
+train() {  # train <name> <ranks> <hpcjobs args...>: one training run, its table kept
+    local name=$1 n=$2
+    shift 2
+    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs "$@" >"$OUT/train-$name.txt" 2>&1
+    local rc=$?
+    say "$name ($n ranks): rc $rc ($OUT/train-$name.txt)"
+    grep -a '^  \|^# train: final' "$OUT/train-$name.txt" | tee -a "$OUT/summary.txt" >&2
+    [ $rc = 0 ] || failed=1
+}
+if [[ " $PHASES " == *" train "* ]]; then
+    R50="bench train --device cuda --model resnet50 --batch-size 64 --num-iters 10 --no-progress"
+    train resnet50-alone 1 $R50 --impl single,ours:auto,hvd-hpcjobs      # ours within 3% of plain torch
+    train resnet50-bf16 1 $R50 --impl single,ours:auto --amp bf16       # >= 1.3x the fp32 table's single
+    train resnet50-fp16 1 $R50 --impl single,ours:auto --amp fp16
+    train resnet18-shared 2 bench train --device cuda --model resnet18 --image-size 64 --batch-size 32 \
+        --impl single,ours:auto,ddp-hpcjobs,hvd-hpcjobs --num-iters 5 --no-progress   # #wrong 0: equal parameters
+    train gpt-mini-text 2 train --device cuda --model gpt-mini --dataset text --epochs 1 --optimizer adam \
+        --lr 1e-3 --warmup none --amp bf16 --no-progress
 fi
 say "$([ $failed = 0 ] && echo 'all GPU checks passed' || echo 'SOME GPU CHECKS FAILED')"
 exit $failed

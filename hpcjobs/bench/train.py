@@ -79,7 +79,7 @@ class _Runner:
 
 def _make_model(w: Workload, seed_state):
     torch.set_rng_state(seed_state)
-    return model(w)
+    return model(w).to(w.device)
 
 
 def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
@@ -99,6 +99,8 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
         from torch.nn.parallel import DistributedDataParallel
 
         cap = {"bucket_cap_mb": w.fusion_bytes / 2**20} if w.same_buckets else {}
+        if w.device.startswith("cuda"):
+            cap["device_ids"] = [torch.device(w.device)]
         if name == "ddp":
             ensure_process_group(comm)  # Gloo, torch's default group
             ddp = DistributedDataParallel(model, **cap)
@@ -108,7 +110,8 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
             group = new_process_group(comm)
             ddp = DistributedDataParallel(model, process_group=group, **cap)
         opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=0.9)
-        return _Runner(name, model, stepper(w, ddp, x, y)(opt), close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
+        return _Runner(name, model, stepper(w, ddp, x, y)(opt),
+                       close=group.shutdown if name == "ddp-hpcjobs" else lambda: None)
     if name == "hvd-hpcjobs":
         from ..horovod import torch as hvd_api
 
@@ -178,7 +181,7 @@ def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
 
 
 def _params_agree(runner: _Runner, comm) -> bool:
-    flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).numpy()
+    flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).cpu().numpy()
     return bool(agree(flat, comm).all())
 
 
@@ -214,13 +217,18 @@ def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: 
             progress(it + 1)
 
 
-def unavailable(names: list[str], comm) -> dict[str, str]:
+def unavailable(names: list[str], comm, device: str = "cpu") -> dict[str, str]:
     """The baselines among ``names`` that cannot run here, with the reason
-    (collective)."""
+    (collective). On a GPU, DDP runs on NCCL (one GPU per rank)."""
     skipped = {}
-    for n, base in (("ddp", "gloo"), ("horovod", "horovod")):
+    cuda = device.startswith("cuda")
+    for n, base in (("ddp", "nccl" if cuda else "gloo"), ("horovod", "horovod")):
         if n in names:
             reason = available(base, comm)
+            if not reason and n == "horovod" and cuda:
+                import horovod.torch as hvd
+
+                reason = None if hvd.cuda_built() else "this Horovod was built without CUDA"
             if reason:
                 skipped[n] = reason
     return skipped

@@ -38,6 +38,7 @@ class Workload:
     vocab: int | None = None
     amp: str = "none"  # mixed precision: none, bf16 (autocast) or fp16 (autocast and a GradScaler)
     same_buckets: bool = False  # DDP and Horovod fuse fusion_bytes too, rather than their defaults
+    device: str = "cpu"  # where the model and its batch live: "cpu" or this rank's "cuda:N"
 
     def buckets(self) -> str:
         """Which bucket size each row uses, for the run's header."""
@@ -73,14 +74,14 @@ def model(w: Workload):
 
 
 def data(w: Workload, g: torch.Generator):
-    """This rank's fixed batch: random images, features or tokens."""
+    """This rank's fixed batch, on its device: random images, features or tokens."""
     if w.model in GPT_MODELS:
         cfg = w.gpt_config()
-        tokens = torch.randint(0, cfg.vocab, (w.batch_size, cfg.seq_len + 1), generator=g)
+        tokens = torch.randint(0, cfg.vocab, (w.batch_size, cfg.seq_len + 1), generator=g).to(w.device)
         return tokens[:, :-1], tokens[:, 1:]  # next-token prediction
     shape = (3, w.image_size, w.image_size) if w.model in IMAGE_MODELS else (w.input_size,)
-    return torch.randn(w.batch_size, *shape, generator=g), torch.randint(0, w.num_classes, (w.batch_size,),
-                                                                          generator=g)
+    x = torch.randn(w.batch_size, *shape, generator=g)
+    return x.to(w.device), torch.randint(0, w.num_classes, (w.batch_size,), generator=g).to(w.device)
 
 
 def stepper(w: Workload, net, x, y):
@@ -96,7 +97,7 @@ def stepper(w: Workload, net, x, y):
     lm = w.model in GPT_MODELS
 
     def loss():
-        with torch.autocast("cpu", dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
+        with torch.autocast(torch.device(w.device).type, dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
                             enabled=w.amp != "none"):
             out = net(x)
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
@@ -108,7 +109,7 @@ def stepper(w: Workload, net, x, y):
                 loss().backward()
                 opt.step()
             return step
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler(torch.device(w.device).type)
 
         def scaled_step():
             opt.zero_grad()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from ..bench.names import TRAIN_IMPLS
+from ..runtime import DEVICES
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 from .args import (check_amp, check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int,
                    usage)
@@ -32,6 +33,9 @@ def configure(p) -> None:
     g.add_argument("--heads", type=positive_int, help="attention heads (6, 12)")
     g.add_argument("--embed", type=positive_int, help="model width (384, 768); a multiple of --heads")
     g.add_argument("--vocab", type=positive_int, help="vocabulary (256, 50257)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: this rank's GPU (by local rank) when every rank sees one, else the CPU; cuda: fail "
+                        "without one. On GPUs ddp runs on NCCL (one GPU per rank) (default: %(default)s)")
     p.add_argument("--amp", choices=AMP, default="none",
                    help="mixed precision: bf16 (autocast); fp16 (autocast and a GradScaler) is for GPUs and refused "
                         "on CPUs (default none)")
@@ -56,12 +60,14 @@ def configure(p) -> None:
 def run(args) -> int:
     from ..bench.train import Workload, bench_train, check_impl, parameters, table, unavailable
     from ..comm import print0, private
-    from ..runtime import set_threads
+    from ..runtime import pick_device, set_threads
 
-    check_amp(args.amp)
     comm = private()
     size = comm.Get_size()
     names = comma_list(args.impl)
+    with usage():
+        device = pick_device(args.device, comm)
+    check_amp(args.amp, device)
     with usage():
         for n in names:
             check_impl(n)
@@ -74,9 +80,9 @@ def run(args) -> int:
                              f"not {args.model}")
     check_outputs(comm, [("--json", args.json, False)])
     threads = set_threads(args.threads, comm)
-    skipped = unavailable(names, comm)
+    skipped = unavailable(names, comm, str(device))
     names = [n for n in names if n not in skipped]
-    w = Workload(**dataclass_values(Workload, args))
+    w = Workload(**{**dataclass_values(Workload, args), "device": str(device)})
     with usage():
         nparams = parameters(w)  # checks the GPT's shape
     if w.model in GPT_MODELS:
@@ -88,7 +94,7 @@ def run(args) -> int:
     if w.amp != "none":
         shape += f", autocast to {w.amp}"
     print0(f"# bench train: {w.model} {shape} ({nparams} parameters, {4 * nparams / 2**20:.1f} MiB "
-           f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks, {threads} torch thread(s)/rank, "
+           f"of fp32 gradients), batch {w.batch_size}/rank, {size} ranks on {device}, {threads} torch thread(s)/rank, "
            f"{args.num_iters} rounds x {args.num_batches_per_iter} steps")
     print0(f"# {w.buckets()}")
     for n, why in skipped.items():

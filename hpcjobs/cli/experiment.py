@@ -42,12 +42,13 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ..comm import print0
-    from ..runtime import set_threads
+    from ..runtime import pick_device, set_threads
     from ..training.config import TrainConfig
     from ..training.experiment import batch_sizes, markdown_table, plot, run_grid, summarize
 
     comm = MPI.COMM_WORLD
-    check_amp(args.amp)
+    with usage():
+        check_amp(args.amp, pick_device(args.device, comm))
     if not args.warmups or set(args.warmups) - set(WARMUPS):
         raise UsageError(f"--warmups takes a subset of {','.join(WARMUPS)}, got {','.join(args.warmups)}")
     if args.min_batch > args.max_batch:

@@ -17,6 +17,7 @@ import sys
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
+from ..runtime import DEVICES
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_amp, check_outputs, dataclass_values, nonnegative_float, nonnegative_int,
@@ -62,6 +63,9 @@ def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=positive_int, help="GPT blocks (default: the preset's, 6 or 12)")
     g.add_argument("--heads", type=positive_int, help="GPT attention heads (default: the preset's, 6 or 12)")
     g.add_argument("--embed", type=positive_int, help="GPT width, a multiple of --heads (default 384 or 768)")
+    g.add_argument("--device", choices=DEVICES, default=DEFAULTS.device,
+                   help="auto: this rank's GPU (by local rank) when every rank sees one, else the CPU; cuda: "
+                        "fail without one (default: %(default)s)")
     g.add_argument("--amp", choices=AMP, default=DEFAULTS.amp,
                    help="mixed precision: bf16 (autocast); fp16 (autocast and a GradScaler) is for GPUs and refused "
                         "on CPUs (default none)")
@@ -163,12 +167,13 @@ def config_from_args(args, size: int) -> TrainConfig:
 def run(args) -> int:
     from mpi4py import MPI
 
-    from ..runtime import set_threads
+    from ..runtime import pick_device, set_threads
     from ..training.checkpoint import CheckpointError
     from ..training.loop import train
 
     comm = MPI.COMM_WORLD
-    check_amp(args.amp)
+    with usage():
+        check_amp(args.amp, pick_device(args.device, comm))
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:

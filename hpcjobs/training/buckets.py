@@ -6,6 +6,13 @@ reverse order of ``named_parameters`` (roughly the order backward produces
 their gradients), as DDP and Horovod's tensor fusion do: one allreduce per
 bucket instead of one per tensor. :func:`check_layout` makes sure every rank
 built the same buckets before any is reduced.
+
+Parameters on a GPU get buckets on their device (a bucket holds one device
+and one dtype). The copies in run on the stream of the thread that makes
+them (autograd's, in a hook), the reduction on another thread's: each copy
+records a CUDA event that the reducing thread's stream waits for, and the
+reduction records one that the stream copying the averages back waits for.
+Nothing waits on the host, and the device is never synchronized whole.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ class Bucket:
     buffer: torch.Tensor
     pending: set = field(default_factory=set)  # slot positions whose gradient has not arrived
     done: threading.Event = field(default_factory=threading.Event)  # reduced (the communication thread's)
+    copied: list = field(default_factory=list)  # CUDA events: the copies in, on their streams
+    reduced: object = None  # CUDA event: the reduction, on the reducing thread's stream
 
     def view(self, slot: Slot) -> torch.Tensor:
         return self.buffer[slot.offset:slot.offset + slot.numel]
@@ -47,12 +56,34 @@ class Bucket:
         """Before a step: every gradient still to come."""
         self.pending = set(range(len(self.slots)))
         self.done.clear()
+        self.copied.clear()
+        self.reduced = None
+
+    def _event(self):
+        """A CUDA event recorded on this thread's current stream (None on the CPU)."""
+        if not self.buffer.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.buffer.device))
+        return event
 
     def fill(self, pos: int) -> None:
         """Copy slot ``pos``'s gradient in; it has arrived."""
         slot = self.slots[pos]
         self.view(slot).copy_(slot.param.grad.reshape(-1))
         self.pending.discard(pos)
+        if self.buffer.is_cuda:
+            self.copied.append(self._event())
+
+    def before_reduce(self) -> None:
+        """On the reducing thread: its stream waits for the copies in."""
+        for event in self.copied:
+            torch.cuda.current_stream(self.buffer.device).wait_event(event)
+        self.copied.clear()
+
+    def after_reduce(self) -> None:
+        """On the reducing thread: mark the reduction for :meth:`unpack`."""
+        self.reduced = self._event()
 
     def fill_missing(self) -> None:
         """The gradients that never arrived: their ``.grad`` if they have
@@ -61,12 +92,16 @@ class Bucket:
             slot = self.slots[pos]
             if slot.param.grad is None:
                 self.view(slot).zero_()
+                if self.buffer.is_cuda:
+                    self.copied.append(self._event())
             else:
                 self.fill(pos)
         self.pending.clear()
 
     def unpack(self) -> None:
         """Copy the reduced values back into every parameter's ``.grad``."""
+        if self.reduced is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self.reduced)
         for slot in self.slots:
             avg = self.view(slot).view_as(slot.param)
             if slot.param.grad is None:
@@ -94,30 +129,31 @@ class Bucket:
 
 def layout(named: list[tuple[str, torch.Tensor]], fusion_bytes: int, fused: bool = True) -> list[Bucket]:
     """The buckets for ``named`` parameters: up to ``fusion_bytes`` each, per
-    dtype, or one per parameter with ``fused=False``.
+    device and dtype, or one per parameter with ``fused=False``.
 
     Raises:
-        ValueError: a parameter not on the CPU.
+        ValueError: a parameter on a device other than the CPU or a GPU.
     """
     buckets: list[Bucket] = []
-    open_: dict[torch.dtype, list[Slot]] = {}  # the bucket being filled, per dtype
+    open_: dict[tuple, list[Slot]] = {}  # the bucket being filled, per (device, dtype)
 
-    def close(dtype):
-        slots = open_.pop(dtype)
+    def close(key):
+        slots = open_.pop(key)
         count = slots[-1].offset + slots[-1].numel
-        buckets.append(Bucket(len(buckets), dtype, slots, torch.zeros(count, dtype=dtype)))
+        buckets.append(Bucket(len(buckets), key[1], slots, torch.zeros(count, dtype=key[1], device=key[0])))
 
     for name, p in reversed(named):
-        if p.device.type != "cpu":
-            raise ValueError(f"parameter {name} is on {p.device}; DistributedOptimizer reduces CPU tensors "
-                             "(CUDA parameters need a CUDA-aware MPI, not supported yet)")
-        slots = open_.setdefault(p.dtype, [])
+        if p.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameter {name} is on {p.device}; DistributedOptimizer reduces CPU and CUDA "
+                             "tensors")
+        key = (p.device, p.dtype)
+        slots = open_.setdefault(key, [])
         offset = slots[-1].offset + slots[-1].numel if slots else 0
         slots.append(Slot(name, p, offset, p.numel()))
         if not fused or (offset + p.numel()) * p.element_size() >= fusion_bytes:
-            close(p.dtype)
-    for dtype in list(open_):
-        close(dtype)
+            close(key)
+    for key in list(open_):
+        close(key)
     return buckets
 
 
@@ -128,7 +164,7 @@ def check_layout(comm: MPI.Intracomm, named: list, buckets: list[Bucket], settin
     Raises:
         ValueError: on every rank, naming what differs and each rank's values.
     """
-    params = "|".join(f"{n}:{p.dtype}:{tuple(p.shape)}" for n, p in named)
+    params = "|".join(f"{n}:{p.dtype}:{tuple(p.shape)}:{p.device.type}" for n, p in named)
     places = "|".join(",".join(s.name for s in b.slots) for b in buckets)
     numel = sum(p.numel() for _, p in named)
     same = agree(signature([len(named), numel, params, places, *settings.values()]), comm)

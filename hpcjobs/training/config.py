@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 from ..collectives.names import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
+from ..runtime import DEVICES
 from . import schedule
 
-__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE",
+           "DEFAULT_FUSION_BYTES"]
 
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
 # torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
@@ -51,6 +53,7 @@ class TrainConfig:
     embed: int | None = None
     seq_len: int = 128
     amp: str = "none"
+    device: str = "auto"  # auto (this rank's GPU if every rank has one, else the CPU), cpu or cuda
     dataset: str = "mnist1d"
     data_dir: str | None = None
     num_samples: int | None = None
@@ -103,6 +106,8 @@ class TrainConfig:
         shaped = [f for f in ("layers", "heads", "embed") if getattr(self, f) is not None]
         if shaped and self.model not in GPT_MODELS:
             raise ValueError(f"{shaped[0]} shapes the GPTs ({', '.join(GPT_MODELS)}), not {self.model}")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}")
         if self.amp not in AMP:
             raise ValueError(f"unknown amp {self.amp!r}; choose from {', '.join(AMP)}")
         if self.amp == "fp16" and self.nonfinite != "ignore":

@@ -53,13 +53,12 @@ residual (:class:`~hpcjobs.compression.ErrorFeedback`, by parameter name);
 :meth:`DistributedOptimizer.compression_state_dict` carries the residuals,
 the compressor's state and the step count into checkpoints.
 
-BatchNorm statistics are not reduced: each rank normalises over its own b
-samples (Goyal et al. 2017); only parameters travel.
+BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
+Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
 
-The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py
-asks for ``MULTIPLE``); the main thread makes no MPI call on this
-communicator between backward and ``step()``. With a lower thread level, or
-a rank bound to a single core, ``overlap="auto"`` chooses ``"none"``.
+The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py asks for ``MULTIPLE``); the
+main thread makes no MPI call on this communicator between backward and ``step()``. With a lower thread
+level, or a rank bound to a single core, ``overlap="auto"`` chooses ``"none"``.
 """
 
 from __future__ import annotations
@@ -184,8 +183,7 @@ class DistributedOptimizer:
         opt_ids = {id(p) for p in opt_params}
         named = [(n, p) for n, p in named if id(p) in opt_ids and p.requires_grad]
         self._buckets = layout(named, self.fusion_bytes, self._fused)
-        # One rank, no compression: the gradient is its own average; nothing is
-        # copied or reduced (as DDP and Horovod alone; the copies cost 5-8%)
+        # one rank, no compression: the gradient is its own average (no copies: they cost 5-8%)
         self._alone = self.size == 1 and compression is None
         check_layout(self._comm, named, self._buckets, {
             "fusion_bytes": self.fusion_bytes, "backward_passes_per_step": self.backward_passes_per_step,
@@ -261,6 +259,7 @@ class DistributedOptimizer:
 
     def _reduce(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
+        bucket.before_reduce()
         if self.compression is not None:
             single = len(bucket.slots) == 1
             tensor = bucket.buffer.view(bucket.slots[0].param.shape) if single else bucket.buffer
@@ -273,6 +272,7 @@ class DistributedOptimizer:
             self.stats["sent_bytes"] += counted_allreduce(bucket.buffer, "avg", self.algorithm, self._user_comm)
         else:
             allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
+        bucket.after_reduce()
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["allreduces"] += 1
 

@@ -50,6 +50,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
+from ..runtime import pick_device
 from ..compression import make_compressor
 from . import checkpoint
 from . import schedule as sched
@@ -108,8 +109,9 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
     for m in model.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
             for t in (m.running_mean, m.running_var):
-                comm.Allreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
-                t.div_(comm.Get_size())
+                host = t.cpu()  # the same tensor on the CPU; a copy of a GPU's
+                comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+                t.copy_(host).div_(comm.Get_size())
 
 
 def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -124,15 +126,15 @@ def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 @torch.no_grad()
-def _evaluate(model, ds, comm, amp: str = "none") -> tuple[float, float]:
+def _evaluate(model, ds, comm, amp: str = "none", device: torch.device = torch.device("cpu")) -> tuple[float, float]:
     model.eval()
     idx = eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size())
     sums = np.zeros(3)
     for lo in range(0, len(idx), 256):
         x, y = ds.batch(ds.test, idx[lo:lo + 256])
-        with _autocast(amp):
-            out = model(torch.from_numpy(x))
-        loss, correct = _losses(out, torch.from_numpy(y))
+        with _autocast(amp, device):
+            out = model(torch.from_numpy(x).to(device))
+        loss, correct = _losses(out, torch.from_numpy(y).to(device))
         sums += [float(loss.sum()), correct, len(y)]
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     model.train()
@@ -157,6 +159,7 @@ class _Run:
     start_step: int = 0
     partial: dict | None = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
     scaler: torch.amp.GradScaler | None = None  # amp="fp16"
+    device: torch.device = torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -210,6 +213,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
 
 def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     """The data, a fresh model (seeded), the wrapped optimizer and the schedule."""
+    device = pick_device(cfg.device, comm)  # a missing GPU fails before the data is read
     ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
                       seed=cfg.data_seed, seq_len=cfg.seq_len)
     global_batch = cfg.global_batch(comm.Get_size())
@@ -218,13 +222,26 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
                         tokens=ds.tokens, layers=cfg.layers, heads=cfg.heads, embed=cfg.embed)
     return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
                 steps_per_epoch(len(ds.train), global_batch), global_batch,
-                scaler=torch.amp.GradScaler("cpu") if cfg.amp == "fp16" else None)
+                scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device)
 
 
-def _autocast(amp: str):
+def _autocast(amp: str, device: torch.device):
     """Mixed precision for a forward pass: autocast to bfloat16 or float16,
     or nothing."""
-    return torch.autocast("cpu", dtype=torch.bfloat16 if amp == "bf16" else torch.float16, enabled=amp != "none")
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16,
+                          enabled=amp != "none")
+
+
+def _to_device(run: _Run) -> None:
+    """Move the model and the optimizer's state (a resumed run's) to the
+    run's device; the broadcasts and the checkpoint worked on the CPU."""
+    if run.device.type == "cpu":
+        return
+    run.model.to(run.device)
+    for state in run.inner.state.values():
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.dim() > 0:  # Adam's step counts stay on the CPU, as torch keeps them
+                state[k] = v.to(run.device)
 
 
 def _start(run: _Run, user_comm: MPI.Comm) -> None:
@@ -245,6 +262,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
             for name, buf in run.model.named_buffers():
                 buf.copy_(mine["buffers"][name])
     run.partial = mine.get("partial")
+    _to_device(run)
     run.opt = DistributedOptimizer(run.inner, run.model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                    compression=make_compressor(cfg.compression, seed=cfg.seed),
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
@@ -259,7 +277,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
               f"{run.global_batch}, {run.steps_per_epoch} steps/epoch, peak lr {peak:g} "
               f"({cfg.warmup} warmup {cfg.warmup_epochs:g} epochs), {cfg.optimizer}, algorithm {cfg.algorithm}, "
               f"{run.opt.num_buckets} buckets, overlap {run.opt.overlap}"
-              + (f", autocast to {cfg.amp}" if cfg.amp != "none" else ""), flush=True)
+              + (f", autocast to {cfg.amp}" if cfg.amp != "none" else "") + f", on {run.device}", flush=True)
 
 
 def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, float]:
@@ -285,9 +303,9 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
         opt.zero_grad()
         for k in range(passes):
-            with _autocast(cfg.amp):
-                out = run.model(xs[s, k])
-            losses, correct = _losses(out, ys[s, k])
+            with _autocast(cfg.amp, run.device):
+                out = run.model(xs[s, k].to(run.device, non_blocking=True))
+            losses, correct = _losses(out, ys[s, k].to(run.device, non_blocking=True))
             loss = losses.mean()
             (run.scaler.scale(loss / passes) if run.scaler else loss / passes).backward()
             sums += [float(loss.detach()) * micro, correct, micro]
@@ -313,7 +331,7 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _average_bn_stats(run.model, comm)
-    test_loss, test_acc = _evaluate(run.model, run.ds, comm, run.cfg.amp)
+    test_loss, test_acc = _evaluate(run.model, run.ds, comm, run.cfg.amp, run.device)
     spe = run.steps_per_epoch
     record = {
         "epoch": epoch + 1, "step": (epoch + 1) * spe, "lr": sched.lr_at((epoch + 1) * spe - 1, spe, run.schedule),

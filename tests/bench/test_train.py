@@ -58,10 +58,12 @@ def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
     assert "# buckets: ours 1 MiB (--fusion-bytes), ddp and ddp-hpcjobs 25 MiB (DDP's default)" in out.stdout
 
 
-def test_fp16_autocast_is_refused_on_cpus():
+def test_fp16_autocast_is_refused_on_cpus_and_cuda_without_a_gpu():
     for command in (("bench", "train"), ("train",), ("experiment", "large-batch", "--out", "/tmp/never")):
         out = _mpirun(2, *command, "--amp", "fp16")
         assert out.returncode == 2 and "--amp fp16 is for GPUs" in out.stderr, (command, out.stderr)
+        out = _mpirun(2, *command, "--device", "cuda")
+        assert out.returncode == 2 and "--device cuda: no CUDA GPU is visible" in out.stderr, (command, out.stderr)
 
 
 def test_bench_train_with_the_same_buckets_for_every_library(tmp_path):

@@ -9,7 +9,9 @@ order ends 7e-2 away from itself after 20 steps (b = 8, P = 3, measured;
 b = 2 and 4 diverge even in float64). In float64 at b = 8 the same reversal
 ends 2e-11 away, so the 1e-5 bar measures the data parallelism, not the
 conditioning. gpt-mini (LayerNorm, no batch statistics) is well
-conditioned and runs in float32.
+conditioned and runs in float32. The same on a GPU (marked ``cuda``;
+scripts/gpu_check.sh runs it with the ranks sharing the GPU): parameters,
+buckets and reductions on the device.
 
 BatchNorm statistics are per worker (docs/design.md): rank r normalises its
 own b samples. The one-process reference therefore runs its P*b samples as
@@ -66,25 +68,25 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 
 
-def _reference(name, x, y, size):
+def _reference(name, x, y, size, device):
     """One process: each step's P*b samples as P passes of b, gradients
     averaged (see the module docstring)."""
     build, _, loss_fn, _ = MODELS[name]
-    model = build()
+    model = build().to(device)
     opt = _sgd(model)
     for xs, ys in zip(x, y):
         opt.zero_grad()
         for xm, ym in zip(xs.chunk(size), ys.chunk(size)):
-            (loss_fn(model(xm), ym) / size).backward()
+            (loss_fn(model(xm.to(device)), ym.to(device)) / size).backward()
         opt.step()
-    return flat_params(model)
+    return flat_params(model).cpu()
 
 
-def _reference_on_rank0(name, x, y, comm):
+def _reference_on_rank0(name, x, y, comm, device):
     """Rank 0 computes the reference while the others wait without spinning
     (ranks outnumber the cores here); every rank gets it."""
     if comm.Get_rank() == 0:
-        want = _reference(name, x, y, comm.Get_size())
+        want = _reference(name, x, y, comm.Get_size(), device)
         comm.Ibarrier().Wait()
     else:
         req = comm.Ibarrier()
@@ -95,21 +97,23 @@ def _reference_on_rank0(name, x, y, comm):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_p_ranks_train_a_real_model_as_one_process(name):
+def test_p_ranks_train_a_real_model_as_one_process(name, device):
     comm = MPI.COMM_WORLD
     build, data, loss_fn, b = MODELS[name]
     rank, size = comm.Get_rank(), comm.Get_size()
     x, y = data(size, b)
-    want = _reference_on_rank0(name, x, y, comm)
-    model = build()  # the same initial weights on every rank (same seed)
+    want = _reference_on_rank0(name, x, y, comm, device)
+    model = build().to(device)  # the same initial weights on every rank (same seed)
     opt = DistributedOptimizer(_sgd(model), model.named_parameters(), comm=comm, fusion_bytes=4 << 20)
     for xs, ys in zip(x, y):
         opt.zero_grad()
-        loss_fn(model(xs[rank * b:(rank + 1) * b]), ys[rank * b:(rank + 1) * b]).backward()
+        mine = slice(rank * b, (rank + 1) * b)
+        loss_fn(model(xs[mine].to(device)), ys[mine].to(device)).backward()
         opt.step()
     opt.close()
-    got = flat_params(model)
+    got = flat_params(model).cpu()
     assert opt.num_buckets > 1 and opt.stats["steps"] == STEPS
     diff = rel_diff(got, want)
     print(f"{name}: {size} ranks, relative parameter difference {diff:.1e}")
@@ -121,3 +125,5 @@ def test_p_ranks_train_a_real_model_as_one_process(name):
     assert (lo == hi).all()
     # the models moved: 20 steps are not a no-op that would pass trivially
     assert rel_diff(got, flat_params(build())) > 1e-3
+    if device == "cuda":
+        assert all(p.is_cuda for p in model.parameters()) and all(b.buffer.is_cuda for b in opt._buckets)
