@@ -58,6 +58,7 @@ __all__ = ["Workload", "Result", "check_impl", "unavailable", "parameters", "ben
 class Result:
     impl: str
     per_rank_sps: list[float] = field(default_factory=list)  # one per round: samples/s per rank
+    comm_shares: list[float] = field(default_factory=list)  # ours: per round, the share of time in allreduce
     wrong: int = 0
 
     @property
@@ -72,9 +73,11 @@ class Result:
 class _Runner:
     """One implementation: a model, an optimizer, a step function."""
 
-    def __init__(self, name, model, step, alone=False, close=lambda: None, block=False, leave=lambda: None):
+    def __init__(self, name, model, step, alone=False, close=lambda: None, block=False, leave=lambda: None,
+                 comm_s=None):
         self.name, self.model, self.step, self.alone, self.close = name, model, step, alone, close
         self.block, self.leave = block, leave  # block: measured alone first, then leave()
+        self.comm_s = comm_s  # ours: () -> seconds its optimizer has spent in allreduce so far
 
 
 def _make_model(w: Workload, seed_state):
@@ -94,7 +97,8 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
         opt = DistributedOptimizer(sgd, model.named_parameters(), comm=comm, algorithm=algorithm,
                                    compression=make_compressor(compression), fusion_bytes=w.fusion_bytes,
                                    overlap=overlap)
-        return _Runner(name, model, loss_step(opt, ("ours", sgd)), close=opt.close)
+        return _Runner(name, model, loss_step(opt, ("ours", sgd)), close=opt.close,
+                       comm_s=lambda: opt.stats["comm_s"])
     if name in ("ddp", "ddp-hpcjobs"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -196,8 +200,13 @@ def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: 
 
     def round_of(r):
         _time_round(r, comm, 1, w.batch_size)  # untimed
+        before = r.comm_s() if r.comm_s else 0.0
         sps = _time_round(r, comm, batches_per_iter, w.batch_size)
-        results.setdefault(r.name, Result(r.name)).per_rank_sps.append(sps)
+        res = results.setdefault(r.name, Result(r.name))
+        res.per_rank_sps.append(sps)
+        if r.comm_s:  # the mean over ranks of each one's allreduce time, over the round's time
+            seconds = batches_per_iter * w.batch_size / sps
+            res.comm_shares.append(comm.allreduce(r.comm_s() - before) / comm.Get_size() / seconds)
 
     for r in (r for r in runners if r.block):
         warm_up(r)
@@ -274,7 +283,7 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
     ``ddp`` and ``horovod``, all from this run's medians."""
     single, ddp, hvd = results.get("single"), results.get("ddp"), results.get("horovod")
     lines = ["#", f"# {'impl':20s} {'samples/s/rank':>15s} {'+-95%':>8s} {'total samples/s':>16s} "
-                  f"{'efficiency':>10s} {'vs ddp':>7s} {'vs horovod':>10s} {'#wrong':>6s}"]
+                  f"{'efficiency':>10s} {'vs ddp':>7s} {'vs horovod':>10s} {'#wrong':>6s} {'comm':>5s}"]
     rows = []
     for name in order:
         res = results[name]
@@ -282,10 +291,15 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
         eff = total / (size * single.median) if single and name != "single" else float("nan")
         vs_ddp = res.median / ddp.median if ddp else float("nan")
         vs_hvd = res.median / hvd.median if hvd else float("nan")
+        share = statistics.median(res.comm_shares) if res.comm_shares else None
         lines.append(f"  {name:20s} {res.median:15.0f} {res.ci95:8.0f} {total:16.0f} {eff:10.2f} {vs_ddp:7.2f} "
-                     f"{vs_hvd:10.2f} {res.wrong:6d}")
+                     f"{vs_hvd:10.2f} {res.wrong:6d} {f'{100 * share:4.0f}%' if share is not None else '    -':>5s}")
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
-                         efficiency=eff, vs_ddp=vs_ddp, vs_horovod=vs_hvd, wrong=res.wrong, rounds=res.per_rank_sps))
+                         efficiency=eff, vs_ddp=vs_ddp, vs_horovod=vs_hvd, wrong=res.wrong, rounds=res.per_rank_sps,
+                         comm_share=share))
     lines.append("# samples/s/rank: median over rounds; efficiency = total / (ranks x single); "
                  "ratios are of medians from this run")
+    if any(results[n].comm_shares for n in order):
+        lines.append("# comm: our optimizer's time in allreduce over the step time, median over rounds "
+                     "(overlapped with backward where it runs /thread)")
     return lines, rows

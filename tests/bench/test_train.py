@@ -17,6 +17,8 @@ def test_bench_train_measures_every_implementation(tmp_path):
     assert all(r["wrong"] == 0 and r["samples_per_s_per_rank"] > 0 and len(r["rounds"]) == 2 for r in rows.values())
     assert rows["ddp"]["vs_ddp"] == 1.0
     assert rows["ours:auto"]["total_samples_per_s"] == 2 * rows["ours:auto"]["samples_per_s_per_rank"]
+    assert 0 < rows["ours:auto"]["comm_share"] < 1 and rows["ddp"]["comm_share"] is None
+    assert "# comm: our optimizer's time in allreduce over the step time" in out.stdout
 
 
 def test_bench_train_refuses_unknown_implementations():
