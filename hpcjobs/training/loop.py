@@ -186,7 +186,10 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     progress = _Progress(cfg.progress and run.rank == 0 and not cfg.quiet)
     try:
         for epoch in range(run.start_epoch, cfg.epochs):
-            sums, elapsed = _epoch(run, epoch, progress)
+            try:
+                sums, elapsed = _epoch(run, epoch, progress)
+            except torch.cuda.OutOfMemoryError as e:
+                raise MemoryError(_out_of_memory(run, e)) from e
             record = _record(run, epoch, sums, elapsed)
             _end_epoch(run, epoch, record)
             if on_epoch is not None:
@@ -223,6 +226,15 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
                 steps_per_epoch(len(ds.train), global_batch), global_batch,
                 scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device)
+
+
+def _out_of_memory(run: _Run, error: BaseException) -> str:
+    """What a CUDA out-of-memory error says: the model, the batch, the device."""
+    cfg = run.cfg
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"out of GPU memory on rank {run.rank} ({run.device}) training {cfg.model} with {cfg.batch_per_rank} "
+            f"samples per rank per pass{f', autocast to {cfg.amp}' if cfg.amp != 'none' else ''}: lower "
+            f"--batch-per-rank (accumulate with --backward-passes-per-step) or use --amp bf16 ({first})")
 
 
 def _autocast(amp: str, device: torch.device):

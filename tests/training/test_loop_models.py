@@ -69,3 +69,24 @@ def test_models_the_data_or_options_do_not_fit(kw, match):
     base = dict(num_samples=200, epochs=1, quiet=True, progress=False)
     with pytest.raises(ValueError, match=match):
         train(TrainConfig(**{**base, **kw}))
+
+
+def test_out_of_gpu_memory_names_the_model_batch_and_device(monkeypatch):
+    """A CUDA out-of-memory error (raised here by a stand-in model: CI has
+    no GPU) ends the run saying what to change; with several ranks the
+    loop's handler then aborts the job on every rank."""
+    import hpcjobs.training.loop as loop
+
+    class Greedy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(64, 10)
+
+        def forward(self, x):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(loop, "build_model", lambda *a, **k: Greedy())
+    with pytest.raises(MemoryError, match=r"out of GPU memory on rank 0 \(cpu\) training mlp with 8 samples per "
+                                          r"rank per pass: lower --batch-per-rank .* Tried to allocate 2.00 GiB"):
+        train(TrainConfig(dataset="synthetic", num_samples=200, batch_per_rank=8, epochs=1, quiet=True,
+                          progress=False), MPI.COMM_SELF)
