@@ -50,8 +50,8 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
-from ..runtime import pick_device
 from ..compression import make_compressor
+from ..runtime import pick_device
 from . import checkpoint
 from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -126,7 +126,8 @@ def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 @torch.no_grad()
-def _evaluate(model, ds, comm, amp: str = "none", device: torch.device = torch.device("cpu")) -> tuple[float, float]:
+def _evaluate(model, ds, comm, amp: str = "none",
+              device: torch.device = torch.device("cpu")) -> tuple[float, float]:
     model.eval()
     idx = eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size())
     sums = np.zeros(3)

@@ -50,7 +50,8 @@ def _gpt():
 
 def _images(size, b):
     g = torch.Generator().manual_seed(3)
-    return torch.randn(STEPS, size * b, 3, 32, 32, generator=g, dtype=torch.float64), torch.randint(0, 10, (STEPS, size * b), generator=g)
+    x = torch.randn(STEPS, size * b, 3, 32, 32, generator=g, dtype=torch.float64)
+    return x, torch.randint(0, 10, (STEPS, size * b), generator=g)
 
 
 def _tokens(size, b):
