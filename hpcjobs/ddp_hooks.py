@@ -75,15 +75,25 @@ class HookState:
         self._worker.start()
         _live.add(self)
 
-    def close(self) -> None:
-        """Finish the buckets queued, then stop the worker. Interpreter exit
-        calls it: a daemon worker still inside torch's ``set_result`` (DDP's
-        callbacks run there after backward has returned) would be killed at
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the worker: buckets still queued fail (their collectives
+        would wait for peers that may be gone), the one in progress
+        finishes, within ``timeout`` seconds. Interpreter exit calls it: a
+        daemon worker still inside torch's ``set_result`` (DDP's callbacks
+        run there after backward has returned) would be killed at
         finalization, and that aborts the process."""
-        if self._worker.is_alive():
-            self._queue.put(None)
-            if threading.current_thread() is not self._worker:
-                self._worker.join()
+        if not self._worker.is_alive():
+            return
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(RuntimeError("the hpcjobs DDP hook was closed before this bucket ran"))
+        self._queue.put(None)
+        if threading.current_thread() is not self._worker:
+            self._worker.join(timeout)
 
     def _serve(self) -> None:
         while True:
@@ -98,6 +108,8 @@ class HookState:
 
     def _reduce(self, bucket) -> torch.Tensor:
         buf = bucket.buffer()
+        if buf.is_cuda:  # this thread started on device 0
+            torch.cuda.set_device(buf.device)
         names = [self.names.get(id(p), f"unnamed{i}") for i, p in enumerate(bucket.parameters())]
         if self.compressor.fusable:
             # DDP rebuilds its buckets after the first step: a bucket's

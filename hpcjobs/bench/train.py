@@ -162,13 +162,22 @@ def _wait_quietly(comm):
         time.sleep(0.0005)
 
 
+def _sync() -> None:
+    """Wait for this rank's GPU work (nothing on the CPU): a timed round
+    ends when its kernels have run, not when they were queued."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
     """Samples/s per rank for ``batches`` steps (max time over ranks)."""
+    _sync()
     if runner.alone:
         if comm.Get_rank() == 0:
             t0 = time.perf_counter()
             for _ in range(batches):
                 runner.step()
+            _sync()
             dt = time.perf_counter() - t0
             comm.Ibarrier().Wait()
         else:
@@ -180,6 +189,7 @@ def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
     t0 = time.perf_counter()
     for _ in range(batches):
         runner.step()
+    _sync()
     dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     return batches * batch_size / dt
 

@@ -121,9 +121,9 @@ def fusion_threshold() -> int:
         threshold = int(value)
     except ValueError:
         raise ValueError(f"HOROVOD_FUSION_THRESHOLD={value!r}: expected a number of bytes") from None
-    if threshold < 1:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={threshold}: this API needs buckets of at least 1 byte")
-    return threshold
+    if threshold < 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={threshold}: expected a number of bytes >= 0")
+    return max(threshold, 1)  # 0 turns fusion off, as in Horovod: a bucket per tensor
 
 
 class _EngineReducer(_Engine):

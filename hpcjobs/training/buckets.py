@@ -17,6 +17,7 @@ Nothing waits on the host, and the device is never synchronized whole.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -76,10 +77,24 @@ class Bucket:
             self.copied.append(self._event())
 
     def before_reduce(self) -> None:
-        """On the reducing thread: its stream waits for the copies in."""
+        """On the reducing thread: make the bucket's GPU current there (a
+        thread starts on device 0), and its stream wait for the copies in."""
+        if self.buffer.is_cuda:
+            torch.cuda.set_device(self.buffer.device)
         for event in self.copied:
             torch.cuda.current_stream(self.buffer.device).wait_event(event)
         self.copied.clear()
+
+    @contextlib.contextmanager
+    def on_host(self):
+        """The buffer on the CPU for the reduction inside (a copy of a GPU's,
+        copied back after): for the host algorithms that count bytes."""
+        if not self.buffer.is_cuda:
+            yield self.buffer
+            return
+        host = self.buffer.cpu()
+        yield host
+        self.buffer.copy_(host)
 
     def after_reduce(self) -> None:
         """On the reducing thread: mark the reduction for :meth:`unpack`."""

@@ -24,7 +24,8 @@ __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_che
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # A resumed run must be the same experiment: these fields may not change.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
-                "backward_passes_per_step", "optimizer", "compression", "error_feedback")
+                "backward_passes_per_step", "optimizer", "compression", "error_feedback", "seq_len", "layers",
+                "heads", "embed")
 
 
 class CheckpointError(RuntimeError):
@@ -60,7 +61,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")  # a GPU run's, too
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {e})") from None
     if not isinstance(state, dict) or "model" not in state or not isinstance(state.get("version"), int):
@@ -105,7 +106,8 @@ def read(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], li
         try:
             state = load_checkpoint(cfg.checkpoint)
             old = state["config"]
-            changed = [k for k in _RESUME_KEYS if old.get(k) != _config_dict(cfg).get(k)]
+            defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
+            changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)]
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))

@@ -38,11 +38,10 @@ How it works, per step:
 On one rank without compression the gradients are their own average:
 nothing is copied or reduced (unused parameters still get zeros).
 
-With P ranks each on b samples and a loss averaged over its b samples, the
-averaged gradient is the gradient of the mean loss over all P*b samples, so
-training computes what one process computes with batch P*b. With
-``backward_passes_per_step=k`` the k gradients are summed (torch's own
-accumulation): divide the loss by k for a mean over P*k*b samples.
+With P ranks each on b samples and a loss averaged over its b samples, the averaged gradient is the
+gradient of the mean loss over all P*b samples, so training computes what one process computes with batch
+P*b. With ``backward_passes_per_step=k`` the k gradients are summed (torch's own accumulation): divide
+the loss by k for a mean over P*k*b samples.
 
 Compression (``compression=``, any :mod:`hpcjobs.compression` compressor)
 sends each bucket through :func:`~hpcjobs.compression.compressed_allreduce`.
@@ -268,8 +267,9 @@ class DistributedOptimizer:
                                               comm=self._user_comm, algorithm=self.algorithm, step=self._step)
             bucket.buffer.copy_(mean.reshape(-1))
             self.stats["sent_bytes"] += sent
-        elif self._counted:
-            self.stats["sent_bytes"] += counted_allreduce(bucket.buffer, "avg", self.algorithm, self._user_comm)
+        elif self._counted:  # the byte-counting host algorithms: a GPU's bucket crosses the host
+            with bucket.on_host() as host:
+                self.stats["sent_bytes"] += counted_allreduce(host, "avg", self.algorithm, self._user_comm)
         else:
             allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
         bucket.after_reduce()

@@ -245,6 +245,17 @@ def _autocast(amp: str, device: torch.device):
                           enabled=amp != "none")
 
 
+def _moved(obj, device: torch.device):
+    """``obj`` (dicts, lists, tensors) with its tensors on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(v, device) for v in obj)
+    return obj
+
+
 def _to_device(run: _Run) -> None:
     """Move the model and the optimizer's state (a resumed run's) to the
     run's device; the broadcasts and the checkpoint worked on the CPU."""
@@ -275,14 +286,20 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
             for name, buf in run.model.named_buffers():
                 buf.copy_(mine["buffers"][name])
     run.partial = mine.get("partial")
-    _to_device(run)
+    try:
+        _to_device(run)
+    except torch.cuda.OutOfMemoryError as e:  # on some ranks only: the others would wait in what follows
+        print(f"hpcjobs: {_out_of_memory(run, e)}", file=sys.stderr, flush=True)
+        if run.size > 1:
+            run.comm.Abort(1)
+        raise MemoryError(_out_of_memory(run, e)) from e
     run.opt = DistributedOptimizer(run.inner, run.model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                    compression=make_compressor(cfg.compression, seed=cfg.seed),
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                    backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap,
                                    nonfinite=cfg.nonfinite)
-    if "compression" in mine:  # this rank's residuals, step count, PowerSGD's Q
-        run.opt.load_compression_state_dict(mine["compression"])
+    if "compression" in mine:  # this rank's residuals, step count, PowerSGD's Q (read on the CPU)
+        run.opt.load_compression_state_dict(_moved(mine["compression"], run.device))
     if run.rank == 0 and not cfg.quiet and run.start_epoch == 0:
         peak = sched.scaled_lr(run.schedule.base_lr, run.schedule.base_batch, run.global_batch)
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(run.ds.train)} train / {len(run.ds.test)} test), "

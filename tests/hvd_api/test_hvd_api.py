@@ -394,11 +394,12 @@ def test_sync_batch_norm_is_batch_norm_on_the_global_batch():
 
 @pytest.mark.mpi(min_size=2)
 def test_horovod_fusion_threshold_sets_the_bucket_size(monkeypatch):
-    """HOROVOD_FUSION_THRESHOLD (bytes) sizes the buckets, as in Horovod;
-    unset, hpcjobs' 1 MiB; a value that is not a size is refused."""
+    """HOROVOD_FUSION_THRESHOLD (bytes) sizes the buckets, as in Horovod (0:
+    no fusion, a bucket per tensor); unset, hpcjobs' 1 MiB; a value that is
+    not a size is refused."""
     model = build_model("mlp", (40,), 10, width=256)  # 6 tensors, 77,834 floats (311 KB)
     sizes = {}
-    for value in (None, "4096", str(1 << 30)):
+    for value in (None, "4096", str(1 << 30), "0"):
         if value is None:
             monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
         else:
@@ -407,7 +408,7 @@ def test_horovod_fusion_threshold_sets_the_bucket_size(monkeypatch):
                                        named_parameters=model.named_parameters())
         sizes[value] = opt._hvd_reducer.num_buckets
         del opt
-    assert sizes[None] == sizes[str(1 << 30)] == 1 and sizes["4096"] > 1, sizes
+    assert sizes[None] == sizes[str(1 << 30)] == 1 and sizes["4096"] > 1 and sizes["0"] == 6, sizes
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB': expected a number of bytes"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

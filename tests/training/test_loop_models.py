@@ -33,8 +33,8 @@ def test_gpt_mini_learns_the_text():
 @pytest.mark.mpi(min_size=1)
 def test_mixed_precision_trains_as_float32_does():
     """bf16 and fp16 (GradScaler) autocast end one epoch within 0.05 of the
-    float32 loss; fp16's overflowing first steps are skipped on every rank
-    alike (otherwise the ranks' models would part and the run would fail)."""
+    float32 loss (the averaged losses: the ranks' own agreement is the
+    DistributedOptimizer's, tested there)."""
     losses = {amp: train(gpt_cfg(amp=amp, num_samples=200, seq_len=16), MPI.COMM_WORLD)[-1]["loss"]
               for amp in ("none", "bf16", "fp16")}
     assert all(math.isfinite(v) for v in losses.values()), losses
