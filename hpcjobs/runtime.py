@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["bind_gpu", "pick_device", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
+__all__ = ["bind_gpu", "pick_device", "autocast", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -63,6 +63,15 @@ def pick_device(choice: str, comm):
     device = torch.device("cuda", local % gpus)
     torch.cuda.set_device(device)
     return device
+
+
+def autocast(amp: str, device):
+    """Mixed precision for a forward pass on ``device`` (a ``torch.device``):
+    ``amp`` "bf16" or "fp16" autocasts to that type, "none" does nothing."""
+    import torch
+
+    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16,
+                          enabled=amp != "none")
 
 
 def cores_per_rank(comm) -> int:

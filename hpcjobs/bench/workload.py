@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ..runtime import autocast
 from ..training.config import GPT_MODELS, IMAGE_MODELS
+from ..training.gpt import lm_loss
 from ..training.models import build_model
 
 __all__ = ["Workload", "model", "data", "stepper"]
@@ -97,10 +99,9 @@ def stepper(w: Workload, net, x, y):
     lm = w.model in GPT_MODELS
 
     def loss():
-        with torch.autocast(torch.device(w.device).type, dtype=torch.bfloat16 if w.amp == "bf16" else torch.float16,
-                            enabled=w.amp != "none"):
+        with autocast(w.amp, torch.device(w.device)):
             out = net(x)
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if lm else F.cross_entropy(out, y)
+            return lm_loss(out, y) if lm else F.cross_entropy(out, y)
 
     def make(opt, sync=None):
         if w.amp != "fp16":

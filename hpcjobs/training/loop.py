@@ -51,7 +51,7 @@ from mpi4py import MPI
 
 from ..comm import private
 from ..compression import make_compressor
-from ..runtime import pick_device
+from ..runtime import autocast, pick_device
 from . import checkpoint
 from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -133,7 +133,7 @@ def _evaluate(model, ds, comm, amp: str = "none",
     sums = np.zeros(3)
     for lo in range(0, len(idx), 256):
         x, y = ds.batch(ds.test, idx[lo:lo + 256])
-        with _autocast(amp, device):
+        with autocast(amp, device):
             out = model(torch.from_numpy(x).to(device))
         loss, correct = _losses(out, torch.from_numpy(y).to(device))
         sums += [float(loss.sum()), correct, len(y)]
@@ -238,13 +238,6 @@ def _out_of_memory(run: _Run, error: BaseException) -> str:
             f"--batch-per-rank (accumulate with --backward-passes-per-step) or use --amp bf16 ({first})")
 
 
-def _autocast(amp: str, device: torch.device):
-    """Mixed precision for a forward pass: autocast to bfloat16 or float16,
-    or nothing."""
-    return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16,
-                          enabled=amp != "none")
-
-
 def _moved(obj, device: torch.device):
     """``obj`` (dicts, lists, tensors) with its tensors on ``device``."""
     if torch.is_tensor(obj):
@@ -333,7 +326,7 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
         opt.zero_grad()
         for k in range(passes):
-            with _autocast(cfg.amp, run.device):
+            with autocast(cfg.amp, run.device):
                 out = run.model(xs[s, k].to(run.device, non_blocking=True))
             losses, correct = _losses(out, ys[s, k].to(run.device, non_blocking=True))
             loss = losses.mean()
