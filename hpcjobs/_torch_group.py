@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import sys
 import threading
 import weakref
 
@@ -17,6 +18,7 @@ from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from .collectives.agreement import agree_or_raise
+from .collectives.watchdog import guard
 from ._torch_mpi import MPIOps, _cpu, _host, _into, _multiple, _same_shapes
 from .comm import private
 
@@ -69,6 +71,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         self._comm = private(comm)  # collective: here, on the creating thread
         self._algorithm = algorithm or os.environ.get("HPCJOBS_TORCH_ALGORITHM", "auto")
         self._queue: queue.Queue = queue.Queue()
+        self._names: dict[str, str] = {}
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)
         self._worker.start()
         _live.add(self)
@@ -83,9 +86,13 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             self._run(*item)
 
     @staticmethod
-    def _run(fn, fut: Future, result) -> None:
+    def _run(fn, fut: Future, result, what: str) -> None:
         try:
-            fn()
+            # watched as a whole, the agreement check and any MPI call
+            # included: a rank that never arrives ends the job at
+            # HPCJOBS_TIMEOUT instead of leaving the others blocked in MPI
+            with guard(what):
+                fn()
         except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
             fut.set_exception(e)
         else:
@@ -93,6 +100,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
     def _submit(self, fn, result, tensors=()) -> dist.Work:
         """Queue ``fn`` for the worker; a Work whose future gives ``result``."""
+        what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"  # the calling op
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
@@ -108,9 +116,9 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             # (they run on the worker that completes them): DDP's PowerSGD
             # hook issues and waits on collectives there. Run it now, in the
             # same order on every rank; queued, it would wait for itself.
-            self._run(run, fut, result)
+            self._run(run, fut, result, what)
         else:
-            self._queue.put((run, fut, result))
+            self._queue.put((run, fut, result, what))
         return _Work(fut)
 
     def _agree(self, what: str, check=None, **fields) -> None:
@@ -127,6 +135,21 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # noqa: N802 -- torch's name
         return BACKEND
+
+    # torch keeps a group's name and description in its backends, and a
+    # Python group has none: without these, ``group_name`` raises "ProcessGroup
+    # name not set" and ``destroy_process_group(subgroup)`` fails.
+    def getGroupName(self) -> str:  # noqa: N802 -- torch's name
+        return self._names.get("name", "")
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802 -- torch's name
+        self._names["name"] = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802 -- torch's name
+        return self._names.get("desc", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802 -- torch's name
+        self._names["desc"] = desc
 
     def __repr__(self) -> str:
         return f"HpcjobsProcessGroup(rank={self.rank()}, size={self.size()}, algorithm={self._algorithm!r})"

@@ -116,6 +116,29 @@ def test_an_exception_on_one_rank_aborts_the_training_job():
     assert "injected failure on rank 1" in out.stderr and "rank 1 failed in training; aborting" in out.stderr
 
 
+def test_a_rank_that_leaves_a_torch_distributed_script_ends_the_job():
+    """The torch.distributed backend's calls, their agreement check included,
+    are watched like our collectives: a rank that leaves before DDP's first
+    collective (here by an exception, which does not end an MPI job) must
+    not leave the others blocked in MPI."""
+    out, elapsed = _run("""
+        import torch
+        import torch.distributed as dist
+        from mpi4py import MPI
+        import hpcjobs.torch_backend  # noqa: F401
+        dist.init_process_group("hpcjobs")
+        ready()
+        if MPI.COMM_WORLD.rank == 1:
+            raise RuntimeError("rank 1 leaves")
+        torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    """, n=2)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert "rank 0: torch.distributed allgather (hpcjobs backend) (call #1) did not complete within 3 s" \
+        in out.stderr, out.stderr[-3000:]
+    assert "ranks not in torch.distributed allgather (hpcjobs backend): 1;" in out.stderr
+
+
 @pytest.mark.parametrize("args,words", [(["--timeout", "-1", "info"], "must be >= 0"),
                                         (["--timeout", "soon", "info"], "not a number")])
 def test_a_bad_timeout_is_a_usage_error(args, words):

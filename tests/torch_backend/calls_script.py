@@ -115,6 +115,12 @@ if r in evens:
     t = full(1.0)
     dist.all_reduce(t, group=sub)
     assert t.tolist() == [len(evens)] * 5
+    # torch keeps a group's name in the group: a Python group must too, or
+    # destroying a subgroup fails ("ProcessGroup name not set")
+    assert sub.group_name and sub.group_name != dist.group.WORLD.group_name, sub.group_name
+    assert dist.distributed_c10d._world.pg_names[sub] == sub.group_name
+    dist.destroy_process_group(sub)
+    assert sub not in dist.distributed_c10d._world.pg_names
 
 # a rank that differs fails on every rank, with one message, and nothing hangs
 try:
