@@ -24,7 +24,12 @@ def exports(package: str, where: dict[str, str | None]):
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         if where[name] is None:
             return import_module(f"{package}.{name}")
-        return getattr(import_module(f"{package}.{where[name]}"), name)
+        value = getattr(import_module(f"{package}.{where[name]}"), name)
+        # Kept in the package, so the next ``package.name`` is a plain
+        # attribute: ``hc.allreduce(x)`` in a loop would otherwise pay this
+        # function (about 2 us) on every call.
+        setattr(sys.modules[package], name, value)
+        return value
 
     def __dir__():
         return sorted(set(vars(sys.modules[package])) | set(where))
