@@ -57,7 +57,8 @@ _NUMPY_DTYPES = {
 DTYPES = tuple(_NUMPY_DTYPES) + ("bfloat16",)
 # Keyed by the dtype object: numpy computes dtype.name in Python, slowly, and
 # this lookup runs on every collective call. Native byte order only.
-_BY_DTYPE = {np.dtype(name): (name, np.dtype(wire)) for name, wire in _NUMPY_DTYPES.items()}
+_BY_DTYPE = {np.dtype(name): name for name in _NUMPY_DTYPES}
+_WIRE = {name: np.dtype(wire) for name, wire in _NUMPY_DTYPES.items()} | {"bfloat16": np.dtype(np.uint16)}
 
 
 def numpy_dtype(dtype) -> np.dtype | None:
@@ -69,19 +70,28 @@ def numpy_dtype(dtype) -> np.dtype | None:
     return np_dtype if np_dtype in _BY_DTYPE else None
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 2x, on every call
 class Flat:
     """A user buffer seen as flat arrays sharing its memory.
 
     Attributes:
         data: typed view for reductions (uint16 bits for bfloat16).
-        wire: same memory as unsigned integers of the element width, for MPI.
+        wire: same memory as unsigned integers of the element width, for MPI
+            (made on first use: the shared-memory steps never need it, and
+            on a small message the view costs as much as their copy).
         dtype: the element type's name, e.g. "float32" or "bfloat16".
     """
 
-    data: np.ndarray
-    wire: np.ndarray
-    dtype: str
+    __slots__ = ("data", "dtype", "_wire")
+
+    def __init__(self, data: np.ndarray, wire: np.ndarray | None, dtype: str):
+        self.data, self._wire, self.dtype = data, wire, dtype
+
+    @property
+    def wire(self) -> np.ndarray:
+        wire = self._wire
+        if wire is None:
+            wire = self._wire = self.data.view(_WIRE[self.dtype])
+        return wire
 
     @property
     def count(self) -> int:
@@ -129,10 +139,10 @@ def as_flat(buf) -> Flat:
                 f"buffer must be contiguous (shape {arr.shape}, strides {arr.strides}); "
                 "pass np.ascontiguousarray(buf) and copy the result back"
             )
-        info = _BY_DTYPE.get(arr.dtype)
-        if info is None:
+        name = _BY_DTYPE.get(arr.dtype)
+        if name is None:
             raise TypeError(f"unsupported dtype {arr.dtype!s}; supported: {', '.join(DTYPES)} (bfloat16 via torch)")
-        return Flat(data, data.view(info[1]), info[0])
+        return Flat(data, None, name)
     if _is_torch_tensor(buf):
         return _flat_from_torch(buf)
     raise TypeError(f"buffer must be a numpy.ndarray or torch.Tensor, got {type(buf).__name__}")
@@ -158,7 +168,7 @@ def _flat_from_torch(t) -> Flat:
     if name not in _NUMPY_DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
     data = t.numpy().reshape(-1)
-    return Flat(data, data.view(_NUMPY_DTYPES[name]), name)
+    return Flat(data, None, name)
 
 
 def check_op(op: str) -> str:

@@ -35,9 +35,10 @@ import numpy as np
 
 from ..comm import private
 from ._buffers import OP_TABLE, Flat, as_flat, check_op
-from .agreement import agree_or_raise, checks_enabled
+from . import agreement as _agreement
+from .agreement import agree_values
 from .device import DeviceFlat, as_device_flat, is_device_buffer
-from .watchdog import guard
+from .watchdog import enter, leave
 
 __all__ = ["run", "prepare", "Algorithm"]
 
@@ -60,20 +61,36 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     Returns:
         ``buf``, reduced in place.
     """
-    checked = ""
-    if options and checks_enabled():
-        checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
-        checked = repr(checked) if checked else ""
-    with guard(name):
-        flat, comm = prepare(buf, op, comm, name, options=checked)
+    token = enter(name)  # the stall watchdog's registration (not a `with guard`: cheaper, on every call)
+    try:
+        if not _agreement._enabled and type(buf) is np.ndarray:
+            # Checks off, a numpy array: nothing to agree on, and a bad buffer
+            # or op raises on this rank as prepare() would -- minus its
+            # bookkeeping, which on a small message costs as much as the step.
+            if op not in OP_TABLE:
+                check_op(op)
+            flat, comm = as_flat(buf), private(comm)
+        else:
+            checked = ""
+            if options and _agreement._enabled:
+                checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
+                checked = repr(checked) if checked else ""
+            flat, comm, carried = _prepare(buf, op, comm, name, _RUN_FIELDS, (checked,), step)
+            if carried:  # the check's exchange carried the message: done
+                return buf
         if type(flat) is Flat:
             if flat.data.size and comm.Get_size() > 1:
-                step(flat, op, comm, **options)
+                if options:
+                    step(flat, op, comm, **options)
+                else:  # (a plain call: cheaper than unpacking an empty dict)
+                    step(flat, op, comm)
         elif flat.count and comm.Get_size() > 1:
             if getattr(step, "takes_device", False):
                 step(flat, op, comm, **options)
             else:
                 _staged(flat, op, comm, name, step, options)
+    finally:
+        leave(token)
     return buf
 
 
@@ -97,6 +114,21 @@ def prepare(buf, op: str, comm, name: str, **fields):
             checks are off; with checks on, every rank raises a
             MismatchError naming the rank(s) and their error or values.
     """
+    flat, comm, _ = _prepare(buf, op, comm, name, _FIELDS + tuple(fields), tuple(fields.values()))
+    return flat, comm
+
+
+_FIELDS = ("algorithm", "count", "dtype", "op", "device")  # what every collective's check compares, then its own
+_RUN_FIELDS = (*_FIELDS, "options")
+
+
+def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Callable | None = None):
+    """:func:`prepare`, the fields given as their ``names`` (:data:`_FIELDS`
+    and the caller's own) and the values of the caller's own (``extra``).
+    Where ``step`` would run oneshot's step next on a small message, the
+    check carries the message (one exchange, not two:
+    :func:`~hpcjobs.collectives.agreement.agree_or_raise`). Returns
+    ``(flat, private comm, whether the message was reduced)``."""
     comm = private(comm)
     flat, error = None, None
     try:
@@ -105,13 +137,26 @@ def prepare(buf, op: str, comm, name: str, **fields):
         flat = as_flat(buf) if type(buf) is np.ndarray or not is_device_buffer(buf) else as_device_flat(buf)
     except (TypeError, ValueError) as e:
         error = e
-    if error is None and (not checks_enabled() or comm.Get_size() == 1):
-        return flat, comm  # nothing to agree on (the fast path of every call with checks off)
-    agree_or_raise(comm, name, {"algorithm": name, "count": flat.count if flat else None,
-                                "dtype": flat.dtype if flat else None, "op": op,
-                                "device": (flat.device if isinstance(flat, DeviceFlat) else "cpu") if flat else None,
-                                **fields}, error)
-    return flat, comm
+    if error is None and (not _agreement._enabled or comm.Get_size() == 1):
+        return flat, comm, False  # nothing to agree on
+    carry = None
+    if step is not None and type(flat) is Flat and flat.data.size:
+        # A step that would run oneshot's step next, in one piece, says so
+        # with a function to call once the check has carried the message.
+        oneshot_next = getattr(step, "oneshot_next", None)
+        count = oneshot_next(flat, op, comm) if oneshot_next is not None else None
+        if count is not None:
+            carry = (flat, op)
+    if flat is None:
+        values = (name, None, None, op, None)
+    elif type(flat) is Flat:
+        values = (name, flat.data.size, flat.dtype, op, "cpu")
+    else:
+        values = (name, flat.count, flat.dtype, op, flat.device)
+    carried = agree_values(comm, name, names, values + extra, error, carry)
+    if carried:
+        count()
+    return flat, comm, carried
 
 
 @dataclass(frozen=True)

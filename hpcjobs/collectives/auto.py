@@ -248,6 +248,10 @@ class _Timing:
         self.rounds = Rounds(len(names), UNTIMED_TURNS, self.timed) if len(names) > 1 else None
         self.left = 0 if len(names) > 1 else float("inf")
 
+    def count(self) -> None:
+        """A call the agreement check ran for the kept algorithm (oneshot_next)."""
+        self.left -= 1
+
     def measure(self, flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         """One call of the measurement, in the candidates' turn order."""
         rounds = self.rounds
@@ -328,9 +332,19 @@ def allreduce_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, registry: d
 
 
 def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algorithm]) -> None:
-    """The step of ``algorithm="auto"``: the kept candidate (or the
-    measurement's next one) from ``registry``, the algorithms by name."""
+    """:func:`step` on host memory, the algorithms by name in ``registry``."""
+    step(registry, None, flat, op, comm)
+
+
+def step(registry: dict[str, Algorithm], device_registry: dict[str, Algorithm] | None, flat, op: str,
+         comm: MPI.Intracomm) -> None:
+    """``auto``'s step: the kept candidate (or the measurement's next one) on
+    a :class:`Flat`, :func:`allreduce_device` on a CUDA tensor's DeviceFlat.
+    ``allreduce(algorithm="auto")`` runs it with the registries bound (a
+    ``functools.partial``: no Python call in between on small messages)."""
     global _last
+    if type(flat) is not Flat:
+        return allreduce_device(flat, op, comm, device_registry)
     last_comm, decisions = _last
     if last_comm is not comm:  # (set_tuning clears _last)
         decisions = _decisions(comm)
@@ -341,6 +355,22 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algo
         timing.fn(flat, op, comm)
     else:
         timing.measure(flat, op, comm)
+
+
+def oneshot_next(flat: Flat, op: str, comm: MPI.Intracomm):
+    """Whether ``auto``'s next call on ``flat`` runs oneshot's step in one
+    piece, without measuring -- then the agreement check may carry the
+    message (:func:`hpcjobs.collectives.agreement.agree_or_raise`): a
+    function to call once it has, which counts the call as the step would
+    have (so every rank measures again at the same call); else None. The
+    same on every rank that calls with the same signature."""
+    last_comm, decisions = _last
+    if last_comm is not comm:
+        decisions = _decisions(comm)
+    timing = decisions.get((flat.data.nbytes, flat.dtype, op))
+    if timing is not None and timing.left > 0 and timing.fn is oneshot.allreduce and flat.data.nbytes <= oneshot.MAX_BYTES:
+        return timing.count
+    return None
 
 
 def _decision(nbytes: int, dtype: str, op: str, comm: MPI.Comm | None, device: bool = False) -> _Timing | None:

@@ -51,6 +51,21 @@ A rank that never arrives leaves the others waiting inside the collective,
 where the stall watchdog (:mod:`~hpcjobs.collectives.watchdog`) ends the job
 with its usual report.
 
+The agreement check. Each segment also holds two signature slots of
+:data:`~hpcjobs.collectives.agreement.SIG_WORDS` int64s. With checks on, on
+a node where every rank has a core, the check itself is a call of this
+protocol (:func:`agree`): each rank writes its call's signature into
+signature slot c % 2 -- and, where the collective would run this step next
+on a message of one piece, the message into data slot c % 2 -- stores c,
+waits, and compares every rank's signature with its own. Equal: the message
+is reduced and the collective is done, one wait for check and data
+together. Different: every rank sees a difference (its own differs from
+some other's, or some other's from it), nothing is reduced, and every rank
+raises the same error. Whether a rank carries its message depends only on
+its signature and on state that is the same on every rank, so ranks whose
+signatures are equal all carried or all did not; ranks whose signatures
+differ raise before any data moves.
+
 Larger messages go in pieces of :data:`MAX_BYTES`, each one call; beyond a
 few kilobytes the P-fold read makes ``shm`` or the ring faster, and ``auto``
 measures where. Needs every rank on one node (ValueError otherwise).
@@ -73,15 +88,18 @@ import numpy as np
 from mpi4py import MPI
 
 from ._buffers import Flat, OP_TABLE, _bf16, finish_avg
+from .agreement import SIG_WORDS
 from ._frame import run
 from ._shared import is_single_node
 
-__all__ = ["MAX_BYTES", "SPIN", "NAP_AFTER", "oneshot_allreduce", "allreduce", "oversubscribed", "allreduce_array"]
+__all__ = ["MAX_BYTES", "SPIN", "NAP_AFTER", "oneshot_allreduce", "allreduce", "agree", "oversubscribed"]
 
 MAX_BYTES = 64 << 10  # per slot: the largest piece
 SPIN = 200  # polls before yielding the core
 NAP_AFTER = 0.001  # seconds of waiting before sleeping between polls
 _HEADER = 64  # the sequence number, alone on its cache line
+_SIG = 8 * SIG_WORDS  # bytes of one signature slot (the agreement check's, two of them)
+_DATA = _HEADER + 2 * _SIG  # where the two data slots begin
 _STACKED_FROM = 4  # ranks from which one ufunc.reduce over all slots beats a chain of ufunc calls
 # x86 orders stores and loads as the protocol needs; elsewhere MPI_Win_sync does.
 _WIN_SYNC = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
@@ -92,7 +110,7 @@ class _Segments:
 
     def __init__(self, comm: MPI.Intracomm):
         size, rank = comm.Get_size(), comm.Get_rank()
-        seg = -(-(_HEADER + 2 * MAX_BYTES) // 4096) * 4096
+        seg = -(-(_DATA + 2 * MAX_BYTES) // 4096) * 4096
         self.win = MPI.Win.Allocate_shared(seg, 1, comm=comm)
         self.win.Lock_all(MPI.MODE_NOCHECK)
         raw = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8, count=seg) for q in range(size)]
@@ -103,7 +121,12 @@ class _Segments:
         self.block = MPI.buffer.fromaddress(base, size * seg) if contiguous else None
         self.seg = seg
         self.seqs = [memoryview(r[:8]).cast("q") for r in raw]
-        self.slots = [[r[_HEADER + k * MAX_BYTES:_HEADER + (k + 1) * MAX_BYTES] for r in raw] for k in range(2)]
+        self.slots = [[r[_DATA + k * MAX_BYTES:_DATA + (k + 1) * MAX_BYTES] for r in raw] for k in range(2)]
+        # signature slot k of every rank, as int64 memoryviews (compared in C, no numpy call)
+        sigs = [[memoryview(r[_HEADER + k * _SIG:_HEADER + (k + 1) * _SIG].view(np.int64)) for r in raw]
+                for k in range(2)]
+        self.my_sig = [sigs[k][rank] for k in range(2)]
+        self.other_sigs = [[v for q, v in enumerate(sigs[k]) if q != rank] for k in range(2)]
         self.seqs[rank][0] = 0
         self.calls = 0
         self.rank, self.size = rank, size
@@ -133,7 +156,7 @@ class _Segments:
             if self.block is not None and self.size >= _STACKED_FROM:
                 # every rank's slot k as rows of one array: ufunc.reduce adds the rows in order
                 rows = np.ndarray((self.size, nbytes // np_dtype.itemsize), dtype=np_dtype, buffer=self.block,
-                                  offset=_HEADER + k * MAX_BYTES, strides=(self.seg, np_dtype.itemsize))
+                                  offset=_DATA + k * MAX_BYTES, strides=(self.seg, np_dtype.itemsize))
                 views = [rows]
         if len(self.plans) > 64:
             self.plans.clear()
@@ -142,12 +165,16 @@ class _Segments:
 
     def free(self) -> None:
         self.seqs, self.slots, self.plans, self.others, self.block = [], [], {}, [], None
+        self.my_sig, self.other_sigs = [], []
         if self.win != MPI.WIN_NULL:
             self.win.Unlock_all()
             self.win.Free()
 
 
 def _free(comm, keyval, segments):
+    global _last
+    if _last[1] is segments:
+        _last = (None, None)
     if not MPI.Is_finalized():
         segments.free()
 
@@ -156,7 +183,13 @@ _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free)
 _OVERSUBSCRIBED = MPI.Comm.Create_keyval()
 
 
+_last: tuple = (None, None)  # (communicator, its segments) of the last call: no attribute lookup per call
+
+
 def _segments(comm: MPI.Intracomm) -> _Segments:
+    global _last
+    if _last[0] is comm:
+        return _last[1]
     segments = comm.Get_attr(_KEYVAL)
     if segments is None:
         if not is_single_node(comm):
@@ -164,6 +197,7 @@ def _segments(comm: MPI.Intracomm) -> _Segments:
                              "memory); across nodes use recursive_doubling or auto")
         segments = _Segments(comm)
         comm.Set_attr(_KEYVAL, segments)
+    _last = (comm, segments)
     return segments
 
 
@@ -198,14 +232,22 @@ def _wait(seq, call: int) -> None:
                 time.sleep(0.0001)
 
 
-def _one(s: _Segments, data: np.ndarray, nbytes: int, dtype: str, op: str) -> None:
-    """One call on ``data`` (at most MAX_BYTES; the steps in the docstring)."""
+def _one(s: _Segments, data: np.ndarray | None, nbytes: int, dtype: str, op: str, sig: memoryview | None = None
+         ) -> bool:
+    """One call on ``data`` (at most MAX_BYTES; the steps in the docstring).
+    With ``sig`` (the agreement check's SIG_WORDS int64s) every rank's
+    signature goes in the same call, and ``data`` (None: none) is reduced
+    only if all equal this one's. Returns whether they did (True without
+    ``sig``)."""
     s.calls += 1
     call = s.calls
     k = call & 1
-    plan = s.plans.get((nbytes, dtype, op, k)) or s.plan(nbytes, dtype, data.dtype, op, k)
-    mine, views, reduce, bf16 = plan
-    mine[...] = data  # 1. write
+    if data is not None:
+        plan = s.plans.get((nbytes, dtype, op, k)) or s.plan(nbytes, dtype, data.dtype, op, k)
+        mine, views, reduce, bf16 = plan
+        mine[...] = data  # 1. write
+    if sig is not None:
+        s.my_sig[k][:] = sig
     if _WIN_SYNC:
         s.win.Sync()
     s.seqs[s.rank][0] = call
@@ -214,6 +256,12 @@ def _one(s: _Segments, data: np.ndarray, nbytes: int, dtype: str, op: str) -> No
             _wait(seq, call)
     if _WIN_SYNC:
         s.win.Sync()
+    if sig is not None:
+        for other in s.other_sigs[k]:
+            if other != sig:
+                return False
+        if data is None:
+            return True
     if bf16:  # 3. read
         reduce(data)
     elif len(views) == 2:
@@ -224,11 +272,14 @@ def _one(s: _Segments, data: np.ndarray, nbytes: int, dtype: str, op: str) -> No
         reduce(views[0], views[1], out=data)
         for v in views[2:]:
             reduce(data, v, out=data)
+    return True
 
 
 def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
     """The oneshot step (module docstring)."""
-    s = comm.Get_attr(_KEYVAL) or _segments(comm)
+    last_comm, s = _last
+    if last_comm is not comm:
+        s = _segments(comm)
     data = flat.data
     stage = "sum" if op == "avg" else op
     if data.nbytes <= MAX_BYTES:
@@ -242,11 +293,38 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         finish_avg(data, flat.dtype, s.size)
 
 
-def allreduce_array(arr: np.ndarray, op: str, comm: MPI.Intracomm) -> None:
-    """The step on a small contiguous numpy array of a host dtype (not
-    bfloat16, not avg), with no validation: the agreement check's exchange."""
-    s = comm.Get_attr(_KEYVAL) or _segments(comm)
-    _one(s, arr, arr.nbytes, arr.dtype.name, op)
+def _oneshot_next(flat: Flat, op: str, comm: MPI.Intracomm):
+    """The step's answer to the frame's "would you run oneshot's step in one
+    piece?" (:func:`hpcjobs.collectives.auto.oneshot_next` gives auto's):
+    a function to call once the check carried the message, or None."""
+    return _nothing if flat.data.nbytes <= MAX_BYTES else None
+
+
+def _nothing() -> None:
+    pass
+
+
+allreduce.oneshot_next = _oneshot_next
+
+
+def agree(comm: MPI.Intracomm, sig: memoryview, flat: Flat | None = None, op: str | None = None) -> bool:
+    """The agreement check's exchange on the segment (module docstring, "The
+    agreement check"): every rank's signature ``sig`` (SIG_WORDS int64s) in
+    one call, with ``flat`` (at most MAX_BYTES) allreduced in the same call
+    if given. Returns whether every rank's signature equals this one's;
+    ``flat`` is reduced only then. Collective; every rank must pass a
+    ``flat`` or none, which equal signatures guarantee where the caller
+    offers one only when the step it would run next is this module's."""
+    last_comm, s = _last
+    if last_comm is not comm:
+        s = _segments(comm)
+    if flat is None:
+        return _one(s, None, 0, "", "", sig)
+    data = flat.data
+    agreed = _one(s, data, data.nbytes, flat.dtype, "sum" if op == "avg" else op, sig)
+    if agreed and op == "avg":
+        finish_avg(data, flat.dtype, s.size)
+    return agreed
 
 
 def oneshot_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):

@@ -17,6 +17,8 @@ chooses between them by measuring, as it does among the host algorithms.
 
 from __future__ import annotations
 
+import functools
+
 from mpi4py import MPI
 
 from . import auto, cuda_ipc, hierarchical, oneshot, shm, staged
@@ -104,17 +106,15 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
     """
     if algorithm == "auto":
         return run(buf, op, comm, AUTO, _auto)
-    return lookup(algorithm).run(buf, op, comm)
+    chosen = REGISTRY.get(algorithm) or lookup(algorithm)
+    return run(buf, op, comm, chosen.public, chosen.step, **chosen.options)
 
 
-def _auto(flat, op: str, comm) -> None:
-    if isinstance(flat, DeviceFlat):
-        auto.allreduce_device(flat, op, comm, DEVICE_REGISTRY)
-    else:
-        auto.allreduce(flat, op, comm, REGISTRY)
-
-
+# auto's step on either kind of buffer, the registries bound: a partial, so
+# no Python call between the frame and auto's own step on small messages.
+_auto = functools.partial(auto.step, REGISTRY, DEVICE_REGISTRY)
 _auto.takes_device = True
+_auto.oneshot_next = auto.oneshot_next  # (the frame's check carries the message where it can)
 
 
 def cuda_ipc_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):

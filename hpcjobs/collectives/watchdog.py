@@ -48,7 +48,8 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "attach"]
+__all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "enter", "leave",
+           "attach"]
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_WARNING = 60.0
@@ -222,30 +223,47 @@ def _watch() -> None:
                       flush=True)
 
 
-class guard:
-    """``with guard("ring_allreduce"):`` -- the collective inside is watched."""
+def enter(what: str):
+    """Register the calling thread as in the collective ``what``; returns the
+    token :func:`leave` takes. The frame of every collective calls the pair
+    (cheaper than :class:`guard` on small messages, where every call's
+    bookkeeping counts)."""
+    global _last
+    if not _timeout:
+        return _OFF
+    if _thread is None:
+        _start()
+    tid = _get_ident()
+    outer = _inflight.get(tid)  # a collective built on another one
+    _inflight[tid] = _last = (what, next(_calls), _monotonic())
+    return outer
 
-    __slots__ = ("what", "tid", "outer")
+
+def leave(token) -> None:
+    """Unregister what :func:`enter` registered (``token``: its return)."""
+    if token is None:
+        _inflight.pop(_get_ident(), None)
+    elif token is not _OFF:
+        _inflight[_get_ident()] = token
+
+
+_OFF = ("off",)  # enter's token with the watchdog off
+_get_ident, _monotonic = threading.get_ident, time.monotonic
+
+
+class guard:
+    """``with guard("ring_allreduce"):`` -- the collective inside is watched
+    (:func:`enter` and :func:`leave` as a context manager)."""
+
+    __slots__ = ("what", "token")
 
     def __init__(self, what: str):
         self.what = what
 
     def __enter__(self):
-        global _last
-        if not _timeout:
-            self.tid = None
-            return self
-        if _thread is None:
-            _start()
-        self.tid = threading.get_ident()
-        self.outer = _inflight.get(self.tid)  # a collective built on another one
-        _inflight[self.tid] = _last = (self.what, next(_calls), time.monotonic())
+        self.token = enter(self.what)
         return self
 
     def __exit__(self, *exc):
-        if self.tid is not None:
-            if self.outer is None:
-                _inflight.pop(self.tid, None)
-            else:
-                _inflight[self.tid] = self.outer
+        leave(self.token)
         return False

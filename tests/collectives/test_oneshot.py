@@ -81,10 +81,9 @@ def test_auto_leaves_oneshot_out_where_ranks_outnumber_cores():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_agreement_check_over_oneshot_catches_a_mismatch(monkeypatch):
+def test_agreement_check_over_oneshot_catches_a_mismatch():
     from hpcjobs.collectives import agreement
 
-    monkeypatch.setattr(agreement, "_VIA", "oneshot")
     sub = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())  # a fresh comm: the exchange is chosen per comm
     with checking(True):
         x = np.ones(8 if sub.Get_rank() == 0 else 9)
@@ -94,8 +93,8 @@ def test_agreement_check_over_oneshot_catches_a_mismatch(monkeypatch):
         oneshot_allreduce(y, "sum", sub)  # and the next call is fine
     np.testing.assert_array_equal(y, sub.Get_size())
     # on the segment where every rank has a core; oversubscribed, MPI_Allreduce
-    want = agreement._mpi_min if oneshot.oversubscribed(private(sub)) else oneshot.allreduce_array
-    assert private(sub).Get_attr(agreement._EXCHANGE_KEYVAL) is want
+    want = "mpi" if oneshot.oversubscribed(private(sub)) else "segment"
+    assert agreement.exchange_of(private(sub)) == want
     sub.Free()
 
 
