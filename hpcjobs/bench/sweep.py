@@ -10,6 +10,12 @@ so every partial result is a small integer, exact in every dtype and in any
 reduction order, and the expected output depends only on ``i % 6``.
 ``#wrong`` counts elements that differ from it, summed over ranks.
 
+A row of ours calls the algorithm's own public function
+(``oneshot_allreduce(buf, op, comm)``, the call ``allreduce(buf,
+algorithm=name)`` makes) and ``auto``'s row ``allreduce(buf)``; the ``mpi``
+row calls ``MPI_Allreduce`` through mpi4py after the same check of the
+buffer (:func:`hpcjobs.bench.baselines.mpi_allreduce`).
+
 ``auto`` times its candidates on its first calls at a size
 (:mod:`hpcjobs.collectives.auto`); those calls run untimed before the
 warmup, so its row shows the algorithm it settles on, as a training job
@@ -47,6 +53,7 @@ from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, allreduce, ring_allredu
 from ..collectives import auto as auto_
 from ..collectives._buffers import OP_TABLE, as_flat, finish_avg
 from ..collectives.agreement import set_checks
+from ..collectives.select import lookup
 from .baselines import ADAPTERS, LATE_BASELINES, DeviceStage, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 from .names import BASELINES, BUFFERS
@@ -126,6 +133,9 @@ class Impl:
     # first calls at a size are still measuring (auto), which run untimed
     # before the table's warmup, so that its row times what it settles on.
     settled: Callable | None = None
+    # With the agreement check on ("<algorithm>+check"): turned on before
+    # each of its calls, untimed, and off before every other row's.
+    checks: bool = False
 
     def __call__(self, buf, op, comm):
         return self.fn(buf, op, comm)
@@ -151,9 +161,12 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
         elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
-            fn = _ours_checked if name.endswith(CHECKED) else _ours
-            impls[name] = Impl(functools.partial(fn, algorithm=algorithm),
-                               settled=auto_.settled if algorithm == "auto" else None)
+            if algorithm == "auto":
+                fn = functools.partial(_ours, algorithm=algorithm)
+            else:  # its own public function (oneshot_allreduce, ...), as the mpi row calls MPI_Allreduce
+                fn = lookup(algorithm).run
+            impls[name] = Impl(fn, settled=auto_.settled if algorithm == "auto" else None,
+                               checks=name.endswith(CHECKED))
         elif name in BASELINES and device != "cpu":
             from .device import DEVICE_ADAPTERS
 
@@ -174,14 +187,6 @@ def _ours(buf, op, comm, *, algorithm):
 # "<algorithm>+check": the same with the cross-rank agreement check, which the
 # benchmarks otherwise turn off (unchecked_benchmarks), to show what it costs.
 CHECKED = "+check"
-
-
-def _ours_checked(buf, op, comm, *, algorithm):
-    set_checks(True)
-    try:
-        return allreduce(buf, op, algorithm, comm)
-    finally:
-        set_checks(False)
 
 
 def unchecked_benchmarks() -> None:
@@ -271,6 +276,7 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         pristine = make_input(count, dtype, op, rank)
         want = expected_output(count, dtype, op, size)
         n_iters = iters or auto_iters(count * itemsize)
+        checked = {label for label, fn in impls.items() if isinstance(fn, Impl) and fn.checks}
         chosen = {label: fn for label, fn in impls.items() if not isinstance(fn, Impl) or fn.supports(dtype)}
         if device != "cpu":  # one device copy for every row, each call waited for
             from .device import waited
@@ -285,6 +291,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 for label, fn in chosen.items()}
 
         def reset(label):
+            if checked:  # untimed: a +check row's calls check, and no other row's
+                set_checks(label in checked)
             np.copyto(flat.data, pristine)
             if label in stages:
                 stages[label].upload()
@@ -302,6 +310,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 reset(label)
                 runs[label]()
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
+        if checked:
+            set_checks(False)  # as the benchmarks run (unchecked_benchmarks)
         stages.clear()  # frees the device copies before the next size
         for label in runs:
             rec = _record(count * itemsize, count, dtype, op, label, size, n_iters,
