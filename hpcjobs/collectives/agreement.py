@@ -11,7 +11,7 @@ the algorithm's options -- into a few int64s ``v`` and a flag ``bad`` for a
 local error (unsupported dtype, read-only or non-contiguous buffer, CUDA
 tensor, ...), and one exchange tells every rank whether all are equal:
 
-- on one node, where every rank has a core: through oneshot's shared
+- on one node: through oneshot's shared
   segment (:mod:`~hpcjobs.collectives.oneshot`). Each rank writes its words
   into its signature slot, waits for the others as oneshot does, and
   compares theirs with its own. A small message that would go through
@@ -180,23 +180,23 @@ def agree_values(comm: MPI.Intracomm, what: str, names: tuple, values: tuple,
 
 _SEGMENT, _MPI = "segment", "mpi"
 _EXCHANGE_KEYVAL = MPI.Comm.Create_keyval()
-# HPCJOBS_AGREE_VIA=oneshot|mpi: the exchange (oneshot's segment where it
-# may run, by default; mpi to measure the other).
+# HPCJOBS_AGREE_VIA=oneshot|mpi: the exchange (oneshot's segment on one
+# node, by default; mpi to measure the other).
 _VIA = os.environ.get("HPCJOBS_AGREE_VIA", "oneshot")
 
 
 def exchange_of(comm: MPI.Intracomm) -> str:
     """How the check exchanges on ``comm``, chosen once per communicator and
     the same on every rank (collective on first call): "segment", oneshot's,
-    where every rank shares one node and has a core (one write, one wait,
-    and a small message carried along), else "mpi" (``MPI_Allreduce``)."""
+    where every rank shares one node (one write, one wait, and a small
+    message carried along), else "mpi" (``MPI_Allreduce``)."""
     global _last, _oneshot
     exchange = comm.Get_attr(_EXCHANGE_KEYVAL)
     if exchange is None:
         from . import oneshot  # (oneshot runs in the frame, which imports this module)
 
         _oneshot = oneshot
-        shared = _VIA == "oneshot" and is_single_node(comm) and not oneshot.oversubscribed(comm)
+        shared = _VIA == "oneshot" and is_single_node(comm)
         exchange = _SEGMENT if shared else _MPI
         comm.Set_attr(_EXCHANGE_KEYVAL, exchange)
     _last = (comm, exchange)  # the usual run of calls on one communicator skips the attribute lookup

@@ -289,8 +289,6 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
     # One simulated node may still span hosts: shm needs real shared memory.
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
-    if "oneshot" in names and oneshot.oversubscribed(comm):  # its waiters would starve the ranks they wait for
-        names = list(dict.fromkeys("recursive_doubling" if n == "oneshot" else n for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)

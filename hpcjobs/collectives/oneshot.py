@@ -44,16 +44,16 @@ Waiting. A rank spins on its peers' sequence numbers for :data:`SPIN` polls
 yields its core (``sched_yield``) between polls, and after
 :data:`NAP_AFTER` seconds sleeps briefly between them. With more ranks than
 cores (``mpirun --oversubscribe``) a spinning rank would take the core from
-the rank it waits for; yielding gives it back. Where the node's ranks
-outnumber its cores, ``auto`` does not choose oneshot in the first place
-(:func:`oversubscribed`), and the agreement check uses ``MPI_Allreduce``.
-A rank that never arrives leaves the others waiting inside the collective,
+the rank it waits for; yielding gives it back, and oneshot stays the fastest
+of ours there too (5, 8 and 16 ranks on 2 cores: docs/results/allreduce.md,
+"Small messages: oneshot"), so ``auto`` measures it and the agreement check
+uses it wherever the ranks share a node. A rank that never arrives leaves the others waiting inside the collective,
 where the stall watchdog (:mod:`~hpcjobs.collectives.watchdog`) ends the job
 with its usual report.
 
 The agreement check. Each segment also holds two signature slots of
 :data:`~hpcjobs.collectives.agreement.SIG_WORDS` int64s. With checks on, on
-a node where every rank has a core, the check itself is a call of this
+one node, the check itself is a call of this
 protocol (:func:`agree`): each rank writes its call's signature into
 signature slot c % 2 -- and, where the collective would run this step next
 on a message of one piece, the message into data slot c % 2 -- stores c,
@@ -92,7 +92,7 @@ from .agreement import SIG_WORDS
 from ._frame import run
 from ._shared import is_single_node
 
-__all__ = ["MAX_BYTES", "SPIN", "NAP_AFTER", "oneshot_allreduce", "allreduce", "agree", "oversubscribed"]
+__all__ = ["MAX_BYTES", "SPIN", "NAP_AFTER", "oneshot_allreduce", "allreduce", "agree"]
 
 MAX_BYTES = 64 << 10  # per slot: the largest piece
 SPIN = 200  # polls before yielding the core
@@ -180,7 +180,6 @@ def _free(comm, keyval, segments):
 
 
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free)
-_OVERSUBSCRIBED = MPI.Comm.Create_keyval()
 
 
 _last: tuple = (None, None)  # (communicator, its segments) of the last call: no attribute lookup per call
@@ -199,23 +198,6 @@ def _segments(comm: MPI.Intracomm) -> _Segments:
         comm.Set_attr(_KEYVAL, segments)
     _last = (comm, segments)
     return segments
-
-
-def oversubscribed(comm: MPI.Intracomm) -> bool:
-    """Whether ``comm``'s ranks on some node outnumber the cores they may run
-    on there: the union of their CPU affinities (what Slurm's cgroup or the
-    launcher's binding allows, not the machine's core count). Collective on
-    first call per communicator, cached; the same answer on every rank."""
-    cached = comm.Get_attr(_OVERSUBSCRIBED)
-    if cached is None:
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-        cores = set().union(*node.allgather(mine))
-        local = node.Get_size()
-        node.Free()
-        cached = bool(comm.allreduce(int(local > len(cores)), op=MPI.MAX))
-        comm.Set_attr(_OVERSUBSCRIBED, cached)
-    return cached
 
 
 def _wait(seq, call: int) -> None:

@@ -25,10 +25,6 @@ def _fresh():
     return MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
 
 
-def _on_segment(comm) -> bool:
-    return agreement.exchange_of(private(comm)) == "segment"
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("framework,dtype", BUFFERS)
 @pytest.mark.parametrize("op", OPS)
@@ -63,10 +59,8 @@ def test_the_check_carries_a_small_message_in_one_exchange():
         oneshot_allreduce(big, comm=sub)
         np.testing.assert_array_equal(big, size)
         big_calls = _calls(sub) - before
-    if _on_segment(sub):
-        assert per_call == 1 and big_calls == 3
-    else:  # ranks outnumber cores: the check is MPI_Allreduce, the segment has the data alone
-        assert per_call == 1 and big_calls == 2
+    assert agreement.exchange_of(private(sub)) == "segment"
+    assert per_call == 1 and big_calls == 3
     sub.Free()
 
 
@@ -131,13 +125,12 @@ def test_auto_counts_carried_calls_alike_on_every_rank(monkeypatch):
             x[:] = sub.Get_rank() + i
             allreduce(x, comm=sub)
             np.testing.assert_array_equal(x, sum(r + i for r in range(size)))
-            if left > 0 and _on_segment(sub):
+            if left > 0:
                 assert timing.left == left - 1 and _calls(sub) - before == 1
                 carried += 1
             lefts = sub.allgather(timing.left)
             assert len(set(lefts)) == 1, lefts
-    if _on_segment(sub):
-        assert carried > 100
+    assert carried > 100
     sub.Free()
 
 

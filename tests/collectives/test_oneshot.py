@@ -65,19 +65,18 @@ def test_the_segment_is_made_once_and_freed_with_the_comm():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_auto_leaves_oneshot_out_where_ranks_outnumber_cores():
+def test_auto_measures_oneshot_where_ranks_outnumber_cores_too():
+    """With --oversubscribe its waiters yield their core (5, 8 and 16 ranks on
+    2 cores measured it the fastest of ours), so auto times it like the rest."""
     comm = MPI.COMM_WORLD
     auto.remeasure()
     x = np.ones(16)
-    for _ in range(50):
+    while not auto.settled(x, "sum", comm):
         x[:] = 1
-        oneshot_allreduce(x, "sum", comm)  # oneshot itself still works, only slower
         allreduce(x, "sum", "auto", comm)
-    kept = auto.kept(x.nbytes, "float64", "sum", comm)
-    if oneshot.oversubscribed(private(comm)):
-        assert kept != "oneshot"
-    else:
-        assert kept is not None
+    np.testing.assert_array_equal(x, comm.Get_size())
+    assert "oneshot" in auto._decision(x.nbytes, "float64", "sum", comm).names
+    assert auto.kept(x.nbytes, "float64", "sum", comm) is not None
 
 
 @pytest.mark.mpi(min_size=2)
@@ -92,9 +91,7 @@ def test_agreement_check_over_oneshot_catches_a_mismatch():
         y = np.ones(8)
         oneshot_allreduce(y, "sum", sub)  # and the next call is fine
     np.testing.assert_array_equal(y, sub.Get_size())
-    # on the segment where every rank has a core; oversubscribed, MPI_Allreduce
-    want = "mpi" if oneshot.oversubscribed(private(sub)) else "segment"
-    assert agreement.exchange_of(private(sub)) == want
+    assert agreement.exchange_of(private(sub)) == "segment"  # one node, oversubscribed or not
     sub.Free()
 
 
