@@ -148,12 +148,12 @@ def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Ca
         if count is not None:
             carry = (flat, op)
     if flat is None:
-        values = (name, None, None, op, None)
+        values = (name, None, None, op, None, *extra)
     elif type(flat) is Flat:
-        values = (name, flat.data.size, flat.dtype, op, "cpu")
+        values = (name, flat.data.size, flat.dtype, op, "cpu", *extra)
     else:
-        values = (name, flat.count, flat.dtype, op, flat.device)
-    carried = agree_values(comm, name, names, values + extra, error, carry)
+        values = (name, flat.count, flat.dtype, op, flat.device, *extra)
+    carried = agree_values(comm, name, names, values, error, carry)
     if carried:
         count()
     return flat, comm, carried

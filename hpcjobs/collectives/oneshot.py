@@ -132,6 +132,7 @@ class _Segments:
         self.rank, self.size = rank, size
         self.plans: dict = {}  # (nbytes, dtype, op, k) -> plan()
         self.others = [self.seqs[q] for q in range(size) if q != rank]
+        self.my_seq = self.seqs[rank]
         self.win.Sync()
         comm.Barrier()
 
@@ -160,11 +161,13 @@ class _Segments:
                 views = [rows]
         if len(self.plans) > 64:
             self.plans.clear()
-        plan = self.plans[(nbytes, dtype, op, k)] = (mine, views, reduce, dtype == "bfloat16")
+        # how step 3 reduces: 0 two slots, 1 the rows of one array, 2 a chain, 3 bfloat16 via torch
+        kind = 3 if dtype == "bfloat16" else 0 if len(views) == 2 else 1 if len(views) == 1 else 2
+        plan = self.plans[(nbytes, dtype, op, k)] = (mine, views, reduce, kind)
         return plan
 
     def free(self) -> None:
-        self.seqs, self.slots, self.plans, self.others, self.block = [], [], {}, [], None
+        self.seqs, self.slots, self.plans, self.others, self.block, self.my_seq = [], [], {}, [], None, None
         self.my_sig, self.other_sigs = [], []
         if self.win != MPI.WIN_NULL:
             self.win.Unlock_all()
@@ -226,13 +229,13 @@ def _one(s: _Segments, data: np.ndarray | None, nbytes: int, dtype: str, op: str
     k = call & 1
     if data is not None:
         plan = s.plans.get((nbytes, dtype, op, k)) or s.plan(nbytes, dtype, data.dtype, op, k)
-        mine, views, reduce, bf16 = plan
+        mine, views, reduce, kind = plan
         mine[...] = data  # 1. write
     if sig is not None:
         s.my_sig[k][:] = sig
     if _WIN_SYNC:
         s.win.Sync()
-    s.seqs[s.rank][0] = call
+    s.my_seq[0] = call
     for seq in s.others:  # 2. wait
         if seq[0] < call:
             _wait(seq, call)
@@ -244,12 +247,12 @@ def _one(s: _Segments, data: np.ndarray | None, nbytes: int, dtype: str, op: str
                 return False
         if data is None:
             return True
-    if bf16:  # 3. read
-        reduce(data)
-    elif len(views) == 2:
+    if kind == 0:  # 3. read
         reduce(views[0], views[1], out=data)
-    elif len(views) == 1:  # the rows of one array
+    elif kind == 1:  # the rows of one array
         reduce.reduce(views[0], axis=0, out=data)
+    elif kind == 3:
+        reduce(data)
     else:
         reduce(views[0], views[1], out=data)
         for v in views[2:]:
