@@ -10,11 +10,11 @@ so every partial result is a small integer, exact in every dtype and in any
 reduction order, and the expected output depends only on ``i % 6``.
 ``#wrong`` counts elements that differ from it, summed over ranks.
 
-A row of ours calls the algorithm's own public function
-(``oneshot_allreduce(buf, op, comm)``, the call ``allreduce(buf,
-algorithm=name)`` makes) and ``auto``'s row ``allreduce(buf)``; the ``mpi``
-row calls ``MPI_Allreduce`` through mpi4py after the same check of the
-buffer (:func:`hpcjobs.bench.baselines.mpi_allreduce`).
+A row of ours makes the call ``allreduce(buf, op, algorithm, comm)``
+makes, without the name's lookup (:func:`hpcjobs.collectives.select.lookup`,
+``.run``: for ``oneshot`` the same as ``oneshot_allreduce(buf, op,
+comm)``); the ``mpi`` row calls ``MPI_Allreduce`` through mpi4py after the
+same check of the buffer (:func:`hpcjobs.bench.baselines.mpi_allreduce`).
 
 ``auto`` times its candidates on its first calls at a size
 (:mod:`hpcjobs.collectives.auto`); those calls run untimed before the
@@ -49,7 +49,7 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, allreduce, ring_allreduce, symmetric_empty, symmetric_free
+from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, ring_allreduce, symmetric_empty, symmetric_free
 from ..collectives import auto as auto_
 from ..collectives._buffers import OP_TABLE, as_flat, finish_avg
 from ..collectives.agreement import set_checks
@@ -161,11 +161,8 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
         elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
-            if algorithm == "auto":
-                fn = functools.partial(_ours, algorithm=algorithm)
-            else:  # its own public function (oneshot_allreduce, ...), as the mpi row calls MPI_Allreduce
-                fn = lookup(algorithm).run
-            impls[name] = Impl(fn, settled=auto_.settled if algorithm == "auto" else None,
+            # the call allreduce(buf, op, algorithm, comm) makes, as the mpi row calls MPI_Allreduce
+            impls[name] = Impl(lookup(algorithm).run, settled=auto_.settled if algorithm == "auto" else None,
                                checks=name.endswith(CHECKED))
         elif name in BASELINES and device != "cpu":
             from .device import DEVICE_ADAPTERS
@@ -178,10 +175,6 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
         else:
             raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
     return impls
-
-
-def _ours(buf, op, comm, *, algorithm):
-    return allreduce(buf, op, algorithm, comm)
 
 
 # "<algorithm>+check": the same with the cross-rank agreement check, which the

@@ -72,11 +72,15 @@ DEVICE_REGISTRY: dict[str, Algorithm] = {
 
 
 def lookup(name: str) -> Algorithm:
-    """The algorithm ``name`` (one of :data:`ALGORITHMS`).
+    """The algorithm ``name`` (one of :data:`ALGORITHMS`, "cuda_ipc" or
+    "auto"): ``lookup(name).run(buf, op, comm)`` is the call
+    ``allreduce(buf, op, name, comm)`` makes.
 
     Raises:
         ValueError: an unknown name.
     """
+    if name == "auto":
+        return _AUTO_ALGORITHM
     try:
         return REGISTRY[name] if name not in DEVICE_ALGORITHMS else DEVICE_REGISTRY[name]
     except KeyError:
@@ -115,6 +119,7 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
 _auto = functools.partial(auto.step, REGISTRY, DEVICE_REGISTRY)
 _auto.takes_device = True
 _auto.oneshot_next = auto.oneshot_next  # (the frame's check carries the message where it can)
+_AUTO_ALGORITHM = Algorithm("auto", AUTO, _auto)
 
 
 def cuda_ipc_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):

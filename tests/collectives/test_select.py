@@ -68,6 +68,21 @@ def test_allreduce_by_name_is_the_same_call_as_the_public_function(algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["auto", *ALGORITHMS])
+def test_lookup_run_is_the_same_call_as_allreduce_by_name(algorithm):
+    """What the benchmark rows call: every rank but the last through
+    lookup(name).run, the last through allreduce(algorithm=name)."""
+    comm = MPI.COMM_WORLD
+    buf = np.full(300, comm.Get_rank() + 1.0)
+    if comm.Get_rank() == comm.Get_size() - 1:
+        allreduce(buf, "sum", algorithm, comm)
+    else:
+        assert select.lookup(algorithm).run(buf, "sum", comm) is buf
+    P = comm.Get_size()
+    np.testing.assert_array_equal(buf, np.full(300, P * (P + 1) / 2))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_ring_and_the_pipelined_ring_are_told_apart():
     """They move data differently (whole chunks against segments): mixed, the
     ranks must refuse, not hang or mismatch their messages."""
