@@ -47,24 +47,23 @@ cores (``mpirun --oversubscribe``) a spinning rank would take the core from
 the rank it waits for; yielding gives it back, and oneshot stays the fastest
 of ours there too (5, 8 and 16 ranks on 2 cores: docs/results/allreduce.md,
 "Small messages: oneshot"), so ``auto`` measures it and the agreement check
-uses it wherever the ranks share a node. A rank that never arrives leaves the others waiting inside the collective,
-where the stall watchdog (:mod:`~hpcjobs.collectives.watchdog`) ends the job
-with its usual report.
+uses it wherever the ranks share a node. A rank that never arrives leaves
+the others waiting inside the collective, where the stall watchdog
+(:mod:`~hpcjobs.collectives.watchdog`) ends the job with its usual report.
 
 The agreement check. Each segment also holds two signature slots of
 :data:`~hpcjobs.collectives.agreement.SIG_WORDS` int64s. With checks on, on
-one node, the check itself is a call of this
-protocol (:func:`agree`): each rank writes its call's signature into
-signature slot c % 2 -- and, where the collective would run this step next
-on a message of one piece, the message into data slot c % 2 -- stores c,
-waits, and compares every rank's signature with its own. Equal: the message
-is reduced and the collective is done, one wait for check and data
-together. Different: every rank sees a difference (its own differs from
-some other's, or some other's from it), nothing is reduced, and every rank
-raises the same error. Whether a rank carries its message depends only on
-its signature and on state that is the same on every rank, so ranks whose
-signatures are equal all carried or all did not; ranks whose signatures
-differ raise before any data moves.
+one node, the check itself is a call of this protocol (:func:`agree`): each
+rank writes its call's signature into signature slot c % 2 -- and, where
+the collective would run this step next on a message of one piece, the
+message into data slot c % 2 -- stores c, waits, and compares every rank's
+signature with its own. Equal: the message is reduced and the collective is
+done, one wait for check and data together. Different: every rank sees a
+difference (its own differs from some other's, or some other's from it),
+nothing is reduced, and every rank raises the same error. Whether a rank
+carries its message depends only on its signature and on state that is the
+same on every rank, so ranks whose signatures are equal all carried or all
+did not; ranks whose signatures differ raise before any data moves.
 
 Larger messages go in pieces of :data:`MAX_BYTES`, each one call; beyond a
 few kilobytes the P-fold read makes ``shm`` or the ring faster, and ``auto``
