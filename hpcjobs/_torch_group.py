@@ -71,7 +71,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         self._comm = private(comm)  # collective: here, on the creating thread
         self._algorithm = algorithm or os.environ.get("HPCJOBS_TORCH_ALGORITHM", "auto")
         self._queue: queue.Queue = queue.Queue()
-        self._names: dict[str, str] = {}
+        self._group_name = self._group_desc = ""
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)
         self._worker.start()
         _live.add(self)
@@ -140,16 +140,16 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
     # Python group has none: without these, ``group_name`` raises "ProcessGroup
     # name not set" and ``destroy_process_group(subgroup)`` fails.
     def getGroupName(self) -> str:  # noqa: N802 -- torch's name
-        return self._names.get("name", "")
+        return self._group_name
 
     def setGroupName(self, name: str) -> None:  # noqa: N802 -- torch's name
-        self._names["name"] = name
+        self._group_name = name
 
     def getGroupDesc(self) -> str:  # noqa: N802 -- torch's name
-        return self._names.get("desc", "")
+        return self._group_desc
 
     def setGroupDesc(self, desc: str) -> None:  # noqa: N802 -- torch's name
-        self._names["desc"] = desc
+        self._group_desc = desc
 
     def __repr__(self) -> str:
         return f"HpcjobsProcessGroup(rank={self.rank()}, size={self.size()}, algorithm={self._algorithm!r})"

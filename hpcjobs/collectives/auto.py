@@ -56,7 +56,7 @@ from ._shared import is_single_node
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
 
-__all__ = ["DEFAULT_TABLE", "DEVICE_SMALL_BYTES", "REMEASURE_EVERY", "UNTIMED_TURNS", "allreduce",
+__all__ = ["DEFAULT_TABLE", "DEVICE_SMALL_BYTES", "REMEASURE_EVERY", "UNTIMED_TURNS", "step", "oneshot_next",
            "allreduce_device", "candidates", "choose", "device_candidates", "kept",
            "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "timed_rounds"]
 
@@ -327,11 +327,6 @@ def allreduce_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, registry: d
         getattr(timing.fn, "unwaited", timing.fn)(flat, op, comm)
     else:
         timing.measure(flat, op, comm)
-
-
-def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, registry: dict[str, Algorithm]) -> None:
-    """:func:`step` on host memory, the algorithms by name in ``registry``."""
-    step(registry, None, flat, op, comm)
 
 
 def step(registry: dict[str, Algorithm], device_registry: dict[str, Algorithm] | None, flat, op: str,

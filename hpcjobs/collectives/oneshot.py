@@ -188,9 +188,9 @@ _last: tuple = (None, None)  # (communicator, its segments) of the last call: no
 
 
 def _segments(comm: MPI.Intracomm) -> _Segments:
+    """``comm``'s segments, made on first use (collective then), and kept as
+    :data:`_last`, which the steps check before calling this."""
     global _last
-    if _last[0] is comm:
-        return _last[1]
     segments = comm.Get_attr(_KEYVAL)
     if segments is None:
         if not is_single_node(comm):

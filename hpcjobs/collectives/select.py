@@ -41,8 +41,7 @@ REGISTRY: dict[str, Algorithm] = {
 AUTO = "allreduce_auto"
 
 
-def _host_auto(flat, op: str, comm) -> None:
-    auto.allreduce(flat, op, comm, REGISTRY)
+_host_auto = functools.partial(auto.step, REGISTRY, None)  # auto's step on host memory (a staged chunk)
 
 
 def _staged_auto(dflat: DeviceFlat, op: str, comm) -> None:
@@ -110,8 +109,7 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
     """
     if algorithm == "auto":
         return run(buf, op, comm, AUTO, _auto)
-    chosen = REGISTRY.get(algorithm) or lookup(algorithm)
-    return run(buf, op, comm, chosen.public, chosen.step, **chosen.options)
+    return lookup(algorithm).run(buf, op, comm)
 
 
 # auto's step on either kind of buffer, the registries bound: a partial, so
