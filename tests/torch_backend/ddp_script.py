@@ -51,4 +51,11 @@ assert all(torch.equal(e, flat) for e in everyone), "the ranks' parameters diffe
 if rank == 0:
     torch.save(flat, out)
 dist.destroy_process_group()
-print(f"rank {rank}: done")
+print(f"rank {rank}: done", flush=True)
+if backend == "gloo":
+    # torch's Gloo can abort at interpreter exit ("terminate called without an
+    # active exception", a worker thread still joinable) after the work is done
+    # and the group destroyed; seen once in ~10 fresh-clone runs. The reference
+    # run's result is saved by now, so leave without the exit-time destructors.
+    # Our backend keeps the normal exit, so the tests still see its teardown.
+    os._exit(0)
