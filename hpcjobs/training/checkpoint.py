@@ -5,7 +5,10 @@ state: its torch RNG, its buffers (BatchNorm statistics are per rank until
 the epoch ends), its error-feedback residuals, and mid-epoch its share of the
 epoch's loss and accuracy sums, counters and elapsed time -- so the resumed
 run ends with the same parameters and the same epoch metrics as one never
-stopped. Files are written atomically (temp file, fsync, rename, fsync the
+stopped. With fp16 autocast it also holds the GradScaler's scale and growth
+count (rank 0's: every rank's scaler sees the same averaged gradients, so
+they are equal), so a resumed run skips the steps the unbroken one skips
+instead of starting again from the initial scale. Files are written atomically (temp file, fsync, rename, fsync the
 directory) and read with ``weights_only=True``.
 """
 
@@ -79,9 +82,10 @@ def _config_dict(cfg: TrainConfig) -> dict:
 
 
 def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch: int, step: int,
-          partial: dict | None) -> None:
+          partial: dict | None, scaler=None) -> None:
     """Write a checkpoint after ``epoch`` whole epochs and ``step`` steps of
-    the next (collective: every rank's own state goes to rank 0)."""
+    the next (collective: every rank's own state goes to rank 0). ``scaler``:
+    fp16's ``GradScaler``, whose state rank 0 saves."""
     mine = {"torch_rng": torch.get_rng_state(),
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
     if partial is not None:
@@ -92,15 +96,18 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
             "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
-            "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks})
+            "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
+            "scaler": scaler.state_dict() if scaler is not None else None})
 
 
-def read(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], list | None]:
+def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:
     """Rank 0 reads the checkpoint and the broadcasts that follow give it to
-    everyone; an error is told to every rank first. Returns the epoch, the
-    step within it, the history, and the per-rank states (a list on rank 0,
-    an empty list on the others, for the scatter that follows; None when
-    there is no checkpoint)."""
+    everyone; an error is told to every rank first. ``scaler`` (fp16's
+    ``GradScaler``) gets the saved scale on every rank where the checkpoint
+    has one (a run without fp16, or an older checkpoint, has none: the scaler
+    keeps its initial scale). Returns the epoch, the step within it, the
+    history, and the per-rank states (a list on rank 0, an empty list on the
+    others, for the scatter that follows; None when there is no checkpoint)."""
     state, error = None, None
     if comm.Get_rank() == 0:
         try:
@@ -123,10 +130,13 @@ def read(cfg: TrainConfig, model, inner, comm) -> tuple[int, int, list[dict], li
     error = comm.bcast(error, root=0)
     if error:
         raise CheckpointError(error)
-    epoch, step, history, found = comm.bcast(
-        (state["epoch"], state["step"], state["history"], True) if state else (0, 0, [], False), root=0)
+    epoch, step, history, scaled, found = comm.bcast(
+        (state["epoch"], state["step"], state["history"], state.get("scaler"), True) if state
+        else (0, 0, [], None, False), root=0)
     if not found:
         return 0, 0, [], None
+    if scaler is not None and scaled:
+        scaler.load_state_dict(scaled)
     if comm.Get_rank() == 0 and not cfg.quiet:
         where = f", step {step} of epoch {epoch + 1}" if step else ""
         print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)

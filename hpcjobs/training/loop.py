@@ -28,8 +28,8 @@ Mixed precision (``amp``): the forward pass runs under ``torch.autocast``
 (bfloat16, or float16 with a ``GradScaler``); the gradients stay float32.
 For fp16 the scaler unscales the *averaged* gradients, which are bitwise
 the same on every rank, so every rank skips the same overflowing steps. The
-scaler's state is not checkpointed: after a resume it recalibrates its
-scale within a few steps.
+scaler's scale is checkpointed with the rest, so a resumed run skips what
+the unbroken one would have.
 
 With ``checkpoint_every=N`` a checkpoint is also written after every N-th
 step inside an epoch, so a job killed mid-epoch loses at most N steps
@@ -268,7 +268,8 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
     cfg, comm = run.cfg, run.comm
     mine = {}
     if cfg.resume:  # validate() made sure there is a checkpoint path
-        run.start_epoch, run.start_step, run.history, rank_states = checkpoint.read(cfg, run.model, run.inner, comm)
+        run.start_epoch, run.start_step, run.history, rank_states = checkpoint.read(
+            cfg, run.model, run.inner, comm, run.scaler)
         if rank_states is not None:
             mine = comm.scatter(rank_states or None, root=0)
     broadcast_parameters(run.model.state_dict(), root_rank=0, comm=comm)
@@ -342,7 +343,8 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
             checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
-                "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0})
+                "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0},
+                run.scaler)
     return sums, elapsed + time.perf_counter() - t0
 
 
@@ -376,7 +378,8 @@ def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
     if run.rank == 0:
         _report(run.cfg, record)
     if run.cfg.checkpoint:
-        checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt, run.history, epoch + 1, 0, None)
+        checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt, run.history, epoch + 1, 0, None,
+                         run.scaler)
 
 
 def _report(cfg: TrainConfig, record: dict) -> None:

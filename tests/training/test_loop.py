@@ -1,12 +1,14 @@
 """The training loop: metrics, checkpoints, resume, and bad checkpoints."""
 
 import json
+import types
 
 import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
+from hpcjobs.training import checkpoint
 from hpcjobs.training.loop import (CHECKPOINT_VERSION, CheckpointError, TrainConfig, load_checkpoint, save_checkpoint,
                                    train)
 
@@ -61,6 +63,49 @@ def test_resume_continues_to_the_same_parameters(tmp_path_factory, compression):
         assert a["epoch"] == b["epoch"] == 4
         for k in a["model"]:
             torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resume_with_fp16_ends_where_the_unbroken_run_does(tmp_path_factory):
+    """fp16's GradScaler starts at 2**16, halves on each overflowing step
+    (which it skips) and counts the clean steps since, to grow again after
+    2000. Resumed from the saved scale and count, the run's scaler ends where
+    the unbroken run's does, and so do the parameters."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "resume-fp16")
+    kw = dict(optimizer="sgd", momentum=0.9, amp="fp16")
+    straight = train(cfg(checkpoint=f"{d}/a.pt", **kw), comm)
+    train(cfg(checkpoint=f"{d}/b.pt", epochs=2, **kw), comm)
+    resumed = train(cfg(checkpoint=f"{d}/b.pt", resume=True, **kw), comm)
+    assert resumed[-1]["loss"] == pytest.approx(straight[-1]["loss"], rel=1e-6)
+    if comm.rank == 0:
+        a, b = load_checkpoint(f"{d}/a.pt"), load_checkpoint(f"{d}/b.pt")
+        assert b["scaler"] == a["scaler"] and a["scaler"]["_growth_tracker"] > 0
+        for k in a["model"]:
+            torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_gives_every_rank_the_saved_gradscaler_state(tmp_path_factory):
+    """write() saves rank 0's scaler; read() gives its scale and count to a
+    fresh scaler on every rank; a checkpoint without one (no fp16, or older)
+    leaves the fresh scaler as it is."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "scaler")
+    c = cfg(checkpoint=f"{d}/s.pt", amp="fp16")
+    model, saved = torch.nn.Linear(3, 2), torch.amp.GradScaler("cpu")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved.load_state_dict({"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                           "_growth_tracker": 7})
+    no_compression = types.SimpleNamespace(compression=None)
+    checkpoint.write(c, comm, model, inner, no_compression, [], 1, 0, None, saved)
+    fresh = torch.amp.GradScaler("cpu")
+    assert checkpoint.read(c, model, inner, comm, fresh)[0] == 1
+    assert fresh.state_dict() == saved.state_dict()
+    checkpoint.write(c, comm, model, inner, no_compression, [], 1, 0, None)      # no scaler saved
+    untouched = torch.amp.GradScaler("cpu")
+    checkpoint.read(c, model, inner, comm, untouched)
+    assert untouched.state_dict() == torch.amp.GradScaler("cpu").state_dict()
 
 
 @pytest.mark.mpi(min_size=1)
