@@ -122,8 +122,8 @@ import os, signal, sys
 from hpcjobs.cli import main
 from hpcjobs.training import checkpoint
 save = checkpoint.write
-def checkpoint_then_die(cfg, comm, model, inner, opt, history, epoch, step, partial):
-    save(cfg, comm, model, inner, opt, history, epoch, step, partial)
+def checkpoint_then_die(cfg, comm, model, inner, opt, history, epoch, step, partial, scaler=None):
+    save(cfg, comm, model, inner, opt, history, epoch, step, partial, scaler)
     if comm.Get_rank() == 0 and (epoch, step) == {kill}:
         os.kill(os.getpid(), signal.SIGKILL)
 checkpoint.write = checkpoint_then_die
