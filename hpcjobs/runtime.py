@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
-__all__ = ["bind_gpu", "pick_device", "autocast", "cores_per_rank", "set_threads", "clear_stale_mpi_sessions"]
+__all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "set_threads",
+           "clear_stale_mpi_sessions"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -72,6 +74,21 @@ def autocast(amp: str, device):
 
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16,
                           enabled=amp != "none")
+
+
+def out_of_memory(error: BaseException, comm, device, doing: str, advice: str, end_job: bool = True) -> MemoryError:
+    """A CUDA out-of-memory ``error`` on this rank, in a user's words: "out
+    of GPU memory on rank R (DEVICE) <doing>: <advice> (<torch's first
+    line>)". With ``end_job`` and several ranks it is printed and the job
+    ends on every rank (the others would wait in the next collective for a
+    rank that is gone); otherwise the MemoryError is returned, to raise."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    message = f"out of GPU memory on rank {comm.Get_rank()} ({device}) {doing}: {advice} ({first})"
+    if end_job and comm.Get_size() > 1:
+        print(f"hpcjobs: {message}; ending the job", file=sys.stderr, flush=True)
+        comm.Abort(1)
+    return MemoryError(message)
 
 
 def cores_per_rank(comm) -> int:

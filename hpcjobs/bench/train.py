@@ -31,6 +31,7 @@ Launch::
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -45,6 +46,7 @@ from mpi4py import MPI
 from ..collectives import ALGORITHMS
 from ..comm import agree
 from ..compression import make_compressor
+from ..runtime import out_of_memory
 from ..training import DistributedOptimizer
 from ..training.config import OVERLAPS
 from . import horovod
@@ -78,6 +80,19 @@ class _Runner:
         self.name, self.model, self.step, self.alone, self.close = name, model, step, alone, close
         self.block, self.leave = block, leave  # block: measured alone first, then leave()
         self.comm_s = comm_s  # ours: () -> seconds its optimizer has spent in allreduce so far
+
+
+@contextlib.contextmanager
+def _oom_ends_the_job(w: Workload, comm, impl: str | None = None):
+    """A CUDA out-of-memory error inside names the model, the batch, the
+    device and the implementation, and ends the job on every rank (the
+    others would wait in the next step's allreduce)."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as e:
+        doing = (f"training {w.model} with {w.batch_size} samples per rank"
+                 + (f" ({impl})" if impl else "") + (f", autocast to {w.amp}" if w.amp != "none" else ""))
+        raise out_of_memory(e, comm, w.device, doing, "lower --batch-size or use --amp bf16") from e
 
 
 def _make_model(w: Workload, seed_state):
@@ -219,19 +234,22 @@ def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: 
             res.comm_shares.append(comm.allreduce(r.comm_s() - before) / comm.Get_size() / seconds)
 
     for r in (r for r in runners if r.block):
-        warm_up(r)
-        for _ in range(iters):
-            round_of(r)
+        with _oom_ends_the_job(w, comm, r.name):
+            warm_up(r)
+            for _ in range(iters):
+                round_of(r)
         comm.Barrier()
         r.leave()
     rest = [r for r in runners if not r.block]
     for r in rest:
-        warm_up(r)
+        with _oom_ends_the_job(w, comm, r.name):
+            warm_up(r)
     for it in range(iters):
         order = list(rest)
         rng.shuffle(order)
         for r in order:
-            round_of(r)
+            with _oom_ends_the_job(w, comm, r.name):
+                round_of(r)
         if progress is not None:
             progress(it + 1)
 
@@ -262,15 +280,25 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
                 iters: int, progress: Callable[[int], None] | None = None) -> dict[str, Result]:
     """Measure ``names`` (module docstring); collective. ``progress(round)``
     is called after each timed round. Returns the results by name, each
-    with ``wrong`` set where the ranks' parameters came out different."""
+    with ``wrong`` set where the ranks' parameters came out different.
+
+    Raises:
+        MemoryError: a CUDA out-of-memory error, naming the model, the batch,
+            the device and the implementation; with several ranks the job
+            ends on every rank instead, with that message on stderr.
+    """
     torch.manual_seed(w.seed)
     seed_state = torch.get_rng_state()
-    x, y = data(w, torch.Generator().manual_seed(w.seed + comm.Get_rank()))
+    with _oom_ends_the_job(w, comm):
+        x, y = data(w, torch.Generator().manual_seed(w.seed + comm.Get_rank()))
     if w.same_buckets:  # read by Horovod and by our Horovod API when they start
         os.environ["HOROVOD_FUSION_THRESHOLD"] = str(w.fusion_bytes)
     rng = random.Random(w.seed)
     results: dict[str, Result] = {}
-    runners = [_build(n, w, comm, seed_state, x, y) for n in names]
+    runners = []
+    for n in names:
+        with _oom_ends_the_job(w, comm, n):
+            runners.append(_build(n, w, comm, seed_state, x, y))
     _measure(runners, comm, w, warmup_batches, batches_per_iter, iters, rng, results, progress)
     wrong = {r.name: int(not _params_agree(r, comm)) for r in runners if not r.alone}
     for r in runners:

@@ -51,7 +51,7 @@ from mpi4py import MPI
 
 from ..comm import private
 from ..compression import make_compressor
-from ..runtime import autocast, pick_device
+from ..runtime import autocast, out_of_memory, pick_device
 from . import checkpoint
 from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -189,8 +189,8 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
         for epoch in range(run.start_epoch, cfg.epochs):
             try:
                 sums, elapsed = _epoch(run, epoch, progress)
-            except torch.cuda.OutOfMemoryError as e:
-                raise MemoryError(_out_of_memory(run, e)) from e
+            except torch.cuda.OutOfMemoryError as e:  # the handler below ends the job
+                raise _out_of_memory(run, e, end_job=False) from e
             record = _record(run, epoch, sums, elapsed)
             _end_epoch(run, epoch, record)
             if on_epoch is not None:
@@ -229,13 +229,14 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
                 scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device)
 
 
-def _out_of_memory(run: _Run, error: BaseException) -> str:
-    """What a CUDA out-of-memory error says: the model, the batch, the device."""
+def _out_of_memory(run: _Run, error: BaseException, end_job: bool) -> MemoryError:
+    """A CUDA out-of-memory error, naming the model, the batch and the device."""
     cfg = run.cfg
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return (f"out of GPU memory on rank {run.rank} ({run.device}) training {cfg.model} with {cfg.batch_per_rank} "
-            f"samples per rank per pass{f', autocast to {cfg.amp}' if cfg.amp != 'none' else ''}: lower "
-            f"--batch-per-rank (accumulate with --backward-passes-per-step) or use --amp bf16 ({first})")
+    amp = f", autocast to {cfg.amp}" if cfg.amp != "none" else ""
+    return out_of_memory(error, run.comm, run.device,
+                         f"training {cfg.model} with {cfg.batch_per_rank} samples per rank per pass{amp}",
+                         "lower --batch-per-rank (accumulate with --backward-passes-per-step) or use --amp bf16",
+                         end_job)
 
 
 def _moved(obj, device: torch.device):
@@ -283,10 +284,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
     try:
         _to_device(run)
     except torch.cuda.OutOfMemoryError as e:  # on some ranks only: the others would wait in what follows
-        print(f"hpcjobs: {_out_of_memory(run, e)}", file=sys.stderr, flush=True)
-        if run.size > 1:
-            run.comm.Abort(1)
-        raise MemoryError(_out_of_memory(run, e)) from e
+        raise _out_of_memory(run, e, end_job=True) from e
     run.opt = DistributedOptimizer(run.inner, run.model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                    compression=make_compressor(cfg.compression, seed=cfg.seed),
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,

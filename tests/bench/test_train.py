@@ -4,8 +4,8 @@ import json
 
 import torch
 
+from launch import _mpirun_prefix, launch_env, mpirun_script, run
 from launch import mpirun as _mpirun
-from launch import mpirun_script
 
 
 def test_bench_train_measures_every_implementation(tmp_path):
@@ -104,3 +104,44 @@ assert all(r.wrong == 0 and r.median > 0 for r in results.values()), results
 print("ok", MPI.COMM_WORLD.Get_rank())
 """, timeout=240)
     assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stderr
+
+
+_GREEDY = """
+import sys
+import torch
+from mpi4py import MPI
+import hpcjobs.bench.train as bench
+real = bench.model
+def greedy(w):  # the model of the ranks named on the command line runs out of GPU memory in its forward pass
+    net = real(w)
+    if MPI.COMM_WORLD.Get_rank() in map(int, sys.argv[1:]):
+        def forward(*args):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        net.forward = forward
+    return net
+bench.model = greedy
+torch.set_num_threads(1)
+w = bench.Workload(model="mlp", width=16, batch_norm=False, input_size=8, image_size=0, num_classes=3, batch_size=4,
+                   fusion_bytes=1 << 20, lr=0.01, seed=0)
+try:
+    bench.bench_train(MPI.COMM_WORLD, ["ours:auto"], w, 1, 1, 1)
+except MemoryError as e:
+    print("raised:", e)
+"""
+
+
+def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank(tmp_path):
+    """One rank out of GPU memory while the other waits in the step's
+    allreduce: the job ends (no hang) with the model, batch, device and
+    implementation on stderr; alone, the rank raises that MemoryError."""
+    script = tmp_path / "greedy.py"
+    script.write_text(_GREEDY)
+    words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank (ours:auto): lower "
+             "--batch-size or use --amp bf16 (CUDA out of memory. Tried to allocate 2.00 GiB)")
+    with launch_env() as env:
+        out = run([*_mpirun_prefix(2), str(script), "1"], 120, env)
+    assert out.returncode != 0 and "hpcjobs: " + words.format(1) + "; ending the job" in out.stderr, out.stderr
+    assert "raised:" not in out.stdout
+    with launch_env() as env:
+        alone = run([*_mpirun_prefix(1), str(script), "0"], 120, env)
+    assert alone.returncode == 0 and "raised: " + words.format(0) in alone.stdout, alone.stderr
