@@ -100,12 +100,16 @@ _torch_dist_backend: str | None = None
 
 def _process_group_backend() -> str:
     """Gloo for CPU tensors, and NCCL for CUDA tensors where there is CUDA:
-    one default group serves the gloo and the nccl rows of one table."""
+    one default group serves the gloo and the nccl rows of one table.
+    Without CUDA it is plain "gloo": a device map ("cpu:gloo") leaves the
+    group without a default backend type, and DDP's reducer then warns
+    "No backend of type 0 found ... Assuming no hooks are registered" on
+    every rank (torch 2.13)."""
     import torch
     import torch.distributed as dist
 
     nccl = torch.cuda.is_available() and dist.is_nccl_available()
-    return "cpu:gloo,cuda:nccl" if nccl else "cpu:gloo"
+    return "cpu:gloo,cuda:nccl" if nccl else "gloo"
 
 
 def ensure_process_group(comm: MPI.Intracomm) -> None:
