@@ -2,7 +2,9 @@
 # GPU checks: the CUDA tests at 2, 3 and 4 ranks sharing the GPU(s), then the
 # --device cuda benchmark tables and the staging pipeline's breakdown, then
 # training on the GPU (phase "train": ResNet-50 alone against plain torch,
-# bf16, 2 ranks sharing the GPU, gpt-mini on text).
+# bf16, 2 ranks sharing the GPU, gpt-mini on text), then the small-message
+# table on host memory at 4, 8 and 16 ranks (phase "small": the lent
+# machine's 16 cores; it needs no GPU and runs on any machine with as many).
 # CI has no GPU; run this on a GPU machine (docs/testing.md, "GPU checks").
 #
 #   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/
@@ -14,7 +16,8 @@
 # pytest-mpi, mnist1d) from .whl/ into /tmp/hpcjobs-gpu, offline. Results:
 # $HPCJOBS_GPU_OUT (default results/gpu/): np<N>.log per test run,
 # bench-np<N>.txt/.json, staging.txt, compression.txt, train-*.txt,
-# summary.txt. HPCJOBS_GPU_PHASES picks phases (default: tests bench train).
+# small-np<N>.txt/.json, summary.txt. HPCJOBS_GPU_PHASES picks phases
+# (default: tests bench train small).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -36,7 +39,12 @@ mkdir -p "$OUT"
 say() { printf '[gpu_check] %s\n' "$*" | tee -a "$OUT/summary.txt" >&2; }
 : >"$OUT/summary.txt"
 
-if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+PHASES=${HPCJOBS_GPU_PHASES:-tests bench train small}  # a subset, to split the run
+for phase in $PHASES; do
+    [[ " tests bench train small " == *" $phase "* ]] \
+        || { say "unknown phase '$phase' in HPCJOBS_GPU_PHASES; choose from tests bench train small"; exit 2; }
+done
+if [ "$PHASES" != small ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     say "no CUDA GPU visible to $PY (torch.cuda.is_available() is False): nothing to check here"
     exit 2
 fi
@@ -64,7 +72,7 @@ export OMPI_MCA_osc=^ucx OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
 # which would lose a venv's site-packages).
 mkdir -p "$BASE/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$BASE/bin/python" \
     && chmod +x "$BASE/bin/python" && export PATH=$BASE/bin:$PATH
-say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}")'); $(mpirun --version | head -1)"
+say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, " + (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"))'); $(nproc) cores; $(mpirun --version | head -1)"
 
 failed=0
 tests() {  # tests <ranks>
@@ -77,7 +85,6 @@ tests() {  # tests <ranks>
     say "tests at $n ranks: ${line:-no summary} (rc $rc)"
     [ $rc = 0 ] || failed=1
 }
-PHASES=${HPCJOBS_GPU_PHASES:-tests bench train}  # a subset, to split the run
 if [[ " $PHASES " == *" tests "* ]]; then
     # ResNets against torchvision itself (it imports here), the GPT's shape
     "$PY" -m pytest -p no:cacheprovider -q tests/training/test_resnet.py tests/training/test_gpt.py \
@@ -127,6 +134,22 @@ if [[ " $PHASES " == *" train "* ]]; then
         --impl single,ours:auto,ddp-hpcjobs,hvd-hpcjobs --num-iters 5 --no-progress   # #wrong 0: equal parameters
     train gpt-mini-text 2 train --device cuda --model gpt-mini --dataset text --epochs 1 --optimizer adam \
         --lr 1e-3 --warmup none --amp bf16 --no-progress
+fi
+small() {  # small <ranks>: one-node small messages on host memory, oneshot against MPI_Allreduce
+    local n=$1
+    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce \
+        --impl oneshot,recursive_doubling,auto,auto+check --min 8 --max 32K --factor 8 --passes 3 \
+        --json "$OUT/small-np$n.json" >"$OUT/small-np$n.txt" 2>&1
+    local rc=$?
+    say "small messages at $n ranks: rc $rc ($OUT/small-np$n.txt)"
+    grep -a '^# .*medians over\|^# Out of' "$OUT/small-np$n.txt" | tee -a "$OUT/summary.txt" >&2
+    [ $rc = 0 ] || failed=1
+}
+if [[ " $PHASES " == *" small "* ]]; then
+    for n in 4 8 16; do
+        [ $QUICK = 1 ] && [ $n -gt 4 ] && break
+        small $n
+    done
 fi
 say "$([ $failed = 0 ] && echo 'all GPU checks passed' || echo 'SOME GPU CHECKS FAILED')"
 exit $failed
