@@ -171,7 +171,9 @@ class _State:
     def __init__(self):
         self.buffers: _Buffers | None = None
         self.turn = 0
-        self.failed: str | None = None
+        # why the buffers could not be opened, by kind (True: CUDA IPC, False:
+        # the host stand-in); kept, so every later call falls back at once
+        self.failed: dict[bool, str] = {}
 
 
 def _free(comm, keyval, state):
@@ -214,10 +216,11 @@ def _state(comm: MPI.Intracomm, nbytes: int, like) -> tuple[_State, _Buffers]:
     if state is None:
         state = _State()
         comm.Set_attr(_KEYVAL, state)
-    if state.failed:
-        raise IpcUnavailable(state.failed)
+    cuda = like.device.type == "cuda"
+    if cuda in state.failed:  # a CUDA failure says nothing about the host stand-in, nor the other way round
+        raise IpcUnavailable(state.failed[cuda])
     b = state.buffers
-    if b is None or b.nbytes < nbytes or b.cuda != (like.device.type == "cuda"):
+    if b is None or b.nbytes < nbytes or b.cuda != cuda:
         if b is not None:
             b.free()
             state.buffers = None
@@ -225,7 +228,7 @@ def _state(comm: MPI.Intracomm, nbytes: int, like) -> tuple[_State, _Buffers]:
         try:
             state.buffers = _Buffers(comm, size, like)
         except IpcUnavailable as e:
-            state.failed = str(e)
+            state.failed[cuda] = str(e)
             raise
         _LIVE[id(state)] = (comm, state)
     return state, state.buffers

@@ -111,6 +111,25 @@ def test_cuda_ipc_reduce_scatter_then_allgather(count):
     np.testing.assert_array_equal(t.numpy(), want)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_cuda_ipc_failure_leaves_the_host_stand_in_working():
+    """A communicator remembers that CUDA IPC could not be opened (every
+    later CUDA call falls back at once); that says nothing of the host
+    stand-in, which the same communicator still runs."""
+    comm = private(MPI.COMM_WORLD)
+    t = torch.arange(6, dtype=torch.float64) * (comm.Get_rank() + 1)
+    cuda_ipc.allreduce(DeviceFlat(t, "float64"), "sum", comm)  # the communicator's state exists now
+    state = comm.Get_attr(cuda_ipc._KEYVAL)
+    state.failed[True] = "rank 1 cannot open rank 0's CUDA IPC handle (as on a GPU that forbids it)"
+    try:
+        t = torch.arange(6, dtype=torch.float64) * (comm.Get_rank() + 1)
+        cuda_ipc.allreduce(DeviceFlat(t, "float64"), "sum", comm)
+        size = comm.Get_size()
+        np.testing.assert_array_equal(t.numpy(), np.arange(6) * size * (size + 1) / 2)
+    finally:
+        del state.failed[True]
+
+
 def test_cuda_ipc_refuses_what_it_cannot_reduce():
     comm = private(MPI.COMM_SELF)
     with pytest.raises(TypeError, match="uint32"):
