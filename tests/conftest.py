@@ -145,11 +145,13 @@ def assert_same_on_every_rank(result, comm: MPI.Comm) -> None:
 def check_allreduce(out, inputs: list[np.ndarray], op: str, dtype: str, comm: MPI.Comm) -> None:
     """The result of an allreduce of ``inputs`` on this rank: the closed form
     within the rounding bound, bitwise equal on every rank, and equal to
-    ``MPI_Allreduce`` of the same data where the MPI has the dtype."""
-    assert_close(out, inputs, op, dtype)
+    ``MPI_Allreduce`` of the same data where the MPI has the dtype. Every
+    collective call comes before the first assert: a rank failing alone must
+    not leave the others waiting in an Allreduce it skipped."""
+    ref = mpi_reference(inputs[comm.Get_rank()], dtype, op, comm) if dtype in MPI_DTYPES else None
     assert_same_on_every_rank(out, comm)
-    if dtype in MPI_DTYPES:
-        ref = mpi_reference(inputs[comm.Get_rank()], dtype, op, comm)
+    assert_close(out, inputs, op, dtype)
+    if ref is not None:
         diff = np.abs(to_float64(out, dtype) - ref.astype(np.float64))
         assert (diff <= 2 * tolerance(inputs, op, dtype)).all()
 
