@@ -21,6 +21,23 @@ def test_private_duplicate_of_a_sub_communicator_is_freed_with_it():
     assert dup.Get_size() == sub.Get_size() and private(sub) is dup
     sub.Free()
     assert dup == MPI.COMM_NULL
+    with pytest.raises(ValueError, match="COMM_NULL"):  # the last call's communicator, freed: not served from memory
+        private(sub)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_each_communicator_keeps_its_own_duplicate_call_after_call():
+    """private() remembers the last communicator asked for; two used in
+    turn, and a private duplicate passed back in, each get their own."""
+    a = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+    b = MPI.COMM_WORLD.Split(0, -MPI.COMM_WORLD.Get_rank())
+    da, db = private(a), private(b)
+    assert da is not db and MPI.Comm.Compare(da, a) == MPI.CONGRUENT and MPI.Comm.Compare(db, b) == MPI.CONGRUENT
+    assert all(x is y for x, y in zip([private(c) for c in (a, b, a, a, b)], [da, db, da, da, db]))
+    ddb = private(db)  # the bench hands the suite's own duplicate back: a duplicate of it, cached too
+    assert ddb is not db and private(db) is ddb and private(b) is db
+    a.Free()
+    b.Free()
 
 
 def test_comm_null_and_non_communicators_are_refused():
