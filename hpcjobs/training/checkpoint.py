@@ -8,8 +8,9 @@ run ends with the same parameters and the same epoch metrics as one never
 stopped. With fp16 autocast it also holds the GradScaler's scale and growth
 count (rank 0's: every rank's scaler sees the same averaged gradients, so
 they are equal), so a resumed run skips the steps the unbroken one skips
-instead of starting again from the initial scale. Files are written atomically (temp file, fsync, rename, fsync the
-directory) and read with ``weights_only=True``.
+instead of starting again from the initial scale. Files are written
+atomically (temp file, fsync, rename, fsync the directory) and read with
+``weights_only=True``.
 """
 
 from __future__ import annotations
