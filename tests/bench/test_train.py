@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from launch import _mpirun_prefix, launch_env, mpirun_script, run
 from launch import mpirun as _mpirun
+from launch import mpirun_script
 
 
 def test_bench_train_measures_every_implementation(tmp_path):
@@ -108,14 +108,13 @@ print("ok", MPI.COMM_WORLD.Get_rank())
 
 
 _GREEDY = """
-import sys
 import torch
 from mpi4py import MPI
 import hpcjobs.bench.train as bench
 real = bench.model
-def greedy(w):  # the model of the ranks named on the command line runs out of GPU memory in its forward pass
+def greedy(w):  # the model of the ranks in GREEDY runs out of GPU memory in its forward pass
     net = real(w)
-    if MPI.COMM_WORLD.Get_rank() in map(int, sys.argv[1:]):
+    if MPI.COMM_WORLD.Get_rank() in GREEDY:
         def forward(*args):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         net.forward = forward
@@ -131,18 +130,14 @@ except MemoryError as e:
 """
 
 
-def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank(tmp_path):
+def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank():
     """One rank out of GPU memory while the other waits in the step's
     allreduce: the job ends (no hang) with the model, batch, device and
     implementation on stderr; alone, the rank raises that MemoryError."""
-    script = tmp_path / "greedy.py"
-    script.write_text(_GREEDY)
     words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank (ours:auto): lower "
              "--batch-size or use --amp bf16 (CUDA out of memory. Tried to allocate 2.00 GiB)")
-    with launch_env() as env:
-        out = run([*_mpirun_prefix(2), str(script), "1"], 120, env)
+    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)"))
     assert out.returncode != 0 and "hpcjobs: " + words.format(1) + "; ending the job" in out.stderr, out.stderr
     assert "raised:" not in out.stdout
-    with launch_env() as env:
-        alone = run([*_mpirun_prefix(1), str(script), "0"], 120, env)
+    alone = mpirun_script(1, _GREEDY.replace("GREEDY", "(0,)"))
     assert alone.returncode == 0 and "raised: " + words.format(0) in alone.stdout, alone.stderr
