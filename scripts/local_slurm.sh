@@ -17,7 +17,7 @@ DIR=${HPCJOBS_SLURM_DIR:-/tmp/hpcjobs-slurm}
 CONF=$DIR/slurm.conf
 CTLD_PORT=${HPCJOBS_SLURM_PORT:-16817}
 NODE_PORT0=$((CTLD_PORT + 100))
-CPUS_PER_NODE=${HPCJOBS_SLURM_CPUS:-4}
+SLURM_CPUS=${HPCJOBS_SLURM_CPUS:-4}
 PMIX_LIB=/usr/lib/x86_64-linux-gnu/pmix2/lib
 
 say() { printf '[local_slurm] %s\n' "$*" >&2; }
@@ -66,24 +66,24 @@ start_munge() {
     die "munged did not come up"
 }
 
-write_conf() {
-    local n=$1 i
-    mkdir -p "$DIR/state"
-    {
-        cat <<EOF
-# Written by scripts/local_slurm.sh: a single-host test cluster with $n fake nodes.
+# The slurm.conf lines both test clusters share (this one and
+# emulated_cluster.sh's): slurm_common_conf DIR CTLD_HOST CTLD_PORT [CTLD_ADDR].
+slurm_common_conf() {
+    local dir=$1 host=$2 port=$3 addr=${4:-}
+    cat <<EOF
+# Written by scripts/$(basename "$0"): a test cluster; state, logs and pid files in $dir.
 ClusterName=hpcjobs
-SlurmctldHost=localhost
-SlurmctldPort=$CTLD_PORT
+SlurmctldHost=$host${addr:+($addr)}
+SlurmctldPort=$port
 SlurmUser=root
 AuthType=auth/munge
-StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool/%n
-TmpFS=$DIR/tmp/%n
-SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.%n.pid
-SlurmctldLogFile=$DIR/slurmctld.log
-SlurmdLogFile=$DIR/slurmd.%n.log
+StateSaveLocation=$dir/state
+SlurmdSpoolDir=$dir/spool/%n
+TmpFS=$dir/tmp/%n
+SlurmctldPidFile=$dir/slurmctld.pid
+SlurmdPidFile=$dir/slurmd.%n.pid
+SlurmctldLogFile=$dir/slurmctld.log
+SlurmdLogFile=$dir/slurmd.%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -101,8 +101,15 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=300
 EOF
+}
+
+write_conf() {
+    local n=$1 i
+    mkdir -p "$DIR/state"
+    {
+        slurm_common_conf "$DIR" localhost "$CTLD_PORT"
         for i in $(seq 1 "$n"); do
-            echo "NodeName=n$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((NODE_PORT0 + i)) CPUs=$CPUS_PER_NODE RealMemory=2000 State=UNKNOWN"
+            echo "NodeName=n$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((NODE_PORT0 + i)) CPUs=$SLURM_CPUS RealMemory=2000 State=UNKNOWN"
             mkdir -p "$DIR/spool/n$i" "$DIR/tmp/n$i"
         done
         echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
@@ -157,6 +164,9 @@ cmd_stop() {
     done
     say "stopped"
 }
+
+# Sourced (by emulated_cluster.sh) for its functions only.
+[ "${BASH_SOURCE[0]}" = "$0" ] || return 0
 
 case "${1:-}" in
     start) shift; cmd_start "$@" ;;

@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# An emulated cluster on one machine: N hosts h1..hN, each a network
+# namespace with its own hostname and a shaped link to one switch (a bridge
+# in namespace emu-sw), addresses 198.18.0.1..N/24. MPI ranks on different
+# hosts talk over TCP through the switch; ranks on one host through shared
+# memory, as on a cluster. docs/cluster.md, "An emulated cluster on one machine".
+#
+#   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...]
+#       RATE: tbf syntax (100mbit, 1gbit, 5gbit) or none (unshaped, the default);
+#       each host's uplink and downlink. --rate-hK gives host K its own.
+#   scripts/emulated_cluster.sh mpirun [mpirun args...]
+#       the venv's mpirun, started in h1, launching onto the hosts through an
+#       ssh stand-in (scripts/emulated_ssh); PATH and every HPCJOBS_* variable
+#       set here are forwarded with -x, as a user would on a cluster.
+#   scripts/emulated_cluster.sh exec HOST -- CMD...   a command inside one host
+#   scripts/emulated_cluster.sh cut HOST | heal HOST  its link down / up again
+#   scripts/emulated_cluster.sh status                 the hosts, links, rates
+#   scripts/emulated_cluster.sh slurm up|down         a real Slurm across the hosts
+#   scripts/emulated_cluster.sh down                   remove everything
+#
+# Needs root (network namespaces). Not emulated: latency (no netem in this
+# kernel), separate CPUs, memory, /tmp or /dev/shm -- the hosts share those.
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+STATE=${HPCJOBS_EMU_DIR:-/run/hpcjobs-emu}
+SW=emu-sw
+NET=198.18.0
+MAX_HOSTS=50
+
+say() { printf '[emulated_cluster] %s\n' "$*" >&2; }
+die() { say "$*"; exit 1; }
+refuse() { printf 'emulated_cluster: %s\n' "$*" >&2; exit 2; }
+
+usage() {
+    sed -n '/^#   scripts/,/^# Needs root/p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+need_root() {
+    [ "$(id -u)" = 0 ] || refuse "needs root (network namespaces); run it as root"
+    command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null \
+        || refuse "needs ip (iproute2), nsenter and unshare (util-linux)"
+    local probe=emu-probe-$$
+    if ! ip netns add "$probe" 2>/dev/null; then
+        refuse "no permission for 'ip netns add' here (a container without CAP_SYS_ADMIN?)"
+    fi
+    ip netns del "$probe" 2>/dev/null || true
+}
+
+hosts() { [ -s "$STATE/hosts" ] && cat "$STATE/hosts" || echo 0; }
+ns() { echo "emu-$1"; }
+
+check_host() {
+    local h=$1 n
+    n=$(hosts)
+    [[ "$h" =~ ^h([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "$n" ] \
+        || die "no host '$h' in the emulated cluster (hosts: $( [ "$n" -gt 0 ] && echo "h1..h$n" || echo "none; run up first"))"
+}
+
+# in_host HOST CMD...: CMD inside HOST's network and hostname namespaces,
+# with this environment (nsenter, not `ip netns exec`, which remounts /sys
+# and hides the cgroup tree slurmd needs).
+in_host() {
+    local h=$1; shift
+    nsenter --net="/run/netns/$(ns "$h")" --uts="$STATE/$h.uts" -- "$@"
+}
+
+# tbf needs a burst of at least rate/HZ bytes to reach its rate; 4 ms of
+# the rate (at least 32 KB) keeps it well under the messages being timed.
+burst_of() {
+    local rate=$1 num unit bits
+    [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "rate '$rate': use e.g. 200mbit, 1gbit, 5gbit, or none"
+    num=${BASH_REMATCH[1]}; unit=${BASH_REMATCH[2]}
+    case $unit in kbit) bits=$((num * 1000)) ;; mbit) bits=$((num * 1000000)) ;; gbit) bits=$((num * 1000000000)) ;; esac
+    local b=$((bits / 8 / 250))
+    [ "$b" -ge 32768 ] || b=32768
+    echo "$b"
+}
+
+shape() {  # shape NETNS DEV RATE
+    local netns=$1 dev=$2 rate=$3
+    tc -n "$netns" qdisc del dev "$dev" root 2>/dev/null || true
+    [ "$rate" = none ] && return 0
+    tc -n "$netns" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst_of "$rate")" latency 100ms
+}
+
+cmd_up() {
+    local n="" rate=none
+    declare -A rates=()
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --hosts) n=${2:-}; shift 2 || usage ;;
+            --hosts=*) n=${1#*=}; shift ;;
+            --rate) rate=${2:-}; shift 2 || usage ;;
+            --rate=*) rate=${1#*=}; shift ;;
+            --rate-h*) local k=${1#--rate-}; k=${k%%=*}
+                if [[ "$1" == *=* ]]; then rates[$k]=${1#*=}; shift; else rates[$k]=${2:-}; shift 2 || usage; fi ;;
+            *) die "up: unknown argument '$1' (up --hosts N [--rate RATE] [--rate-hK RATE])" ;;
+        esac
+    done
+    [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le "$MAX_HOSTS" ] || die "up: --hosts must be 1..$MAX_HOSTS, got '$n'"
+    [ "$rate" = none ] || burst_of "$rate" >/dev/null
+    local k
+    for k in "${!rates[@]}"; do
+        [[ "$k" =~ ^h([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "$n" ] || die "up: --rate-$k: no host $k among h1..h$n"
+        [ "${rates[$k]}" = none ] || burst_of "${rates[$k]}" >/dev/null
+    done
+    cmd_down quiet
+    mkdir -p "$STATE"
+    ip netns add "$SW"
+    ip -n "$SW" link set lo up
+    ip -n "$SW" link add br0 type bridge
+    ip -n "$SW" link set br0 up
+    local i h r
+    for i in $(seq 1 "$n"); do
+        h=h$i
+        ip netns add "$(ns "$h")"
+        ip link add "$h" type veth peer name eth0 netns "$(ns "$h")"
+        ip link set "$h" netns "$SW"
+        ip -n "$SW" link set "$h" master br0 up
+        ip -n "$(ns "$h")" link set lo up
+        ip -n "$(ns "$h")" addr add "$NET.$i/24" dev eth0
+        ip -n "$(ns "$h")" link set eth0 up
+        : >"$STATE/$h.uts"
+        unshare --uts="$STATE/$h.uts" hostname "$h"
+        r=${rates[$h]:-$rate}
+        shape "$(ns "$h")" eth0 "$r"   # uplink: what the host sends
+        shape "$SW" "$h" "$r"          # downlink: what the switch sends it
+        echo "$r" >"$STATE/$h.rate"
+    done
+    echo "$n" >"$STATE/hosts"
+    cmd_status
+}
+
+cmd_status() {
+    local n i h state
+    n=$(hosts)
+    [ "$n" -gt 0 ] || { say "no emulated cluster (up --hosts N)"; return 1; }
+    for i in $(seq 1 "$n"); do
+        h=h$i
+        state=$(ip -n "$SW" -br link show "$h" 2>/dev/null | awk '{print $2}')
+        [ "$state" = DOWN ] && state="cut" || state="up"
+        printf '%s %s netns %s link %s rate %s\n' "$h" "$NET.$i" "$(ns "$h")" "$state" "$(cat "$STATE/$h.rate")"
+    done
+}
+
+cmd_exec() {
+    [ $# -ge 1 ] || die "usage: exec HOST -- CMD..."
+    local h=$1; shift
+    [ "${1:-}" = -- ] && shift
+    [ $# -ge 1 ] || die "usage: exec HOST -- CMD..."
+    check_host "$h"
+    in_host "$h" "$@"
+}
+
+cmd_link() {  # cmd_link up|down HOST
+    local how=$1 h=${2:-}
+    [ -n "$h" ] || die "usage: $([ "$how" = down ] && echo cut || echo heal) HOST"
+    check_host "$h"
+    ip -n "$SW" link set "$h" "$how"
+}
+
+cmd_mpirun() {
+    [ "$(hosts)" -gt 0 ] || die "no emulated cluster: run '$0 up --hosts N' first"
+    # shellcheck source=lib.sh
+    source "$HERE/lib.sh"
+    [ -x "$VENV/bin/mpirun" ] || ensure_venv || exit 1
+    export PATH="$VENV/bin:$PATH"
+    setup_mpi_env
+    local fwd=(-x PATH) v
+    for v in $(compgen -e); do
+        case $v in HPCJOBS_*|OMPI_MCA_*|PYTHONPATH|VIRTUAL_ENV|OPAL_PREFIX) fwd+=(-x "$v") ;; esac
+    done
+    # Open MPI pins rank k of every host to core k: ranks on different
+    # emulated hosts would share a core (the hosts share this machine's).
+    in_host h1 env PRTE_MCA_plm_ssh_agent="$HERE/emulated_ssh" HPCJOBS_EMU_DIR="$STATE" \
+        PRTE_MCA_hwloc_default_binding_policy=none OMPI_MCA_mpi_yield_when_idle=1 \
+        "$VENV/bin/mpirun" "${fwd[@]}" "$@"
+}
+
+# Kill every process inside the cluster's namespaces (and their children).
+kill_inside() {
+    local netns pids=""
+    for netns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^emu-(h[0-9]+|sw)$' || true); do
+        pids="$pids $(ip netns pids "$netns" 2>/dev/null | tr '\n' ' ')"
+    done
+    pids=$(echo $pids)
+    [ -n "$pids" ] || return 0
+    kill -9 $pids 2>/dev/null || true
+    for _ in $(seq 50); do
+        local alive=0 p
+        for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+        [ "$alive" = 0 ] && return 0
+        sleep 0.1
+    done
+}
+
+cmd_down() {
+    local quiet=${1:-}
+    [ "$(id -u)" = 0 ] || refuse "needs root (network namespaces); run it as root"
+    [ -x "$HERE/emulated_cluster.sh" ] && [ -e "$STATE/slurm/slurm.conf" ] && slurm_down quiet || true
+    kill_inside
+    local netns f
+    for netns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^emu-(h[0-9]+|sw)$' || true); do
+        ip netns del "$netns" 2>/dev/null || true
+        rm -rf "/etc/netns/$netns"
+    done
+    for f in $(awk -v d="$STATE/" 'index($2, d) == 1 {print $2}' /proc/mounts); do umount "$f" 2>/dev/null || true; done
+    # What the cluster's jobs leave when killed: Open MPI's shared-memory
+    # segments and session folders are named after the host (h1, h2, ...).
+    rm -rf /dev/shm/*.h[0-9]*.[0-9]* /dev/shm/sm_segment.h[0-9]*.* 2>/dev/null || true
+    rm -rf "${TMPDIR:-/tmp}"/prte.h[0-9]*.* 2>/dev/null || true
+    rm -rf "$STATE"
+    [ -n "$quiet" ] || say "down: no emulated hosts left"
+}
+
+# ---- Slurm across the hosts ---------------------------------------------------
+SLURM_PORT=${HPCJOBS_EMU_SLURM_PORT:-17817}
+
+slurm_up() {
+    local n i h
+    n=$(hosts)
+    [ "$n" -gt 0 ] || die "no emulated cluster: run '$0 up --hosts N' first"
+    # shellcheck source=local_slurm.sh
+    source "$HERE/local_slurm.sh"
+    slurm_down quiet
+    install_slurm
+    fix_pmix
+    start_munge
+    local dir=$STATE/slurm
+    mkdir -p "$dir/state"
+    {
+        slurm_common_conf "$dir" "h1" "$SLURM_PORT" "$NET.1"
+        for i in $(seq 1 "$n"); do
+            echo "NodeName=h$i NodeAddr=$NET.$i Port=$((SLURM_PORT + i)) CPUs=$SLURM_CPUS RealMemory=2000 State=UNKNOWN"
+            mkdir -p "$dir/spool/h$i" "$dir/tmp/h$i"
+        done
+        echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    } >"$dir/slurm.conf"
+    export SLURM_CONF=$dir/slurm.conf
+    in_host h1 slurmctld -f "$SLURM_CONF" -c
+    for i in $(seq 1 "$n"); do
+        in_host "h$i" slurmd -f "$SLURM_CONF" -N "h$i"
+    done
+    for _ in $(seq 150); do
+        local idle
+        idle=$(in_host h1 sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}')
+        [ "$idle" -ge "$n" ] && break
+        sleep 0.2
+    done
+    [ "${idle:-0}" -ge "$n" ] || { in_host h1 sinfo -N >&2 || true; die "slurm: the nodes did not come up idle in 30 s; see $dir/*.log"; }
+    in_host h1 sinfo -N
+    say "slurm up: $n nodes; clients run inside a host, e.g. $0 exec h1 -- sbatch -N 2 job.sbatch (SLURM_CONF=$SLURM_CONF)"
+}
+
+slurm_down() {
+    local dir=$STATE/slurm f
+    for f in "$dir"/slurmd.*.pid "$dir"/slurmctld.pid; do
+        [ -s "$f" ] || continue
+        kill "$(cat "$f")" 2>/dev/null || true
+    done
+    for f in "$dir"/slurmd.*.pid "$dir"/slurmctld.pid; do
+        [ -s "$f" ] || continue
+        for _ in $(seq 50); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$(cat "$f")" 2>/dev/null || true
+    done
+    rm -rf "$dir"
+    [ -n "${1:-}" ] || say "slurm down"
+}
+
+case "${1:-}" in
+    up) shift; need_root; cmd_up "$@" ;;
+    down) need_root; cmd_down ;;
+    status) cmd_status ;;
+    exec) shift; need_root; cmd_exec "$@" ;;
+    cut) need_root; cmd_link down "${2:-}" ;;
+    heal) need_root; cmd_link up "${2:-}" ;;
+    mpirun) shift; need_root; cmd_mpirun "$@" ;;
+    slurm)
+        need_root
+        case "${2:-}" in
+            up) slurm_up ;;
+            down) slurm_down ;;
+            *) die "usage: $0 slurm up|down" ;;
+        esac ;;
+    -h|--help|help) usage ;;
+    *) usage ;;
+esac
