@@ -14,7 +14,11 @@ stall inspector warns after 60 s; we do the same and then abort:
   ``hpcjobs --timeout``, default 300 s) the rank says which collective it
   waited in, and for how long, asks every other rank where it is (below),
   prints the answers, and calls ``MPI_Abort`` on COMM_WORLD, which ends
-  every rank with a non-zero exit.
+  every rank with a non-zero exit. Where a host has dropped off the
+  network, Open MPI's launcher waits for that host's daemon forever after
+  the abort; :mod:`hpcjobs._reaper`, started just before it, kills the
+  launcher if it has not ended the job :data:`LAUNCHER_GRACE` seconds later,
+  so the user's ``mpirun`` returns.
 
 Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the
 CLI makes one at start) also duplicates COMM_WORLD for the watchdog
@@ -54,6 +58,7 @@ __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_WARNING = 60.0
 ANSWER_WAIT = 3.0  # seconds a timed-out rank waits for the others to say where they are
+LAUNCHER_GRACE = 3.0  # seconds after MPI_Abort before the launcher is killed (hpcjobs._reaper)
 _QUERY, _ANSWER = 1, 2  # tags on the watchdog's own communicator
 
 
@@ -194,6 +199,33 @@ def _report(what: str, call: int, rank: int) -> str:
     return "\n".join(lines)
 
 
+def _start_reaper():
+    """Start the last resort (:mod:`hpcjobs._reaper`) that makes the launcher
+    return if MPI_Abort cannot end the job within ANSWER_WAIT +
+    LAUNCHER_GRACE seconds of now (a host cut off the network). Returns the
+    process (its stdin takes the report) or None. Never raises."""
+    try:
+        import subprocess
+
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.dirname(__file__)), "_reaper.py"),
+             str(os.getpid()), str(os.getppid()), f"{LAUNCHER_GRACE:g}", f"{ANSWER_WAIT + 1:g}"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            close_fds=True)
+    except Exception:
+        return None
+
+
+def _tell_reaper(reaper, report: str) -> None:
+    if reaper is None:
+        return
+    try:
+        reaper.stdin.write(report.encode(errors="replace"))
+        reaper.stdin.close()
+    except Exception:
+        pass
+
+
 def _watch() -> None:
     warned: set[tuple[int, int]] = set()
     rank = MPI.COMM_WORLD.Get_rank()
@@ -213,7 +245,10 @@ def _watch() -> None:
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
-                print(_report(what, call, rank), file=sys.stderr, flush=True)
+                reaper = _start_reaper()
+                report = _report(what, call, rank)
+                print(report, file=sys.stderr, flush=True)
+                _tell_reaper(reaper, report)
                 MPI.COMM_WORLD.Abort(124)
                 os._exit(124)  # where Abort returns
             if _warning and waited > _warning and (tid, call) not in warned:
