@@ -107,8 +107,8 @@ def main(argv: list[str]) -> int:
     # A node daemon waits longer: when its death is what tells mpirun, PRRTE
     # reports the lost daemon and exits 0 (read as success), so mpirun's own
     # node, whose reaper kills it (exit 137), goes first.
-    wait = report_wait + (grace if name in LAUNCHERS else 2 * grace + 1)
-    if _wait_gone(daemon, start + wait - time.monotonic()):
+    wait = grace if name in LAUNCHERS else 2 * grace + 1  # counted from the abort (the report's arrival)
+    if _wait_gone(daemon, wait):
         return 0
     if _comm(daemon) != name:
         return 0  # its pid went to another process

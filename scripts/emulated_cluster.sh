@@ -130,6 +130,7 @@ cmd_up() {
         echo "$r" >"$STATE/$h.rate"
     done
     echo "$n" >"$STATE/hosts"
+    write_hosts_block "$n"
     cmd_status
 }
 
@@ -179,6 +180,30 @@ cmd_mpirun() {
         "$VENV/bin/mpirun" "${fwd[@]}" "$@"
 }
 
+# The hosts' names resolve as a cluster's DNS would make them (Gloo, Horovod
+# and torch's rendezvous look up their own hostname): a marked block in
+# /etc/hosts, which every namespace shares. Rewritten in place, not
+# replaced: in a container /etc/hosts is a bind mount.
+HOSTS_BEGIN="# hpcjobs emulated cluster: begin (scripts/emulated_cluster.sh down removes it)"
+HOSTS_END="# hpcjobs emulated cluster: end"
+
+hosts_file_without_block() {
+    awk -v b="$HOSTS_BEGIN" -v e="$HOSTS_END" '$0 == b {skip = 1} !skip {print} $0 == e {skip = 0}' /etc/hosts
+}
+
+write_hosts_block() {
+    local n=$1 i text
+    text=$(hosts_file_without_block; echo "$HOSTS_BEGIN"; for i in $(seq 1 "$n"); do echo "$NET.$i h$i"; done; echo "$HOSTS_END")
+    printf '%s\n' "$text" >/etc/hosts
+}
+
+remove_hosts_block() {
+    grep -qxF "$HOSTS_BEGIN" /etc/hosts 2>/dev/null || return 0
+    local text
+    text=$(hosts_file_without_block)
+    printf '%s\n' "$text" >/etc/hosts
+}
+
 # Kill every process inside the cluster's namespaces (and their children).
 kill_inside() {
     local netns pids=""
@@ -211,6 +236,7 @@ cmd_down() {
     # segments and session folders are named after the host (h1, h2, ...).
     rm -rf /dev/shm/*.h[0-9]*.[0-9]* /dev/shm/sm_segment.h[0-9]*.* 2>/dev/null || true
     rm -rf "${TMPDIR:-/tmp}"/prte.h[0-9]*.* 2>/dev/null || true
+    remove_hosts_block
     rm -rf "$STATE"
     [ -n "$quiet" ] || say "down: no emulated hosts left"
 }

@@ -184,3 +184,14 @@ def split_comm():
 @pytest.fixture(params=("world", "split"))
 def comm(request, split_comm):
     return MPI.COMM_WORLD if request.param == "world" else split_comm
+
+
+@pytest.fixture(scope="session")
+def emulated_cluster():
+    """The emulated cluster (tests/emulated.py): 3 hosts, brought up once per
+    session by scripts/emulated_cluster.sh and down at the end."""
+    import emulated
+
+    cluster = emulated.start()
+    yield cluster
+    cluster.down()

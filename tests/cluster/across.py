@@ -1,0 +1,67 @@
+"""Every allreduce across emulated hosts, checked against MPI_Allreduce and
+the closed form (tests/conftest.py's check_allreduce), with the agreement
+check on. Run by tests/cluster under ``scripts/emulated_cluster.sh mpirun``;
+prints one line per case that went wrong, then, on rank 0, a summary:
+
+    across: P ranks on N hosts, C cases, W wrong, R refused
+"""
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import hpcjobs as hc  # noqa: E402
+from hpcjobs.collectives import hierarchical_allreduce  # noqa: E402
+from conftest import check_allreduce, make_buffer, rank_input  # noqa: E402
+from hpcjobs.collectives.names import ALGORITHMS, MESSAGE_ALGORITHMS, SHARED_MEMORY  # noqa: E402
+from hpcjobs.topology import detect  # noqa: E402
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+topo = detect()
+COUNTS = (0, 1, size + 1, 1000, 262_147)  # 262147 float32: 1 MB, several segments per rank
+CASES = [(a, {}) for a in ("auto", *ALGORITHMS) if a != "hierarchical"]
+CASES += [("hierarchical", {"inter": inter, "intra": intra}) for inter in MESSAGE_ALGORITHMS
+          for intra in ("ring", "shm")]
+DATA = [("sum", "float32", "numpy"), ("max", "float64", "numpy"), ("sum", "int64", "torch"), ("avg", "float32", "torch")]
+
+cases = wrong = refused = 0
+for name, kw in CASES:
+    for op, dtype, framework in DATA:
+        for count in COUNTS:
+            inputs = [rank_input(r, count, dtype, op) for r in range(size)]
+            buf = make_buffer(inputs[rank], dtype, framework)
+            error = None
+            try:
+                if name == "hierarchical":
+                    hierarchical_allreduce(buf, op, **kw)
+                else:
+                    hc.allreduce(buf, op, algorithm=name)
+            except ValueError as e:  # refused, on every rank alike (the shared-memory ones across nodes)
+                error = str(e)
+            errors = comm.allgather(error)
+            cases += 1
+            label = f"{name}{kw or ''} {op} {dtype}/{framework} count={count}"
+            if any(errors):
+                if name in SHARED_MEMORY and topo.num_nodes > 1 and all(e and "one node" in e for e in errors):
+                    refused += 1
+                    continue
+                wrong += 1
+                print(f"rank {rank}: {label}: raised {errors}", flush=True)
+                continue
+            try:
+                check_allreduce(buf, inputs, op, dtype, comm)
+            except AssertionError:
+                wrong += 1
+                print(f"rank {rank}: {label}: wrong result\n{traceback.format_exc(limit=2)}", flush=True)
+
+wrong = comm.allreduce(wrong, op=MPI.SUM)
+if rank == 0:
+    print(f"across: {size} ranks on {topo.num_nodes} hosts {list(topo.local_sizes)}, {cases} cases, {wrong} wrong, "
+          f"{refused} refused", flush=True)
+sys.exit(1 if wrong else 0)

@@ -1,0 +1,142 @@
+"""The suite across real network stacks: ranks on emulated hosts
+(scripts/emulated_cluster.sh; tests/emulated.py), each host a network
+namespace with its own hostname, ranks on different hosts talking TCP
+through a bridge. Node detection, every algorithm against MPI_Allreduce,
+and faults: a host cut off the network mid-allreduce, a rank killed on a
+remote host, and a job on the healed cluster afterwards."""
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import kill_session
+
+HERE = Path(__file__).resolve().parent
+LAYOUTS = [("h1:1,h2:1", 2), ("h1:2,h2:2", 4), ("h1:1,h2:1,h3:1", 3), ("h1:2,h2:2,h3:1", 5)]
+TIMEOUT = 5  # HPCJOBS_TIMEOUT of the fault runs
+
+
+def _ok(proc):
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+
+
+def test_topology_finds_each_host_with_uneven_nodes(emulated_cluster):
+    proc = emulated_cluster.mpirun("h1:2,h2:2,h3:1", 5, "hpcjobs", "topology")
+    _ok(proc)
+    assert "# 5 ranks on 3 node(s) [2, 2, 1], source: shared-memory" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+", line)]
+    # rank node local_rank local_size cross_rank cross_size; leaders (local rank 0) are 0, 2, 4
+    assert [row[:4] for row in rows] == [["0", "0", "0", "2"], ["1", "0", "1", "2"], ["2", "1", "0", "2"],
+                                         ["3", "1", "1", "2"], ["4", "2", "0", "1"]]
+
+
+def test_info_names_each_ranks_host(emulated_cluster):
+    proc = emulated_cluster.mpirun("h1:1,h2:2", 3, "hpcjobs", "info", "--all-ranks")
+    _ok(proc)
+    assert re.findall(r"rank (\d) of 3 on (h\d)", proc.stdout) == [("0", "h1"), ("1", "h2"), ("2", "h2")]
+
+
+@pytest.mark.parametrize("hosts,n", LAYOUTS, ids=[f"{h}" for h, _ in LAYOUTS])
+def test_every_algorithm_matches_mpi_allreduce_across_hosts(emulated_cluster, hosts, n):
+    proc = emulated_cluster.mpirun(hosts, n, "python", HERE / "across.py", timeout=600)
+    _ok(proc)
+    nodes = hosts.count(",") + 1
+    summary = re.search(r"across: (\d+) ranks on (\d+) hosts .*, (\d+) cases, (\d+) wrong, (\d+) refused", proc.stdout)
+    assert summary, proc.stdout[-3000:]
+    assert summary.groups()[:2] == (str(n), str(nodes)) and summary.group(4) == "0"
+    # shm and oneshot refuse across hosts, with the same error on every rank,
+    # and only they (2 algorithms x 4 data kinds x the 4 non-empty counts)
+    assert int(summary.group(5)) == 2 * 4 * 4
+
+
+LOOP = """
+import sys, time, numpy as np
+from mpi4py import MPI
+import hpcjobs as hc
+comm = MPI.COMM_WORLD
+x = np.ones(1 << 18, np.float32)
+for i in range(1_000_000):
+    x[:] = 1
+    hc.allreduce(x, algorithm="hierarchical")
+    assert x[0] == comm.Get_size()
+    if i == 20 and comm.Get_rank() == 0:
+        open(sys.argv[1], "w").close()  # running across every host: the test may strike now
+"""
+
+
+def _start_loop(cluster, tmp_path):
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    marker = tmp_path / "running"
+    proc = cluster.popen("h1:2,h2:2,h3:1", 5, "python", script, marker,
+                         env={"HPCJOBS_TIMEOUT": str(TIMEOUT)}, tmpdir=tmp_path)
+    proc.lines = []
+    proc.reader = threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True)
+    proc.reader.start()
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.poll() is None, _wait(proc, 1)
+        assert time.monotonic() < deadline, "the loop did not start within 120 s"
+        time.sleep(0.1)
+    return proc
+
+
+def _wait(proc, seconds):
+    """Wait for the launch to return (mpirun's exit, as a shell waits for
+    it); then its output, as far as it came within 30 s more. Processes on a
+    cut host hold the output pipe (the ssh stand-in hands them mpirun's
+    stdout, as ssh's client would hold it) until they end too."""
+    try:
+        proc.wait(timeout=seconds)
+        proc.returned_at = time.monotonic()
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        proc.wait()
+        proc.reader.join(10)
+        pytest.fail(f"the launch had not returned {seconds} s after the fault:\n{''.join(proc.lines)[-4000:]}")
+    proc.reader.join(30)
+    return "".join(proc.lines)
+
+
+def test_a_host_cut_mid_allreduce_ends_the_job_and_names_its_ranks(emulated_cluster, tmp_path):
+    proc = _start_loop(emulated_cluster, tmp_path)
+    emulated_cluster.cut("h2")
+    cut_at = time.monotonic()
+    try:
+        # The bar is TIMEOUT + 10 s (measured ~8 s past the timeout); the
+        # test allows a loaded machine more, and fails only on a hang.
+        out = _wait(proc, TIMEOUT + 60)
+        took = proc.returned_at - cut_at
+        assert proc.returncode != 0, out
+        assert re.search(r"hpcjobs: rank [014]: hierarchical_allreduce \(call #\d+\) did not complete within 5 s; "
+                         r"ranks not in hierarchical_allreduce: 2, 3; aborting the job", out), out[-4000:]
+        # Every surviving rank and its host's daemon is gone; the cut host's
+        # own reapers end what is left there once they give up on mpirun.
+        for host in ("h1", "h3"):
+            assert emulated_cluster.wait_no_processes(host, "loop.py", 10) == [], host
+            assert emulated_cluster.wait_no_processes(host, "prte", 10) == [], host
+        print(f"cut h2: mpirun returned {proc.returncode} {took:.1f} s after the cut")
+    finally:
+        emulated_cluster.heal("h2")
+    assert emulated_cluster.wait_no_processes("h2", "loop.py", 30) == []
+    # The healed cluster runs jobs again.
+    again = emulated_cluster.mpirun("h1:1,h2:1,h3:1", 3, "hpcjobs", "info", "--all-ranks")
+    _ok(again)
+    assert "rank 1 of 3 on h2" in again.stdout
+
+
+def test_a_rank_killed_on_a_remote_host_ends_the_job(emulated_cluster, tmp_path):
+    proc = _start_loop(emulated_cluster, tmp_path)
+    victims = emulated_cluster.processes("h3", "loop.py")
+    assert len(victims) == 1
+    os.kill(victims[0], signal.SIGKILL)
+    out = _wait(proc, TIMEOUT + 60)
+    assert proc.returncode != 0, out
+    for host in ("h1", "h2", "h3"):
+        assert emulated_cluster.wait_no_processes(host, "loop.py", 10) == [], host

@@ -1,0 +1,105 @@
+"""The emulated cluster under the tests: scripts/emulated_cluster.sh, driven
+as a user drives it. tests/conftest.py's ``emulated_cluster`` fixture brings
+it up once per test session (3 hosts, unshaped links) and down at the end;
+tests/cluster and tests/slurm use it.
+
+Where it cannot be brought up (not root, no ``ip netns`` permission) the
+tests that need it skip with the script's reason, unless
+HPCJOBS_REQUIRE_CLUSTER=1 (CI sets it), which turns the skip into a failure.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import clean_env, launch_env, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "emulated_cluster.sh"
+HOSTS = 3
+
+
+def _env(extra=None):
+    return clean_env() | {"HPCJOBS_VENV": sys.prefix} | (extra or {})
+
+
+class Cluster:
+    """A running emulated cluster of ``hosts`` hosts, h1..hN."""
+
+    def __init__(self, hosts: int):
+        self.hosts = hosts
+
+    def script(self, *args, timeout=120, check=True, env=None):
+        proc = subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                              env=_env(env))
+        if check and proc.returncode != 0:
+            raise AssertionError(f"emulated_cluster.sh {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                                 f"{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def mpirun(self, hosts: str, n: int, *cmd, timeout=300, env=None):
+        """``emulated_cluster.sh mpirun --host HOSTS -n N CMD...`` with a clean
+        environment and a TMPDIR of its own (launch.launch_env)."""
+        with launch_env(_env(env)) as e:
+            return run([str(SCRIPT), "mpirun", "--host", hosts, "-n", str(n), *map(str, cmd)], timeout, e)
+
+    def popen(self, hosts: str, n: int, *cmd, env=None, tmpdir=None):
+        """The same launch, started and left running (the fault tests)."""
+        e = _env(env) | ({"TMPDIR": str(tmpdir)} if tmpdir else {})
+        return subprocess.Popen([str(SCRIPT), "mpirun", "--host", hosts, "-n", str(n), *map(str, cmd)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                                start_new_session=True)
+
+    def exec_prefix(self, host: str) -> list[str]:
+        return [str(SCRIPT), "exec", host, "--"]
+
+    def pids(self, host: str) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", f"emu-{host}"], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def processes(self, host: str, needle: str) -> list[int]:
+        """The processes in ``host`` whose command line contains ``needle``."""
+        found = []
+        for pid in self.pids(host):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if needle in cmdline:
+                found.append(pid)
+        return found
+
+    def wait_no_processes(self, host: str, needle: str, seconds: float) -> list[int]:
+        deadline = time.monotonic() + seconds
+        while (left := self.processes(host, needle)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+    def cut(self, host: str):
+        self.script("cut", host)
+
+    def heal(self, host: str):
+        self.script("heal", host)
+
+    def down(self):
+        self.script("down", check=False)
+
+
+def start(hosts: int = HOSTS) -> Cluster:
+    """Bring the cluster up, or skip (fail where HPCJOBS_REQUIRE_CLUSTER=1) with the reason."""
+    required = os.environ.get("HPCJOBS_REQUIRE_CLUSTER") == "1"
+    reason = None
+    if not sys.platform.startswith("linux"):
+        reason = "network namespaces are Linux-only"
+    else:
+        proc = subprocess.run([str(SCRIPT), "up", "--hosts", str(hosts)], capture_output=True, text=True,
+                              timeout=120, env=_env())
+        if proc.returncode != 0:
+            reason = f"scripts/emulated_cluster.sh up failed: {(proc.stderr or proc.stdout).strip()[-500:]}"
+    if reason:
+        (pytest.fail if required else pytest.skip)(reason)
+    return Cluster(hosts)
