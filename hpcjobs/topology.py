@@ -6,9 +6,11 @@ the choice is made collectively):
 1. An explicit override, ``ranks_per_node`` (``--ranks-per-node``, env
    ``HPCJOBS_RANKS_PER_NODE``): consecutive blocks of that many ranks form a
    node; the last may be smaller. This simulates nodes on one host.
-2. ``SLURM_NODEID``, when every rank has it (launched by srun, or by mpirun
-   inside an allocation). Never the hostname: the fake nodes of a test
-   cluster share one, and under mpirun ``SLURM_LOCALID`` is 0 everywhere.
+2. ``SLURM_NODEID``, when every rank is an srun task of its own (its
+   ``SLURM_PROCID`` is its rank). Not under mpirun inside an allocation:
+   there every rank inherits the batch shell's ``SLURM_NODEID`` (0) on
+   every node, and shared memory (3.) tells the hosts apart. Never the
+   hostname: containers and test clusters can share one.
 3. ``MPI.Comm.Split_type(COMM_TYPE_SHARED)``: the ranks that can share memory.
 
 Node ids are numbered 0..nodes-1 in order of each node's lowest rank.
@@ -82,8 +84,16 @@ def check_ranks_per_node(value) -> int | None:
 
 
 def _all_have_slurm_nodeid(comm: MPI.Intracomm) -> int | None:
+    """This rank's SLURM_NODEID where every rank of ``comm`` was started by
+    srun as a task of its own (its SLURM_PROCID is its COMM_WORLD rank), else
+    None. Under mpirun inside an allocation every rank inherits the batch
+    shell's SLURM_NODEID (0) and SLURM_PROCID (0) whichever node it runs on:
+    trusting it there put two hosts' ranks on one "node"."""
     raw = os.environ.get("SLURM_NODEID", "")
     mine = int(raw) if raw.strip().isdigit() else -1
+    task = os.environ.get("SLURM_PROCID", "").strip()
+    if not (task.isdigit() and int(task) == MPI.COMM_WORLD.Get_rank()):
+        mine = -1
     lowest = np.array([mine], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
     return mine if lowest[0] >= 0 else None

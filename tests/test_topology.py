@@ -29,6 +29,7 @@ def test_slurm_nodeid_wins_over_shared_memory_and_numbers_nodes_by_lowest_rank(f
     rank, size = fresh_comm.Get_rank(), fresh_comm.Get_size()
     # Slurm's node ids need not start at 0 nor follow rank order.
     monkeypatch.setenv("SLURM_NODEID", str(10 - rank % 2))
+    monkeypatch.setenv("SLURM_PROCID", str(MPI.COMM_WORLD.Get_rank()))  # srun started each rank
     monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
     topo = detect(fresh_comm)
     assert topo.source == "slurm"
@@ -39,10 +40,22 @@ def test_slurm_nodeid_wins_over_shared_memory_and_numbers_nodes_by_lowest_rank(f
 
 @pytest.mark.mpi(min_size=2)
 def test_slurm_is_ignored_unless_every_rank_has_it(fresh_comm, monkeypatch):
+    monkeypatch.setenv("SLURM_PROCID", str(MPI.COMM_WORLD.Get_rank()))
     if fresh_comm.Get_rank() == 0:
         monkeypatch.setenv("SLURM_NODEID", "0")
     else:
         monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    assert detect(fresh_comm).source == "shared-memory"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_slurm_is_ignored_under_mpirun_inside_an_allocation(fresh_comm, monkeypatch):
+    # mpirun in a batch job: every rank inherits the batch shell's SLURM_NODEID
+    # and SLURM_PROCID (0), whichever host it runs on (seen on emulated hosts,
+    # tests/slurm); shared memory tells the hosts apart there.
+    monkeypatch.setenv("SLURM_NODEID", str(fresh_comm.Get_rank() % 2))
+    monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
     assert detect(fresh_comm).source == "shared-memory"
 

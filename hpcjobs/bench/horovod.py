@@ -76,7 +76,7 @@ def _gloo_rendezvous(comm: MPI.Intracomm) -> None:
     """What ``horovodrun --gloo`` does before it starts the workers: a
     rendezvous server on rank 0 with every rank's slot, and the slot's
     variables in each rank's environment. Nodes come from hpcjobs.topology
-    (SLURM_NODEID, or shared memory), so fake Slurm nodes are told apart."""
+    (SLURM_NODEID under srun, or shared memory), so the hosts are told apart."""
     global _rendezvous_server
     topo = detect_private(comm)
     rank, size = comm.Get_rank(), comm.Get_size()

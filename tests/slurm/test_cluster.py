@@ -1,8 +1,10 @@
-"""Every template, rendered in CPU mode, submitted to a real local Slurm
-(scripts/local_slurm.sh: slurmctld + one slurmd per fake node) at 2 nodes x
-2 tasks, and checked by what it wrote. Skipped with the reason where Slurm
-cannot be installed (not root, not Debian); HPCJOBS_REQUIRE_SLURM=1 (CI)
-turns the skip into a failure."""
+"""Every template, rendered in CPU mode, submitted to a real Slurm across
+emulated hosts (scripts/emulated_cluster.sh slurm up: slurmctld on h1, one
+slurmd per host, each host its own network stack) at 2 nodes x 2 tasks, and
+checked by what it wrote. Skipped with the reason where Slurm cannot be
+installed (not root, not Debian) or the emulated cluster cannot be brought
+up; HPCJOBS_REQUIRE_SLURM=1 and HPCJOBS_REQUIRE_CLUSTER=1 (CI) turn the
+skips into failures."""
 
 import json
 import os
@@ -19,8 +21,6 @@ from hpcjobs.slurm import RenderOptions, TEMPLATES, render, template_path
 from launch import clean_env
 
 ROOT = Path(__file__).resolve().parents[2]
-SLURM_DIR = "/tmp/hpcjobs-slurm-test"
-PORT = "16917"  # not local_slurm.sh's default, so a developer's cluster keeps running
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
 SMALL = {
     "allreduce": ["--max-bytes", "4K", "--iters", "3"],
@@ -31,46 +31,48 @@ SMALL = {
 }
 LARGE_BATCH = ["--model", "mlp", "--width", "16", "--dataset", "synthetic", "--num-samples", "1000", "--min-batch",
                "16", "--max-batch", "32", "--seeds", "1", "--epochs", "2", "--warmup-epochs", "1", "--lr", "0.05"]
+CONF = "/run/hpcjobs-emu/slurm/slurm.conf"  # where emulated_cluster.sh slurm up writes it
 
 
-def _slurm_env(conf):
+def _slurm_env():
     env = {k: v for k, v in clean_env().items() if not k.startswith("SLURM_")}
-    env.update(SLURM_CONF=conf, HPCJOBS_VENV=sys.prefix, HPCJOBS_SLURM_DIR=SLURM_DIR, HPCJOBS_SLURM_PORT=PORT,
+    env.update(SLURM_CONF=CONF, HPCJOBS_VENV=sys.prefix,
                HPCJOBS_BENCH_TRAIN_ARGS="--width 32 --num-iters 2 --num-batches-per-iter 2 "
                                         "--num-warmup-batches 1 --no-progress")
     return env
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(emulated_cluster):
+    """Slurm across the emulated hosts; yields how to run a Slurm client
+    (inside h1: the hosts' addresses are not routed from this namespace)."""
     required = os.environ.get("HPCJOBS_REQUIRE_SLURM") == "1"
     reason = None
     if not shutil.which("slurmctld") and (os.geteuid() != 0 or not shutil.which("apt-get")):
         reason = "Slurm is not installed and cannot be (needs root and apt-get)"
     else:
-        env = _slurm_env(f"{SLURM_DIR}/slurm.conf")
-        proc = subprocess.run([str(ROOT / "scripts/local_slurm.sh"), "start", "2"], capture_output=True, text=True,
-                              timeout=900, env=env)
+        proc = emulated_cluster.script("slurm", "up", timeout=900, check=False)
         if proc.returncode != 0:
-            reason = f"scripts/local_slurm.sh start failed: {proc.stderr.strip()[-500:]}"
+            reason = f"scripts/emulated_cluster.sh slurm up failed: {proc.stderr.strip()[-500:]}"
     if reason:
         (pytest.fail if required else pytest.skip)(reason)
-    yield f"{SLURM_DIR}/slurm.conf"
-    subprocess.run([str(ROOT / "scripts/local_slurm.sh"), "stop"], capture_output=True, timeout=60,
-                   env=_slurm_env(f"{SLURM_DIR}/slurm.conf"))
+    yield emulated_cluster.exec_prefix("h1")
+    emulated_cluster.script("slurm", "down", check=False)
 
 
-def _job_state(job_id, env):
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=env).stdout
+def _job_state(client, job_id, env):
+    out = subprocess.run([*client, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                         env=env).stdout
     fields = dict(re.findall(r"(\w+)=(\S+)", out))
-    return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?"), fields.get("RunTime", "?")
+    return (fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "?"), fields.get("RunTime", "?"),
+            fields.get("NodeList", "?"))
 
 
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
     """Submit every template (and one launched the wrong way) at once; wait."""
     work = tmp_path_factory.mktemp("slurm-jobs")
-    env = _slurm_env(cluster)
+    env = _slurm_env()
     plan = {name: ({}, name) for name in TEMPLATES}
     # Open MPI's wheel under srun --mpi=pmi2: every rank starts alone as "0 of 1".
     plan["singletons"] = ({"HPCJOBS_SRUN_MPI": "pmi2"}, "allreduce")
@@ -89,7 +91,7 @@ def jobs(cluster, tmp_path_factory):
                              job_args=tuple(LARGE_BATCH if label == "large-batch" else SMALL[template]))
         script = work / f"{label}.sbatch"
         script.write_text(render(template_path(template).read_text(), opts))
-        proc = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
+        proc = subprocess.run([*cluster, "sbatch", "--parsable", str(script)], capture_output=True, text=True, cwd=work,
                               env=env | extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
         submitted[label] = proc.stdout.strip().split(";")[0]
@@ -98,19 +100,21 @@ def jobs(cluster, tmp_path_factory):
     while len(results) < len(submitted) and time.monotonic() < deadline:
         for label, job_id in submitted.items():
             if label not in results:
-                state, code, elapsed = _job_state(job_id, env)
+                state, code, elapsed, nodes = _job_state(cluster, job_id, env)
                 if state in DONE:
                     out = (work / f"hpcjobs-{plan[label][1]}-{job_id}.out")
-                    results[label] = dict(id=job_id, state=state, exit=code, elapsed=elapsed,
+                    results[label] = dict(id=job_id, state=state, exit=code, elapsed=elapsed, nodes=nodes,
                                           output=out.read_text() if out.exists() else "",
                                           dir=work / "results" / f"test-{label}-{job_id}")
         time.sleep(1)
     for label, job_id in submitted.items():
         if label not in results:
-            subprocess.run(["scancel", job_id], env=env)
-            results[label] = dict(id=job_id, state="TIMEOUT (test)", exit="?", elapsed="?", output="", dir=work)
-    summary = [f"{'JobID':>6}  {'template':12s} {'State':10s} {'ExitCode':8s} Elapsed"]
-    summary += [f"{r['id']:>6}  {label:12s} {r['state']:10s} {r['exit']:8s} {r['elapsed']}" for label, r in results.items()]
+            subprocess.run([*cluster, "scancel", job_id], env=env)
+            results[label] = dict(id=job_id, state="TIMEOUT (test)", exit="?", elapsed="?", nodes="?", output="",
+                                  dir=work)
+    summary = [f"{'JobID':>6}  {'template':12s} {'State':10s} {'ExitCode':8s} {'Elapsed':9s} NodeList"]
+    summary += [f"{r['id']:>6}  {label:12s} {r['state']:10s} {r['exit']:8s} {r['elapsed']:9s} {r['nodes']}"
+                for label, r in results.items()]
     summary.append(f"all jobs, submit to last finished: {time.monotonic() - t0:.0f} s")
     log = ROOT / ".test-logs"
     log.mkdir(exist_ok=True)
@@ -129,7 +133,8 @@ def _failure(output: str) -> str:
 
 def _ok(r, bench=True):
     assert (r["state"], r["exit"]) == ("COMPLETED", "0:0"), _failure(r["output"])
-    if bench:  # the benchmark header: the hierarchical rows saw both fake nodes
+    assert re.fullmatch(r"h\[\d-\d\]|h\[\d,\d\]", r["nodes"]), r["nodes"]  # two emulated hosts
+    if bench:  # the benchmark header: the hierarchical rows saw both hosts
         assert "#   nodes: 2 (slurm; ranks per node 2,2)" in r["output"]
 
 
