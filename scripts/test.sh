@@ -8,10 +8,12 @@
 #   scripts/test.sh -k ring         # extra args go to every pytest run
 #   HPCJOBS_TEST_SIZES="2 5" scripts/test.sh
 #
-# The serial run includes tests/slurm, which starts a real local Slurm
-# (scripts/local_slurm.sh; installs it with apt-get as root) and submits every
-# template; where that cannot be done they skip with the reason, unless
-# HPCJOBS_REQUIRE_SLURM=1 (CI sets it).
+# The serial run includes tests/cluster and tests/slurm, which bring up an
+# emulated cluster of 3 hosts (scripts/emulated_cluster.sh: network
+# namespaces, as root) and a real Slurm across it (installed with apt-get),
+# run the suite across hosts and submit every template; where that cannot be
+# done they skip with the reason, unless HPCJOBS_REQUIRE_CLUSTER=1 and
+# HPCJOBS_REQUIRE_SLURM=1 (CI sets both).
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 ensure_venv || exit 1
@@ -73,7 +75,7 @@ done
 
 echo
 if [ -f "$logs/slurm-jobs.txt" ]; then
-    echo "==== Slurm template jobs (tests/slurm, local cluster: 2 fake nodes x 2 tasks) ===="
+    echo "==== Slurm template jobs (tests/slurm, emulated cluster: 2 hosts x 2 tasks) ===="
     cat "$logs/slurm-jobs.txt"
 fi
 echo "==== hpcjobs test summary ===="
