@@ -157,3 +157,8 @@ def test_a_lazily_exported_name_is_a_plain_attribute_after_its_first_use():
     out = _python("import hpcjobs.collectives as hc; f = hc.oneshot_allreduce; "
                   "print('oneshot_allreduce' in vars(hc), hc.oneshot_allreduce is f)")
     assert out.split() == ["True", "True"]
+
+
+def test_the_readme_is_a_guide_of_at_most_300_lines():
+    # What is more (flags, results, the doors' details) belongs in docs/.
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
