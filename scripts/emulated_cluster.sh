@@ -39,8 +39,13 @@ usage() {
 
 need_root() {
     [ "$(id -u)" = 0 ] || refuse "needs root (network namespaces); run it as root"
-    command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null \
-        || refuse "needs ip (iproute2), nsenter and unshare (util-linux)"
+    if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+        command -v apt-get >/dev/null || refuse "needs ip and tc (iproute2)"
+        say "installing iproute2 (apt-get)"
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null \
+            || refuse "needs ip and tc (iproute2), and apt-get could not install it"
+    fi
+    command -v nsenter >/dev/null && command -v unshare >/dev/null || refuse "needs nsenter and unshare (util-linux)"
     local probe=emu-probe-$$
     if ! ip netns add "$probe" 2>/dev/null; then
         refuse "no permission for 'ip netns add' here (a container without CAP_SYS_ADMIN?)"
