@@ -17,6 +17,7 @@ from mpi4py import MPI  # noqa: E402
 
 import hpcjobs as hc  # noqa: E402
 from hpcjobs.collectives import hierarchical_allreduce  # noqa: E402
+from hpcjobs.collectives.agreement import MismatchError  # noqa: E402
 from conftest import check_allreduce, make_buffer, rank_input  # noqa: E402
 from hpcjobs.collectives.names import ALGORITHMS, MESSAGE_ALGORITHMS, SHARED_MEMORY  # noqa: E402
 from hpcjobs.topology import detect  # noqa: E402
@@ -59,6 +60,20 @@ for name, kw in CASES:
             except AssertionError:
                 wrong += 1
                 print(f"rank {rank}: {label}: wrong result\n{traceback.format_exc(limit=2)}", flush=True)
+
+# The agreement check across hosts: the last rank (on the last host) passes
+# one element more; every rank must get MismatchError, none a result.
+for name in ("auto", "ring", "hierarchical"):
+    buf = np.ones(10 + (rank == size - 1), np.float32)
+    try:
+        hc.allreduce(buf, algorithm=name)
+        raised = None
+    except MismatchError as e:
+        raised = str(e)
+    cases += 1
+    if not all(comm.allgather(raised is not None)):
+        wrong += 1
+        print(f"rank {rank}: {name} with a count mismatch across hosts: {raised or 'no MismatchError'}", flush=True)
 
 wrong = comm.allreduce(wrong, op=MPI.SUM)
 if rank == 0:
