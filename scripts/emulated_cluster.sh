@@ -238,9 +238,13 @@ cmd_down() {
     done
     for f in $(awk -v d="$STATE/" 'index($2, d) == 1 {print $2}' /proc/mounts); do umount "$f" 2>/dev/null || true; done
     # What the cluster's jobs leave when killed: Open MPI's shared-memory
-    # segments and session folders are named after the host (h1, h2, ...).
-    rm -rf /dev/shm/*.h[0-9]*.[0-9]* /dev/shm/sm_segment.h[0-9]*.* 2>/dev/null || true
-    rm -rf "${TMPDIR:-/tmp}"/prte.h[0-9]*.* 2>/dev/null || true
+    # segments and session folders are named after the host (h1, h2, ...);
+    # a daemon's (prted.<pid>) after its pid, removed once that pid is gone.
+    local tmp=${TMPDIR:-/tmp} d
+    rm -rf /dev/shm/sm_segment.h[0-9]*.* "$tmp"/ompi.h[0-9]*.* 2>/dev/null || true
+    for d in "$tmp"/prted.[0-9]*; do
+        [ -d "$d" ] && ! kill -0 "${d##*.}" 2>/dev/null && rm -rf "$d"
+    done
     remove_hosts_block
     rm -rf "$STATE"
     [ -n "$quiet" ] || say "down: no emulated hosts left"

@@ -2,7 +2,9 @@
 # The test suite: pytest serially (one process, MPI as a singleton), then
 # under real MPI with 2, 3, 4 and 5 ranks. Creates .venv and installs everything
 # on first use. Each MPI run is killed after HPCJOBS_TEST_TIMEOUT seconds
-# (default 900) so a hang fails instead of stalling.
+# (default 900), the serial run after HPCJOBS_SERIAL_TIMEOUT (default twice
+# that: it brings up the emulated cluster and runs every Slurm job), so a hang
+# fails instead of stalling.
 #
 #   scripts/test.sh                 # everything
 #   scripts/test.sh -k ring         # extra args go to every pytest run
@@ -37,6 +39,7 @@ else
     say "Horovod: $(grep -a 'ready' "$logs/horovod-build.log" | tail -n 1)"
 fi
 timeout_s=${HPCJOBS_TEST_TIMEOUT:-900}
+serial_timeout_s=${HPCJOBS_SERIAL_TIMEOUT:-$((2 * timeout_s))}
 pytest_args=(-p no:cacheprovider -q -rfE --color=no "$@")
 status=0
 summaries=()
@@ -45,8 +48,11 @@ summaries=()
 summary_of() { grep -aE '^[=]* *[0-9]+ (passed|failed|error|skipped)' "$1" | tail -n 1 | sed 's/=//g; s/^ *//'; }
 
 say "serial: pytest --with-mpi (1 process)"
-timeout -k 15 "$timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/serial.log"
+timeout -k 15 "$serial_timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/serial.log"
 rc=${PIPESTATUS[0]}
+if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    say "serial pytest timed out after ${serial_timeout_s}s (HPCJOBS_SERIAL_TIMEOUT)"
+fi
 [ "$rc" = 0 ] || status=1
 summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
 
