@@ -6,7 +6,7 @@ collective times out, before it asks the other ranks where they are (so a
 rank killed by another's abort meanwhile has one too), in a session of its
 own and without the rank's stdout or stderr (a rank's open stdout keeps
 Open MPI's daemon from counting that rank as ended); the rank writes its
-report to the reaper's stdin, then calls MPI_Abort.
+report's headline to the reaper's stdin, then calls MPI_Abort.
 
 MPI_Abort asks the rank's launcher daemon (``prted``, or ``prterun``/``mpirun``
 itself on the first node) to end the job everywhere. When a host is cut off

@@ -16,9 +16,9 @@ stall inspector warns after 60 s; we do the same and then abort:
   prints the answers, and calls ``MPI_Abort`` on COMM_WORLD, which ends
   every rank with a non-zero exit. Where a host has dropped off the
   network, Open MPI's launcher waits for that host's daemon forever after
-  the abort; :mod:`hpcjobs._reaper`, started just before it, kills the
-  launcher if it has not ended the job :data:`LAUNCHER_GRACE` seconds later,
-  so the user's ``mpirun`` returns.
+  the abort; :mod:`hpcjobs._reaper`, started when the collective times
+  out, kills the launcher if it has not ended the job :data:`LAUNCHER_GRACE`
+  seconds after the abort, so the user's ``mpirun`` returns.
 
 Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the
 CLI makes one at start) also duplicates COMM_WORLD for the watchdog
@@ -217,10 +217,12 @@ def _start_reaper():
 
 
 def _tell_reaper(reaper, report: str) -> None:
+    """Give the reaper the report's headline (one line: a write that cannot
+    fill the pipe and block this rank before its abort)."""
     if reaper is None:
         return
     try:
-        reaper.stdin.write(report.encode(errors="replace"))
+        reaper.stdin.write(report.split("\n", 1)[0][:4000].encode(errors="replace") + b"\n")
         reaper.stdin.close()
     except Exception:
         pass
