@@ -28,6 +28,10 @@ SW=emu-sw
 NET=198.18.0
 MAX_HOSTS=50
 
+# local_slurm.sh's functions (install_slurm, start_munge, slurm_common_conf,
+# wait_idle) for `slurm up`; its say/die are replaced just below.
+# shellcheck source=local_slurm.sh
+source "$HERE/local_slurm.sh"
 say() { printf '[emulated_cluster] %s\n' "$*" >&2; }
 die() { say "$*"; exit 1; }
 refuse() { printf 'emulated_cluster: %s\n' "$*" >&2; exit 2; }
@@ -229,7 +233,7 @@ kill_inside() {
 cmd_down() {
     local quiet=${1:-}
     [ "$(id -u)" = 0 ] || refuse "needs root (network namespaces); run it as root"
-    [ -x "$HERE/emulated_cluster.sh" ] && [ -e "$STATE/slurm/slurm.conf" ] && slurm_down quiet || true
+    [ -e "$STATE/slurm/slurm.conf" ] && slurm_down quiet || true
     kill_inside
     local netns f
     for netns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^emu-(h[0-9]+|sw)$' || true); do
@@ -257,8 +261,6 @@ slurm_up() {
     local n i h
     n=$(hosts)
     [ "$n" -gt 0 ] || die "no emulated cluster: run '$0 up --hosts N' first"
-    # shellcheck source=local_slurm.sh
-    source "$HERE/local_slurm.sh"
     slurm_down quiet
     install_slurm
     fix_pmix
@@ -278,27 +280,21 @@ slurm_up() {
     for i in $(seq 1 "$n"); do
         in_host "h$i" slurmd -f "$SLURM_CONF" -N "h$i"
     done
-    for _ in $(seq 150); do
-        local idle
-        idle=$(in_host h1 sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}')
-        [ "$idle" -ge "$n" ] && break
-        sleep 0.2
-    done
-    [ "${idle:-0}" -ge "$n" ] || { in_host h1 sinfo -N >&2 || true; die "slurm: the nodes did not come up idle in 30 s; see $dir/*.log"; }
+    wait_idle "$n" "$dir" in_host h1
     in_host h1 sinfo -N
     say "slurm up: $n nodes; clients run inside a host, e.g. $0 exec h1 -- sbatch -N 2 job.sbatch (SLURM_CONF=$SLURM_CONF)"
 }
 
 slurm_down() {
-    local dir=$STATE/slurm f
+    # The pids are read once: a daemon removes its pid file as it exits.
+    local dir=$STATE/slurm f pids="" p
     for f in "$dir"/slurmd.*.pid "$dir"/slurmctld.pid; do
-        [ -s "$f" ] || continue
-        kill "$(cat "$f")" 2>/dev/null || true
+        [ -s "$f" ] && pids="$pids $(cat "$f" 2>/dev/null)"
     done
-    for f in "$dir"/slurmd.*.pid "$dir"/slurmctld.pid; do
-        [ -s "$f" ] || continue
-        for _ in $(seq 50); do kill -0 "$(cat "$f")" 2>/dev/null || break; sleep 0.1; done
-        kill -9 "$(cat "$f")" 2>/dev/null || true
+    for p in $pids; do kill "$p" 2>/dev/null || true; done
+    for p in $pids; do
+        for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -9 "$p" 2>/dev/null || true
     done
     rm -rf "$dir"
     [ -n "${1:-}" ] || say "slurm down"

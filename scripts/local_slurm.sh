@@ -138,17 +138,23 @@ cmd_start() {
     say "up: $n nodes; export SLURM_CONF=$CONF"
 }
 
-cmd_wait_idle() {
-    local n=$1
-    export SLURM_CONF=$CONF
+# wait_idle N LOGDIR [CLIENT...]: N nodes idle within 30 s, asking through
+# CLIENT (e.g. the emulated cluster's "run inside h1"), with SLURM_CONF set.
+wait_idle() {
+    local n=$1 logs=$2 idle
+    shift 2
     for _ in $(seq 150); do
-        local idle
-        idle=$(sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}')
+        idle=$("$@" sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}')
         [ "$idle" -ge "$n" ] && return 0
         sleep 0.2
     done
-    sinfo -N >&2 || true
-    die "the nodes did not come up idle in 30 s; see $DIR/*.log"
+    "$@" sinfo -N >&2 || true
+    die "the nodes did not come up idle in 30 s; see $logs/*.log"
+}
+
+cmd_wait_idle() {
+    export SLURM_CONF=$CONF
+    wait_idle "$1" "$DIR"
 }
 
 cmd_stop() {
