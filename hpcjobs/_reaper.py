@@ -1,12 +1,27 @@
-"""The watchdog's last resort: make the launcher return after MPI_Abort.
+"""The watchdog's last resort: make the launcher return after a rank's abort.
 
-Run by path (``python -I -S _reaper.py RANK_PID DAEMON_PID GRACE REPORT_WAIT``),
-never imported: it must not load MPI. The watchdog starts it as soon as a
-collective times out, before it asks the other ranks where they are (so a
-rank killed by another's abort meanwhile has one too), in a session of its
-own and without the rank's stdout or stderr (a rank's open stdout keeps
-Open MPI's daemon from counting that rank as ended); the rank writes its
-report's headline to the reaper's stdin, then calls MPI_Abort.
+Run by path (``python -I -S _reaper.py RANK_PID DAEMON_PID GRACE REPORT_WAIT
+[UNCLEAN_GRACE]``), never imported: it must not load MPI. It runs in a
+session of its own and without the rank's stdout or stderr (a rank's open
+stdout keeps Open MPI's daemon from counting that rank as ended), and reads
+what the rank says on its stdin. Two ways to start it:
+
+- **as a guardian**, from the rank's start (:func:`hpcjobs.collectives.watchdog.attach`,
+  in an ``mpirun`` launch that spans more than one host), with
+  ``REPORT_WAIT`` ``eof``: it sleeps in a read until the rank's end. A rank
+  that ends cleanly writes ``clean`` first (an ``atexit`` hook, before
+  MPI_Finalize) and the guardian exits. A rank that ends without a word --
+  killed, ``os._exit``, or aborted in C by Open MPI's own error handler
+  ("An MPI communication peer process has unexpectedly disconnected",
+  ERRORS_ARE_FATAL on a NULL communicator) -- is an exit without
+  MPI_Finalize, on which PRRTE ends the whole job. If the daemon is still
+  there ``UNCLEAN_GRACE`` seconds later, the job is stuck (seen once in
+  about twenty remote rank kills on the emulated cluster: every rank gone,
+  ``prterun`` waiting forever) and the guardian kills it as below;
+- **as the watchdog's reaper**, when a collective times out (by the
+  guardian where there is one), before the rank asks the others where they
+  are, so a rank killed by another's abort meanwhile has one too; the rank
+  writes its report's headline to the reaper's stdin, then calls MPI_Abort.
 
 MPI_Abort asks the rank's launcher daemon (``prted``, or ``prterun``/``mpirun``
 itself on the first node) to end the job everywhere. When a host is cut off
@@ -80,13 +95,13 @@ def _say(daemon: int, text: str) -> None:
 
 
 def _read_report(deadline: float) -> str:
-    """The rank's report on stdin, up to EOF (the rank wrote it, or died) or the deadline."""
+    """The rank's report on stdin, up to EOF (the rank wrote it, or died) or the deadline (inf: EOF only)."""
     chunks = []
     try:
         fd = sys.stdin.fileno()
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            left = None if deadline == float("inf") else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
                 break
             data = os.read(fd, 65536)
             if not data:
@@ -97,13 +112,23 @@ def _read_report(deadline: float) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+CLEAN = "clean"  # what a rank writes when it ends cleanly (the guardian then exits)
+
+
 def main(argv: list[str]) -> int:
-    rank, daemon, grace, report_wait = int(argv[1]), int(argv[2]), float(argv[3]), float(argv[4])
+    rank, daemon, grace = int(argv[1]), int(argv[2]), float(argv[3])
+    guardian = argv[4] == "eof"
+    unclean_grace = float(argv[5]) if len(argv) > 5 else grace
     start = time.monotonic()
     name = _comm(daemon)
     if name not in LAUNCHERS | DAEMONS:
         return 0
-    report = _read_report(start + report_wait)
+    report = _read_report(float("inf") if guardian else start + float(argv[4])).strip()
+    if report == CLEAN:
+        return 0
+    headline = report.splitlines()[0] if report else ""
+    if not headline:  # the rank ended without a word: not the watchdog's abort
+        grace = unclean_grace
     # A node daemon waits longer: when its death is what tells mpirun, PRRTE
     # reports the lost daemon and exits 0 (read as success), so mpirun's own
     # node, whose reaper kills it (exit 137), goes first.
@@ -116,10 +141,12 @@ def main(argv: list[str]) -> int:
     # What the rank said: its stderr, forwarded by the daemon, may never
     # arrive (PRRTE holds a stuck job's output); the headline names the
     # ranks that did not answer.
-    headline = report.strip().splitlines()[0] if report.strip() else ""
-    _say(daemon, (headline + "\n" if headline else "")
-         + f"hpcjobs: {name} (pid {daemon}) on {host} had not ended the job {grace:g} s after MPI_Abort "
-           f"(a host cut off or dead?); killing it so the launch returns")
+    if headline:
+        why = f"{headline}\nhpcjobs: {name} (pid {daemon}) on {host} had not ended the job {grace:g} s after MPI_Abort"
+    else:
+        why = (f"hpcjobs: a rank (pid {rank}) on {host} ended without MPI_Finalize (killed, or aborted by MPI's "
+               f"error handler) and {name} (pid {daemon}) had not ended the job {grace:g} s later")
+    _say(daemon, why + " (a host cut off or dead?); killing it so the launch returns")
     if _alive(rank):
         try:
             os.kill(rank, signal.SIGKILL)

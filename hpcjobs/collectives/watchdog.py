@@ -18,7 +18,12 @@ stall inspector warns after 60 s; we do the same and then abort:
   network, Open MPI's launcher waits for that host's daemon forever after
   the abort; :mod:`hpcjobs._reaper`, started when the collective times
   out, kills the launcher if it has not ended the job :data:`LAUNCHER_GRACE`
-  seconds after the abort, so the user's ``mpirun`` returns.
+  seconds after the abort, so the user's ``mpirun`` returns. In an
+  ``mpirun`` launch across hosts each rank starts that process at its first
+  collective (:func:`attach`) as a guardian: it stands down at the rank's
+  clean end (an ``atexit`` word, before MPI_Finalize) and otherwise kills a
+  launcher still there :data:`UNCLEAN_GRACE` seconds after the rank ended
+  (killed, or aborted by Open MPI's own error handler on a lost peer).
 
 Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the
 CLI makes one at start) also duplicates COMM_WORLD for the watchdog
@@ -59,6 +64,7 @@ DEFAULT_TIMEOUT = 300.0
 DEFAULT_WARNING = 60.0
 ANSWER_WAIT = 3.0  # seconds a timed-out rank waits for the others to say where they are
 LAUNCHER_GRACE = 3.0  # seconds after MPI_Abort before the launcher is killed (hpcjobs._reaper)
+UNCLEAN_GRACE = 10.0  # seconds after a rank's end without MPI_Finalize before its guardian kills the launcher
 _QUERY, _ANSWER = 1, 2  # tags on the watchdog's own communicator
 
 
@@ -84,6 +90,7 @@ _thread: threading.Thread | None = None
 _lock = threading.Lock()
 _reports = None  # the watchdog's duplicate of COMM_WORLD, once attached
 _mpi_lock = threading.Lock()  # held by the thread around its MPI calls; atexit takes it for good
+_guardian = None  # this rank's hpcjobs._reaper, started by attach() in an mpirun launch across hosts
 
 
 def set_timeout(seconds: float, warning: float | None = None) -> None:
@@ -105,6 +112,9 @@ def attach(world_dup) -> None:
     duplicate of COMM_WORLD made collectively for it (:func:`hpcjobs.comm.private`
     does this with the first collective on COMM_WORLD). Starts the thread."""
     global _reports
+    global _guardian
+    if _guardian is None and _spans_hosts():
+        _guardian = _start_reaper(guardian=True)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE or _reports is not None:
         return
     world_dup.Set_errhandler(MPI.ERRORS_RETURN)
@@ -124,9 +134,12 @@ def _start() -> None:
 def _stop() -> None:
     # Runs before mpi4py finalizes MPI (atexit is last in, first out): after
     # this the thread makes no MPI call.
-    global _reports
+    global _reports, _guardian
     _mpi_lock.acquire()
     _reports = None
+    if _guardian is not None:  # a clean end: the guardian stands down
+        _tell_reaper(_guardian, _reaper_clean)
+        _guardian = None
 
 
 def _where() -> tuple:
@@ -199,17 +212,38 @@ def _report(what: str, call: int, rank: int) -> str:
     return "\n".join(lines)
 
 
-def _start_reaper():
+_REAPER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_reaper.py")
+_reaper_clean = "clean"  # hpcjobs._reaper.CLEAN (that file is never imported)
+_LAUNCH_PROCESSES = {"prterun", "prte", "mpirun", "mpiexec", "orterun", "prted", "orted"}  # _reaper's
+
+
+def _spans_hosts() -> bool:
+    """Whether this rank was started by Open MPI's launcher or one of its
+    daemons in a job with ranks on more than one host (where a lost peer can
+    leave the launcher waiting forever)."""
+    try:
+        size = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        local = int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+        with open(f"/proc/{os.getppid()}/comm") as f:
+            parent = f.read().strip()
+    except (KeyError, ValueError, OSError):
+        return False
+    return local < size and parent in _LAUNCH_PROCESSES
+
+
+def _start_reaper(guardian: bool = False):
     """Start the last resort (:mod:`hpcjobs._reaper`) that makes the launcher
     return if MPI_Abort cannot end the job within ANSWER_WAIT +
-    LAUNCHER_GRACE seconds of now (a host cut off the network). Returns the
+    LAUNCHER_GRACE seconds of now (a host cut off the network); with
+    ``guardian``, one that waits for this rank's end and does the same
+    UNCLEAN_GRACE seconds after an end without a clean word. Returns the
     process (its stdin takes the report) or None. Never raises."""
     try:
         import subprocess
 
+        wait = ["eof", f"{UNCLEAN_GRACE:g}"] if guardian else [f"{ANSWER_WAIT + 1:g}"]
         return subprocess.Popen(
-            [sys.executable, "-I", "-S", os.path.join(os.path.dirname(os.path.dirname(__file__)), "_reaper.py"),
-             str(os.getpid()), str(os.getppid()), f"{LAUNCHER_GRACE:g}", f"{ANSWER_WAIT + 1:g}"],
+            [sys.executable, "-I", "-S", _REAPER, str(os.getpid()), str(os.getppid()), f"{LAUNCHER_GRACE:g}", *wait],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             close_fds=True)
     except Exception:
@@ -247,7 +281,7 @@ def _watch() -> None:
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
-                reaper = _start_reaper()
+                reaper = _guardian or _start_reaper()
                 report = _report(what, call, rank)
                 print(report, file=sys.stderr, flush=True)
                 _tell_reaper(reaper, report)
