@@ -66,3 +66,35 @@ def test_counted_bytes_match_the_formulas(nbytes):
     # recursive doubling: N per round, log2 P rounds, when P is a power of two
     if P & (P - 1) == 0:
         assert count_bytes("recursive_doubling", nbytes, comm) == (nbytes * int(math.log2(P)),) * 2
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "recursive_doubling", "rabenseifner"])
+def test_uplink_formulas_are_what_each_node_sends_to_the_others(algorithm):
+    """costs.uplink_bytes against the bytes counted per destination, for
+    every split of this run's ranks into equal nodes of consecutive ranks
+    (the layouts whose formula exists)."""
+    from hpcjobs.collectives.costs import uplink_bytes
+    from hpcjobs.collectives.counting import CountingComm
+    from hpcjobs.collectives._buffers import as_flat
+    from hpcjobs.collectives.messages import message_passing
+    import numpy as np
+
+    comm = MPI.COMM_WORLD
+    P, rank, N = comm.Get_size(), comm.Get_rank(), 1 << 20
+    proxy = CountingComm(comm)
+    message_passing(algorithm).bound(as_flat(np.ones(N // 4, np.float32)), "sum", proxy)
+    sent_to = comm.allgather(proxy.sent_to)  # every rank's bytes by destination
+    checked = 0
+    for L in range(1, P + 1):
+        want = uplink_bytes(algorithm, N, P, L)
+        if want is None:
+            continue
+        for node in range(P // L):
+            members = range(node * L, (node + 1) * L)
+            off = sum(n for r in members for dest, n in sent_to[r].items() if dest // L != node)
+            # the ring's chunks differ by at most one element
+            assert abs(off - want) <= 2 * (P - 1) * 4, (algorithm, P, L, node, off, want)
+        checked += 1
+    # one node of P and P nodes of 1 at least (for the powers-of-two formulas, only P = 2^k has the second)
+    assert checked >= (2 if algorithm == "ring" or P & (P - 1) == 0 else 1)

@@ -12,17 +12,29 @@ from mpi4py import MPI
 
 COLUMNS = ("size(B)", "count", "type", "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
 _WIDTHS = (12, 12, 9, 6, 22, 11, 12, 12, 7)
+# Across hosts (hpcjobs.bench.wire): the busiest host's bytes sent per call,
+# what the algorithm's formula says a node sends, and their ratio.
+WIRE_COLUMNS = ("wire(B)", "model(B)", "wire/model")
+_WIRE_WIDTHS = (12, 12, 10)
 
 
-def header() -> str:
+def header(wire: bool = False) -> str:
     cells = [f"{c:>{w}}" for c, w in zip(COLUMNS, _WIDTHS)]
+    if wire:
+        cells += [f"{c:>{w}}" for c, w in zip(WIRE_COLUMNS, _WIRE_WIDTHS)]
     return "#" + " ".join(cells)[1:]
 
 
 def row(rec) -> str:
     values = (rec.size_bytes, rec.count, rec.dtype, rec.op, rec.impl, f"{rec.time_us:.1f}",
               f"{rec.algbw_gbps:.3f}", f"{rec.busbw_gbps:.3f}", rec.wrong)
-    return " ".join(f"{v:>{w}}" for v, w in zip(values, _WIDTHS))
+    cells = [f"{v:>{w}}" for v, w in zip(values, _WIDTHS)]
+    if getattr(rec, "wire_hosts", None):
+        model = rec.wire_model
+        wire = (f"{rec.wire_bytes:.0f}", "-" if model is None else f"{model:.0f}",
+                f"{rec.wire_bytes / model:.3f}" if model else "-")
+        cells += [f"{v:>{w}}" for v, w in zip(wire, _WIRE_WIDTHS)]
+    return " ".join(cells)
 
 
 def environment(comm: MPI.Comm) -> dict:
@@ -130,7 +142,7 @@ def write_report(out_dir: str, records: list, env: dict, title: str, command: st
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", "## Results", "", "Time is the slowest rank's median; busbw = algbw·2(P−1)/P; "
               "`#wrong` counts elements that differ from the exact result, over all ranks.", "", "```",
-              header(), *(row(r) for r in records), "```", "",
+              header(any(getattr(r, "wire_hosts", None) for r in records)), *(row(r) for r in records), "```", "",
               "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
     tmp = paths["report.md"] + ".tmp"
     with open(tmp, "w") as f:

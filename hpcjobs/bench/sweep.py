@@ -74,6 +74,11 @@ class Record:
     algbw_gbps: float
     busbw_gbps: float
     wrong: int
+    # Across hosts (hpcjobs.bench.wire): bytes each host sent per call, in
+    # node order; the busiest host's; what the formula says a node sends.
+    wire_hosts: list[float] | None = None
+    wire_bytes: float | None = None
+    wire_model: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -236,8 +241,8 @@ def _make_buffer(count: int, dtype: str, framework: str, buffers: str = "private
 
 def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], dtype: str = "float32",
         op: str = "sum", iters: int | None = None, warmup: int = 3, framework: str = "numpy",
-        on_record: Callable[[Record], None] | None = None, buffers: str = "private", device: str = "cpu"
-        ) -> list[Record]:
+        on_record: Callable[[Record], None] | None = None, buffers: str = "private", device: str = "cpu",
+        wire=None) -> list[Record]:
     """Measure every implementation at every size; return one Record each.
 
     Args:
@@ -254,6 +259,9 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
             after it: needs one node).
         device: "cpu", or a CUDA device ("cuda:0") holding every row's
             buffer (module docstring).
+        wire: a :class:`hpcjobs.bench.wire.WireMeter` (runs across hosts):
+            after the timed calls, each row's bytes on each host's uplink,
+            counted in an untimed pass of its own.
     """
     if buffers not in BUFFERS:
         raise ValueError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
@@ -303,12 +311,25 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 reset(label)
                 runs[label]()
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
+        on_wire = {}
+        if wire is not None:
+            from .wire import CALLS
+
+            for label in runs:
+                def calls(label=label):
+                    for _ in range(CALLS):
+                        reset(label)
+                        runs[label]()
+
+                on_wire[label] = wire.measure(calls)
         if checked:
             set_checks(False)  # as the benchmarks run (unchecked_benchmarks)
         stages.clear()  # frees the device copies before the next size
         for label in runs:
             rec = _record(count * itemsize, count, dtype, op, label, size, n_iters,
-                          max_of_medians(times[label], comm) * 1e6, sum_over_ranks(wrong[label], comm))
+                          max_of_medians(times[label], comm) * 1e6, sum_over_ranks(wrong[label], comm),
+                          on_wire.get(label), _wire_model(wire, label, impls[label], count * itemsize, dtype, op, comm,
+                                                          device) if label in on_wire else None)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -317,12 +338,20 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
     return records
 
 
+def _wire_model(wire, label: str, impl, nbytes: int, dtype: str, op: str, comm, device: str) -> float | None:
+    """The uplink formula for a row; for auto, that of the algorithm it kept."""
+    if isinstance(impl, Impl) and impl.settled is not None:
+        label = auto_.kept(nbytes, dtype, op, comm, device != "cpu") or label
+    return wire.model(label, nbytes)
+
+
 def _record(nbytes: int, count: int, dtype: str, op: str, impl: str, ranks: int, iters: int, time_us: float,
-            wrong: int) -> Record:
+            wrong: int, wire_hosts: list[float] | None = None, wire_model: float | None = None) -> Record:
     """A Record with its bandwidths: algbw = bytes / time, busbw = algbw·2(P-1)/P."""
     algbw = nbytes / time_us / 1e3
     return Record(nbytes, count, dtype, op, impl, ranks, iters, time_us, algbw,
-                  algbw * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0), wrong)
+                  algbw * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0), wrong, wire_hosts,
+                  max(wire_hosts) if wire_hosts else None, wire_model)
 
 
 def median_records(passes: list[list[Record]]) -> list[Record]:
@@ -337,8 +366,10 @@ def median_records(passes: list[list[Record]]) -> list[Record]:
     out = []
     for recs in grouped.values():
         r = recs[0]
+        hosts = [x.wire_hosts for x in recs if x.wire_hosts]
         out.append(_record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
-                           statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs)))
+                           statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs),
+                           [statistics.median(h) for h in zip(*hosts)] if hosts else None, r.wire_model))
     return out
 
 

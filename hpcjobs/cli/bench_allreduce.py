@@ -45,6 +45,10 @@ def configure(p) -> None:
                         "seconds, longer than a row takes: one pass can catch a spell that the median rides over")
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
                    help="ring_pipelined segment size(s); several give one row each (default: the ring's own, 1M)")
+    p.add_argument("--no-wire", dest="wire", action="store_false",
+                   help="across hosts, skip the untimed pass per row that counts the bytes each host's network "
+                        "interfaces sent per call (/proc/net/dev) and prints them beside the algorithm's uplink "
+                        "formula: columns wire(B), model(B), wire/model")
     p.add_argument("--json", metavar="PATH", help="also write the records and the environment as JSON")
     p.add_argument("--csv", metavar="PATH", help="also write the records as CSV")
     p.add_argument("--out", metavar="DIR",
@@ -66,6 +70,8 @@ def _names(args) -> tuple[list[str], list[str]]:
 
 
 def run(args) -> int:
+    from mpi4py import MPI
+
     from ..bench import sweep, verdicts
     from ..bench.baselines import available, shutdown
     from ..bench.report import environment, header, preamble, row, write_csv, write_json, write_report
@@ -118,6 +124,19 @@ def run(args) -> int:
     env = environment(comm)
     topo = detect_private(comm)  # what the hierarchical and auto rows see
     env["nodes"] = f"{topo.num_nodes} ({topo.source}; ranks per node {','.join(map(str, topo.local_sizes))})"
+    from ..bench.wire import CALLS, WireMeter, host_tx_bytes, spans_hosts
+
+    meter = None
+    if args.wire and spans_hosts(comm):
+        readable = comm.allreduce(host_tx_bytes() is not None, op=MPI.LAND)
+        if readable:
+            meter = WireMeter(comm, topo)
+            env["wire"] = (f"bytes each host's interfaces sent per call (/proc/net/dev, all but lo; {CALLS} untimed "
+                           f"calls per row after its timed ones); wire(B) the busiest host's, model(B) the uplink "
+                           f"formula (collectives/costs.py)" + ("" if meter.ranks_per_node else
+                                                                 ", none here: nodes unequal or not consecutive"))
+        else:
+            env["wire"] = "not counted: a host's /proc/net/dev cannot be read"
     where = f"{args.framework} buffers ({args.buffers})" if device == "cpu" else f"CUDA tensors ({device})"
     if device != "cpu":
         env.update(_device_env(comm, device))
@@ -129,9 +148,9 @@ def run(args) -> int:
     for label, impl in impls.items():
         if not impl.supports(args.dtype):
             print0(f"# {label}: has no {args.dtype} allreduce; its rows are left out")
-    print0(header())
+    print0(header(meter is not None))
     settings = dict(dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup, framework=args.framework,
-                    buffers=args.buffers, device=device)
+                    buffers=args.buffers, device=device, wire=meter)
     first = {label: impl for label, impl in impls.items() if not impl.late}
     late = {label: impl for label, impl in impls.items() if impl.late}
     passes = []
@@ -159,7 +178,7 @@ def run(args) -> int:
     if args.passes > 1:
         env["passes"] = args.passes
         print0(f"# median over {args.passes} passes")
-        print0(header())
+        print0(header(meter is not None))
         for r in records:
             print0(row(r))
         _verdicts(records, impls, f", medians over {args.passes} passes")

@@ -15,9 +15,18 @@ L, M                ranks per node and nodes (hierarchical)
 
 :data:`COSTS` holds, per algorithm, the formula (which every algorithm's
 module docstring, ``docs/algorithms.md`` and ``hpcjobs model`` print), the
-bytes rank 0 sends, and the critical path as messages and reductions,
-which :func:`hpcjobs.perfmodel.predict` costs with measured per-size costs.
-A test checks that the critical path with linear costs is the formula.
+bytes rank 0 sends, the bytes each node sends off the node (its uplink)
+across M nodes of L ranks each, and the critical path as messages and
+reductions, which :func:`hpcjobs.perfmodel.predict` costs with measured
+per-size costs. A test checks that the critical path with linear costs is
+the formula; another that the uplink formula is what the algorithm sends to
+other nodes, counted; ``bench allreduce`` across hosts prints it beside
+what each host's interface counters saw (:func:`uplink_bytes`).
+
+The uplink formulas assume mpirun's default placement, a node's ranks
+consecutive (ranks 0..L-1 on the first node, ...); for recursive doubling
+and Rabenseifner P and L must be powers of two (elsewhere the fold and the
+pairing depend on the layout, and :func:`uplink_bytes` gives None).
 
 shm has no entry: it sends no messages, and its time is memory traffic
 (its module docstring counts it).
@@ -30,7 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-__all__ = ["Cost", "COSTS", "Costing", "evaluate"]
+__all__ = ["Cost", "COSTS", "Costing", "evaluate", "uplink_bytes"]
 
 
 class Costing(Protocol):
@@ -51,6 +60,7 @@ class Cost:
     formula: str  # seconds, in α, β, γ
     sent: str  # bytes rank 0 sends (P a power of two): the ring's on every rank, the tree's and server's root
     path: Callable[[float, int, int, Costing], float]  # (N, P, L, costing) -> seconds on the critical path
+    uplink: str | None = None  # bytes each node sends to other nodes per call (module docstring), None: no formula
 
 
 def _fold(N: float, P: int, c: Costing) -> float:
@@ -88,18 +98,40 @@ def _hierarchical(N: float, P: int, L: int, c: Costing) -> float:
     return _ring(N, L, L, c) + _ring(N / L, M, M, c)
 
 
-_RING = Cost("2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ", "2(P-1)/P·N", _ring)
+# Uplinks: the ring crosses each node boundary once (the node's last rank
+# sends all it sends to the next node's first); recursive doubling's rounds
+# at distance >= L cross (log2 M of them, N from each of the L ranks);
+# Rabenseifner halves at the far distances first, so its crossing rounds are
+# the big ones (N/2 ... N/M each way, from each of the L ranks);
+# hierarchical sends N/L per local rank around the inter-node ring.
+_RING = Cost("2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ", "2(P-1)/P·N", _ring, "2(P-1)/P·N")
 COSTS = {
     "ring": _RING,
     "ring_pipelined": _RING,
-    "recursive_doubling": Cost("log2(p2)·(α + Nβ + Nγ) + f·(2α + 2Nβ + Nγ)", "log2(P)·N", _recursive_doubling),
+    "recursive_doubling": Cost("log2(p2)·(α + Nβ + Nγ) + f·(2α + 2Nβ + Nγ)", "log2(P)·N", _recursive_doubling,
+                               "L·log2(M)·N"),
     "rabenseifner": Cost("2log2(p2)·α + 2(p2-1)/p2·Nβ + (p2-1)/p2·Nγ + f·(2α + 2Nβ + Nγ)", "2(P-1)/P·N",
-                         _rabenseifner),
+                         _rabenseifner, "2L(M-1)/M·N"),
     "tree": Cost("2⌈log2(P)⌉·(α + Nβ) + ⌈log2(P)⌉·Nγ", "⌈log2(P)⌉·N", _tree),
     "parameter_server": Cost("2(P-1)·(α + Nβ) + (P-1)·Nγ", "(P-1)·N", _parameter_server),
     "hierarchical": Cost("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ",
-                         "2(L-1)/L·N + 2(M-1)/M·N/L", _hierarchical),
+                         "2(L-1)/L·N + 2(M-1)/M·N/L", _hierarchical, "2(M-1)/M·N"),
 }
+_POWERS_ONLY = ("recursive_doubling", "rabenseifner")  # uplink formulas that need P and L powers of two
+
+
+def uplink_bytes(algorithm: str, N: float, P: int, L: int) -> float | None:
+    """Bytes each node sends to the others in one allreduce of ``N`` bytes
+    by ``algorithm`` over ``P`` ranks, ``L`` per node (consecutive ranks);
+    None where no formula covers it (module docstring), 0 on one node."""
+    cost = COSTS.get(algorithm)
+    if cost is None or cost.uplink is None or L < 1 or P % L:
+        return None
+    if P == L:
+        return 0.0
+    if algorithm in _POWERS_ONLY and (P & (P - 1) or L & (L - 1)):
+        return None
+    return evaluate(cost.uplink, N=N, P=P, L=L)
 
 _TOKEN = re.compile(r"\s*(log2|p2|[PNLMfαβγ]|\d+|[()+\-/·⌈⌉])")
 _NAMES = {"α": "alpha", "β": "beta", "γ": "gamma", "⌈": "ceil(", "⌉": ")", "·": "*"}

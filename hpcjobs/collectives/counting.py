@@ -35,19 +35,22 @@ class CountingComm:
         self._comm = comm
         self.sent = 0
         self.received = 0
+        self.sent_to: dict[int, int] = {}  # destination rank -> bytes (which of them cross a node's uplink)
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def _count(self, buf) -> None:
-        self.sent += memoryview(buf).nbytes
+    def _count(self, buf, dest) -> None:
+        n = memoryview(buf).nbytes
+        self.sent += n
+        self.sent_to[dest] = self.sent_to.get(dest, 0) + n
 
     def Send(self, buf, dest, tag=0):
-        self._count(buf)
+        self._count(buf, dest)
         return self._comm.Send(buf, dest, tag)
 
     def Isend(self, buf, dest, tag=0):
-        self._count(buf)
+        self._count(buf, dest)
         return self._comm.Isend(buf, dest, tag)
 
     def Recv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
@@ -59,7 +62,7 @@ class CountingComm:
         return self._comm.Irecv(buf, source, tag)
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE, recvtag=MPI.ANY_TAG):
-        self._count(sendbuf)
+        self._count(sendbuf, dest)
         self.received += memoryview(recvbuf).nbytes
         return self._comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
 

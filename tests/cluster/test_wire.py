@@ -1,0 +1,55 @@
+"""Bytes on the wire across emulated hosts: ``bench allreduce`` counts what
+each host's interfaces sent per call (hpcjobs.bench.wire) and prints it
+beside the uplink formula (collectives/costs.py). The counters are the
+hosts' own network stacks, so this checks the formulas against the kernel,
+and the counting against a bound no exact allreduce can beat."""
+
+import json
+import re
+
+import pytest
+
+from hpcjobs.bench.wire import host_tx_bytes
+
+N = 1 << 20
+
+
+def test_bench_counts_each_hosts_uplink_beside_the_formula(emulated_cluster, tmp_path):
+    out = tmp_path / "wire.json"
+    proc = emulated_cluster.mpirun(
+        "h1:2,h2:2", 4, "hpcjobs", "bench", "allreduce", "--impl", "ring,recursive_doubling,rabenseifner,hierarchical",
+        "--baselines", "mpi", "-b", "64K", "-e", "1M", "-f", "16", "--iters", "3", "--warmup", "1", "--json", out,
+        timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"#\s+size\(B\).*#wrong\s+wire\(B\)\s+model\(B\)\s+wire/model", proc.stdout), proc.stdout
+    records = json.loads(out.read_text())["records"]
+    rows = {r["impl"]: r for r in records if r["size_bytes"] == N}
+    assert set(rows) == {"ring", "recursive_doubling", "rabenseifner", "hierarchical", "mpi"}
+    # 4 ranks, 2 per host: ring 1.5N, recursive doubling 2N, Rabenseifner 2N, hierarchical N per host
+    formulas = {"ring": 1.5 * N, "recursive_doubling": 2 * N, "rabenseifner": 2 * N, "hierarchical": N}
+    for impl, r in rows.items():
+        assert r["wrong"] == 0
+        assert len(r["wire_hosts"]) == 2 and r["wire_bytes"] == max(r["wire_hosts"])
+        # No exact allreduce between two hosts sends less than N from each
+        # (everything one host holds must reach the other, or its share of
+        # the sum come back); headers and the barriers add a few percent.
+        assert all(h >= N for h in r["wire_hosts"]), (impl, r["wire_hosts"])
+        if impl == "mpi":
+            assert r["wire_model"] is None
+            continue
+        assert r["wire_model"] == pytest.approx(formulas[impl], rel=1e-6), impl
+        for h in r["wire_hosts"]:
+            assert 1.0 <= h / r["wire_model"] <= 1.15, (impl, r["wire_hosts"], r["wire_model"])
+
+
+def test_host_counters_sum_every_interface_but_loopback(tmp_path):
+    dev = tmp_path / "dev"
+    dev.write_text(
+        "Inter-|   Receive                                                |  Transmit\n"
+        " face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls "
+        "carrier compressed\n"
+        "    lo: 5000 10 0 0 0 0 0 0 7000 10 0 0 0 0 0 0\n"
+        "  eth0: 100 1 0 0 0 0 0 0 1234 5 0 0 0 0 0 0\n"
+        "  eth1: 200 2 0 0 0 0 0 0 66 1 0 0 0 0 0 0\n")
+    assert host_tx_bytes(str(dev)) == 1300
+    assert host_tx_bytes(str(tmp_path / "missing")) is None
