@@ -49,7 +49,8 @@ from typing import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
-from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS, ring_allreduce, symmetric_empty, symmetric_free
+from ..collectives import (ALGORITHMS, DEVICE_ALGORITHMS, hierarchical_allreduce, ring_allreduce, symmetric_empty,
+                           symmetric_free)
 from ..collectives import auto as auto_
 from ..collectives._buffers import OP_TABLE, as_flat, finish_avg
 from ..collectives.agreement import set_checks
@@ -155,16 +156,23 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
     "auto" and the baselines (on a device, their device adapters:
     :mod:`hpcjobs.bench.device`). ``ring_pipelined`` appears once per
     segment size; with several sizes the label carries the size, e.g.
-    ``ring_pipelined/64K``.
+    ``ring_pipelined/64K``. With segment sizes, ``hierarchical`` appears once
+    per size too, always labelled (``hierarchical/1M``; ``hierarchical/0``:
+    not pipelined).
     """
     ours = (*ALGORITHMS, *DEVICE_ALGORITHMS) if device != "cpu" else ALGORITHMS
     segment_sizes = list(segment_sizes)
     impls: dict[str, Callable] = {}
     for name in names:
         if name == "ring_pipelined" and segment_sizes:
+            if 0 in segment_sizes:
+                raise ValueError("segment size 0 (not pipelined) is for hierarchical; ring_pipelined needs > 0")
             for seg in segment_sizes:
                 label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
                 impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
+        elif name == "hierarchical" and segment_sizes:  # one row per segment size: hierarchical/1M, hierarchical/0
+            for seg in segment_sizes:
+                impls[f"{name}/{format_bytes(seg)}"] = Impl(functools.partial(_hierarchical, segment_bytes=seg))
         elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
             # the call allreduce(buf, op, algorithm, comm) makes, as the mpi row calls MPI_Allreduce
             impls[name] = Impl(lookup(algorithm).run, settled=auto_.settled if algorithm == "auto" else None,
@@ -197,6 +205,10 @@ def unchecked_benchmarks() -> None:
 
 def _ring_pipelined(buf, op, comm, *, segment_bytes):
     return ring_allreduce(buf, op, comm, pipeline=True, segment_bytes=segment_bytes)
+
+
+def _hierarchical(buf, op, comm, *, segment_bytes):
+    return hierarchical_allreduce(buf, op, comm, segment_bytes=segment_bytes)
 
 
 IMPLS = (*ALGORITHMS, "auto", *BASELINES)

@@ -44,7 +44,9 @@ def configure(p) -> None:
                         "row's median over the passes (default 1). On a shared machine load comes in spells of "
                         "seconds, longer than a row takes: one pass can catch a spell that the median rides over")
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
-                   help="ring_pipelined segment size(s); several give one row each (default: the ring's own, 1M)")
+                   help="ring_pipelined and hierarchical segment size(s): one row each, e.g. hierarchical/1M; "
+                        "0 is hierarchical not pipelined (default: ring_pipelined's own 1M; hierarchical 1M across "
+                        "hosts, not pipelined on nodes simulated with --ranks-per-node)")
     p.add_argument("--no-wire", dest="wire", action="store_false",
                    help="across hosts, skip the untimed pass per row that counts the bytes each host's network "
                         "interfaces sent per call (/proc/net/dev) and prints them beside the algorithm's uplink "
@@ -85,7 +87,7 @@ def run(args) -> int:
     apply_placement(args)
     sweep.unchecked_benchmarks()
     try:
-        segs = [parse_bytes(s) for s in comma_list(args.segment_bytes)] if args.segment_bytes else []
+        segs = [0 if s == "0" else parse_bytes(s) for s in comma_list(args.segment_bytes)] if args.segment_bytes else []
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"--segment-bytes: {e}") from None
     device = "cpu"

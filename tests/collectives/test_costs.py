@@ -69,6 +69,7 @@ def test_docs_algorithms_table_gives_every_formula_and_the_bytes_sent():
     for name, cost in COSTS.items():
         assert name in rows, f"docs/algorithms.md has no row for {name}"
         assert cost.formula in rows[name] and cost.sent in rows[name], rows[name]
+        assert (cost.uplink or "–") in rows[name], rows[name]
 
 
 @pytest.mark.mpi(min_size=2)

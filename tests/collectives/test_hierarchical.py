@@ -70,3 +70,31 @@ def test_topology_of_another_communicator_is_refused():
             hierarchical_allreduce(np.zeros(4), comm=sub, topology=detect(MPI.COMM_WORLD))
     finally:
         sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("intra", ["ring", "shm"])
+@pytest.mark.parametrize("inter", ["ring", "recursive_doubling"])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+@pytest.mark.parametrize("segment_bytes", [0, 808, 40_000, 1 << 20])  # off; 101, 5000, 131072 float64s (rounded to L)
+def test_pipelined_segments_match_closed_form(ranks_per_node, op, inter, intra, segment_bytes):
+    """Many segments (a ragged last one, a tail of count % L), one segment,
+    and the thread that carries the network stage: the same exact result."""
+    comm = MPI.COMM_WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    count = 20_011
+    inputs = [rank_input(r, count, "float64", op) for r in range(size)]
+    buf = inputs[rank].copy()
+
+    hierarchical_allreduce(buf, op, comm, inter=inter, intra=intra, ranks_per_node=ranks_per_node,
+                           segment_bytes=segment_bytes)
+
+    assert_close(buf, inputs, op, "float64")
+    assert_same_on_every_rank(buf, comm)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1M", True])
+def test_bad_segment_sizes_are_refused(bad):
+    with pytest.raises(ValueError, match=r"segment_bytes must be an integer >= 0 \(0: not pipelined\) or None"):
+        hierarchical_allreduce(np.zeros(4), segment_bytes=bad)
