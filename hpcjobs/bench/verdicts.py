@@ -38,10 +38,10 @@ def _times_by_size(records: list[Record]) -> dict[int, dict[str, float]]:
 
 
 def _algorithm_rows(times: dict[str, float]) -> dict[str, float]:
-    """The rows of our algorithms (a pipelined ring per segment size too; not
-    auto, not a +check row)."""
+    """The rows of our algorithms (a pipelined ring and hierarchical per
+    segment size too; not auto, not a +check row)."""
     return {k: v for k, v in times.items()
-            if k in ALGORITHMS or k in DEVICE_ALGORITHMS or k.startswith("ring_pipelined/")}
+            if k in ALGORITHMS or k in DEVICE_ALGORITHMS or k.startswith(("ring_pipelined/", "hierarchical/"))}
 
 
 def auto_against_best(records: list[Record], within: float = 1.10) -> str | None:

@@ -14,8 +14,8 @@ Steps, for N bytes on nodes of L ranks each (``hpcjobs.topology.detect``):
 4. The count % L elements left over: reduce to local rank 0, allreduce among
    the local-rank-0 ranks, broadcast inside the node.
 
-With ``segment_bytes`` (by default 1 MiB across real nodes, off on nodes
-simulated on one host) the uniform path runs in segments, pipelined: the
+With ``segment_bytes`` (by default 1/32 of the buffer, at least 1 MiB,
+across real nodes; off on nodes simulated on one host) the uniform path runs in segments, pipelined: the
 network stage (2) of segment k runs in a thread of its own while this
 thread does the node stages of segments k+1 (1) and k-1 (3), so the
 transfer across nodes overlaps the work inside them. Every rank of a node
@@ -59,7 +59,7 @@ from ._frame import run
 from .messages import message_passing
 from .names import INTRA
 
-__all__ = ["hierarchical_allreduce", "allreduce", "DEFAULT_SEGMENT_BYTES"]
+__all__ = ["hierarchical_allreduce", "allreduce", "default_segment_bytes"]
 
 
 def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | None = None,
@@ -88,7 +88,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
         return
     main = flat.count // L * L
     if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
-        segment_bytes = 0 if topo.source == "override" else DEFAULT_SEGMENT_BYTES
+        segment_bytes = 0 if topo.source == "override" else default_segment_bytes(flat.nbytes)
     per = main if not segment_bytes else max(L, segment_bytes // flat.itemsize // L * L)
     if main > per and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         _pipelined(flat.slice(0, main), op, topo, inter_step, intra, per, size)
@@ -109,10 +109,19 @@ _inter_thread = None  # one worker thread per process: the network stage of the 
 
 # Measured on the emulated cluster (2 hosts x 2 ranks, 1 Gbit/s links;
 # docs/results/multinode.md, "Pipelined hierarchical"): 1 MiB segments took
-# 16 MiB from 1.49x MPI_Allreduce's time to 1.03x. On nodes simulated on one
-# host (--ranks-per-node) every step competes for the same cores and
-# pipelining cost 13-26%, so there it is off unless asked for.
-DEFAULT_SEGMENT_BYTES = 1 << 20
+# 16 MiB from 1.37x MPI_Allreduce's time to 1.01x; at 64 MiB 2 MiB segments
+# did better than 1 MiB (1.03x against 1.19x, two runs alike): about 32
+# segments, none under 1 MiB. On nodes simulated on one host
+# (--ranks-per-node) every step competes for the same cores and pipelining
+# cost 13-26%, so there it is off unless asked for.
+MIN_SEGMENT_BYTES = 1 << 20
+SEGMENTS = 32
+
+
+def default_segment_bytes(nbytes: int) -> int:
+    """The pipelined path's segment for a buffer of ``nbytes`` across real
+    nodes: ``nbytes / SEGMENTS``, at least ``MIN_SEGMENT_BYTES``."""
+    return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
 
 
 def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: int, size: int) -> None:
@@ -240,9 +249,9 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
             the node stages of the next and the previous run (needs
             ``MPI_THREAD_MULTIPLE``; without it, or for a buffer of one
             segment, the stages run one after the other). 0: not
-            pipelined. None (default): :data:`DEFAULT_SEGMENT_BYTES` on
-            real nodes, not pipelined on nodes simulated with
-            ``ranks_per_node``.
+            pipelined. None (default): :func:`default_segment_bytes` on
+            real nodes (1/32 of the buffer, at least 1 MiB), not pipelined
+            on nodes simulated with ``ranks_per_node``.
 
     Returns:
         ``buf``, reduced in place, bitwise identical on every rank.

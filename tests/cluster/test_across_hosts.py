@@ -50,12 +50,19 @@ def test_every_algorithm_matches_mpi_allreduce_across_hosts(emulated_cluster, ho
     proc = emulated_cluster.mpirun(hosts, n, "python", HERE / "across.py", timeout=600)
     _ok(proc)
     nodes = hosts.count(",") + 1
-    summary = re.search(r"across: (\d+) ranks on (\d+) hosts .*, (\d+) cases, (\d+) wrong, (\d+) refused", proc.stdout)
+    summary = re.search(r"across: (\d+) ranks on (\d+) hosts .*, (\d+) cases, (\d+) wrong, (\d+) refused, "
+                        r"(\d+) pipelined", proc.stdout)
     assert summary, proc.stdout[-3000:]
     assert summary.groups()[:2] == (str(n), str(nodes)) and summary.group(4) == "0"
     # shm and oneshot refuse across hosts, with the same error on every rank,
     # and only they (2 algorithms x 4 data kinds x the 4 non-empty counts)
     assert int(summary.group(5)) == 2 * 4 * 4
+    # hierarchical pipelines on equal hosts of 2+ ranks: the 3 pipelined
+    # cases x 4 data kinds at least (auto's large calls may add more)
+    if hosts == "h1:2,h2:2":
+        assert int(summary.group(6)) >= 3 * 4, summary.group(0)
+    elif hosts in ("h1:1,h2:1", "h1:1,h2:1,h3:1", "h1:2,h2:2,h3:1"):  # one rank per host, or unequal hosts
+        assert summary.group(6) == "0", summary.group(0)
 
 
 GUARDIANS = """
