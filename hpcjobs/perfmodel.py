@@ -31,11 +31,12 @@ import numpy as np
 from mpi4py import MPI
 
 from .collectives._buffers import as_flat, reducer
-from .collectives.costs import COSTS, evaluate
+from .collectives.costs import COSTS, across_path, evaluate
 from .collectives.counting import CountingComm
 from .collectives.messages import message_passing
 
-__all__ = ["Machine", "measure", "predict", "compare", "count_bytes", "formula_bytes", "write", "MODELED"]
+__all__ = ["Machine", "measure", "measure_links", "predict", "predict_across", "compare", "compare_across",
+           "count_bytes", "formula_bytes", "write", "MODELED"]
 
 # The algorithms the model predicts (ring_pipelined is the ring's formula).
 MODELED = tuple(name for name in COSTS if name != "ring_pipelined")
@@ -102,10 +103,13 @@ def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
     return max(float(alpha), 0.0), float(beta)
 
 
-def _exchange_times(comm: MPI.Intracomm, sizes: list[int], both: bool, reps: int) -> list[float]:
-    """One-way time per size between ranks 0 and 1: half a ping-pong round
-    trip (``both=False``) or one simultaneous exchange (``both=True``)."""
+def _exchange_times(comm: MPI.Intracomm, sizes: list[int], both: bool, reps: int,
+                    pair: tuple[int, int] = (0, 1)) -> list[float]:
+    """One-way time per size between the ranks of ``pair`` (the first of
+    which reports): half a ping-pong round trip (``both=False``) or one
+    simultaneous exchange (``both=True``)."""
     rank = comm.Get_rank()
+    first, second = pair
     out = []
     for n in sizes:
         send = np.ones(n, dtype=np.uint8)
@@ -118,39 +122,69 @@ def _exchange_times(comm: MPI.Intracomm, sizes: list[int], both: bool, reps: int
             send.fill(i)
             comm.Barrier()
             t0 = MPI.Wtime()
-            if rank in (0, 1):
-                peer = 1 - rank
+            if rank in pair:
+                peer = second if rank == first else first
                 if both:
                     comm.Sendrecv(send, peer, 21, recv, peer, 21)
-                elif rank == 0:
-                    comm.Send(send, 1, 21)
-                    comm.Recv(recv, 1, 21)
+                elif rank == first:
+                    comm.Send(send, peer, 21)
+                    comm.Recv(recv, peer, 21)
                 else:
-                    comm.Recv(recv, 0, 21)
-                    comm.Send(send, 0, 21)
+                    comm.Recv(recv, peer, 21)
+                    comm.Send(send, peer, 21)
             dt = MPI.Wtime() - t0
             if i >= 2:
                 samples.append(dt if both else dt / 2)
         t = np.array([statistics.median(samples)])
-        comm.Bcast(t, root=0)
+        comm.Bcast(t, root=first)
         out.append(float(t[0]))
     return out
 
 
-def measure(comm: MPI.Intracomm, dtype: str = "float32", reps: int = 20) -> Machine:
-    """Fit α, β (ping-pong and exchange) and γ on ``comm`` (collective; needs
-    at least 2 ranks)."""
+def measure(comm: MPI.Intracomm, dtype: str = "float32", reps: int = 20, pair: tuple[int, int] = (0, 1),
+            max_bytes: int = 64 << 20) -> Machine:
+    """Fit α, β (ping-pong and exchange, between the ranks of ``pair``)
+    and γ on ``comm`` (collective; needs at least 2 ranks); messages up to
+    ``max_bytes``."""
     if comm.Get_size() < 2:
         raise ValueError("the cost model needs at least 2 ranks to measure α and β")
     sizes = [8 << (3 * k) for k in range(8)] + [16 << 20, 32 << 20, 64 << 20]  # 8 B .. 64 MB
-    sizes = sorted(set(sizes))
-    oneway = _exchange_times(comm, sizes, both=False, reps=reps)
+    sizes = sorted(n for n in set(sizes) if n <= max_bytes)
+    oneway = _exchange_times(comm, sizes, both=False, reps=reps, pair=pair)
     _, b_pp = _fit(sizes, oneway)  # one-way alpha: the exchange fit gives the one predictions use
-    exchange = _exchange_times(comm, sizes, both=True, reps=reps)
+    exchange = _exchange_times(comm, sizes, both=True, reps=reps, pair=pair)
     a_x, b_x = _fit(sizes, exchange)
     reduce_s = _reduce_times(comm, sizes, dtype, reps)
-    return Machine(alpha=a_x, beta=b_x, beta_pingpong=b_pp, gamma=reduce_s[sizes.index(16 << 20)] / (16 << 20),
+    return Machine(alpha=a_x, beta=b_x, beta_pingpong=b_pp, gamma=_per_byte_at(16 << 20, sizes, reduce_s),
                    dtype=dtype, sizes=sizes, message_s=exchange, oneway_s=oneway, reduce_s=reduce_s)
+
+
+def _per_byte_at(n: int, sizes: list, costs: list) -> float:
+    """Seconds per byte at ``n`` bytes if measured there, else at the largest size measured."""
+    i = sizes.index(n) if n in sizes else len(sizes) - 1
+    return costs[i] / sizes[i]
+
+
+# Across nodes the network is measured to 16 MB with fewer repetitions: a
+# 64 MB ping-pong over a 1 Gbit/s link takes a second, and the per-byte cost
+# of a link is flat beyond a few MB (larger sizes extrapolate linearly).
+NETWORK_MAX_BYTES = 16 << 20
+NETWORK_REPS = 6
+
+
+def measure_links(comm: MPI.Intracomm, topo, dtype: str = "float32", reps: int = 20) -> tuple[Machine, Machine]:
+    """The two link classes of ``comm``'s ranks on ``topo``'s nodes
+    (collective; more than one node): (inside a node, between nodes). Inside:
+    ranks 0 and 1 if they share a node (else the network's machine stands in:
+    a node of one rank sends nothing inside it); between: rank 0 and the
+    first rank of the next node."""
+    nodes = comm.allgather(topo.node_id)
+    other = next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
+    if other is None:
+        raise ValueError("measure_links needs ranks on more than one node")
+    net = measure(comm, dtype, NETWORK_REPS, pair=(0, other), max_bytes=NETWORK_MAX_BYTES)
+    node = measure(comm, dtype, reps, pair=(0, 1)) if nodes[1] == nodes[0] else net
+    return node, net
 
 
 def _reduce_times(comm: MPI.Intracomm, sizes: list[int], dtype: str, reps: int) -> list[float]:
@@ -195,19 +229,71 @@ def predict(algorithm: str, nbytes: int, size: int, m: Machine, local_size: int 
 
 
 class _Costing:
-    """A Machine's costs in the shape ``COSTS[...].path`` takes."""
+    """A Machine's costs in the shape ``COSTS[...].path`` takes. ``link``:
+    the network's, as :func:`predict_across` costs it -- an exchange costs
+    what one direction does, the smallest message's one-way time plus n
+    times the largest's one-way time per byte."""
 
-    def __init__(self, m: Machine, linear: bool):
-        self.m, self.linear = m, linear
+    def __init__(self, m: Machine, linear: bool, link: bool = False):
+        self.m, self.linear, self.link = m, linear, link
 
     def message(self, n: float) -> float:
-        return self.m.message(n, self.linear)
+        if self.link and not self.linear:
+            return self.m.oneway_s[0] + n * self.m.oneway_s[-1] / self.m.sizes[-1]
+        return self.m.oneway(n, self.linear) if self.link else self.m.message(n, self.linear)
 
     def oneway(self, n: float) -> float:
         return self.m.oneway(n, self.linear)
 
     def reduce(self, n: float) -> float:
         return self.m.reduce(n, self.linear)
+
+
+def predict_across(algorithm: str, nbytes: int, size: int, local_size: int, node: Machine, net: Machine,
+                   linear: bool = False, segments: int = 1) -> float | None:
+    """Predicted seconds across ``size / local_size`` nodes: the two-level
+    path of :data:`hpcjobs.collectives.costs.ACROSS`, messages inside a node
+    costed by ``node``, between nodes by ``net``, reductions by ``node``;
+    ``segments`` for pipelined hierarchical. None where no path is written.
+
+    Between nodes a message of n bytes costs the smallest message's one-way
+    time plus n times the largest's one-way time per byte (``linear``: the
+    fitted one-way α + n·β), and an exchange what one direction does:
+
+    - a host's uplink and downlink are separate, so the algorithms' flows in
+      the two directions do not slow each other. What ``measure`` calls an
+      exchange -- both directions at once on one connection -- does not
+      predict them there: on the emulated cluster at 1 Gbit/s it reached
+      0.54 of the rate at 16 MB where one direction reached 0.97, and the
+      ring, whose flows each go one way, ran at the rate;
+    - a shaped link (a token bucket, as tbf's or a switch's) lets a single
+      message of up to its burst through at more than its rate when it has
+      been idle, as between ping-pongs (262 KB went at 1.97x the rate), but
+      not the back-to-back segments of an algorithm: the per-size curve
+      would put pipelined hierarchical below the floor the link's rate sets.
+      The largest size measures the sustained rate."""
+    return across_path(algorithm, float(nbytes), size, local_size, _Costing(node, linear),
+                       _Costing(net, linear, link=True), segments)
+
+
+def compare_across(records, size: int, local_size: int, node: Machine, net: Machine,
+                   segments=lambda nbytes: 1) -> list[dict]:
+    """Each benchmark record against the two-level model (as :func:`compare`);
+    records without a two-level path are left out. ``segments(nbytes)``:
+    how many hierarchical runs in."""
+    rows = []
+    for r in records:
+        name = r.impl.split("/")[0]
+        seg = segments(r.size_bytes) if r.impl == "hierarchical" else 1
+        pred = predict_across(name, r.size_bytes, size, local_size, node, net, segments=seg)
+        if pred is None:
+            continue
+        lin = predict_across(name, r.size_bytes, size, local_size, node, net, linear=True, segments=seg)
+        rows.append({"size_bytes": r.size_bytes, "algorithm": r.impl, "measured_us": r.time_us,
+                     "predicted_us": pred * 1e6, "rel_error": (pred * 1e6 - r.time_us) / r.time_us,
+                     "linear_us": lin * 1e6, "linear_rel_error": (lin * 1e6 - r.time_us) / r.time_us,
+                     "segments": seg})
+    return rows
 
 
 def compare(records, size: int, m: Machine, local_size: int | None = None) -> list[dict]:
@@ -243,15 +329,19 @@ def formula_bytes(algorithm: str, nbytes: int, size: int) -> int:
     return round(evaluate(COSTS[algorithm].sent, P=size, N=nbytes))
 
 
-def write(out: str, m: Machine, rows: list, counted: list, P: int) -> None:
+def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine | None = None) -> None:
     """``out``/model.json (the machine, every row, the counted bytes) and,
-    with matplotlib, ``out``/model.png: predicted against measured."""
+    with matplotlib, ``out``/model.png: predicted against measured. Across
+    nodes ``m`` is the network's machine and ``node`` the one inside a node."""
     import json
     import os
 
     os.makedirs(out, exist_ok=True)
+    data = {"ranks": P, "machine": m.to_dict(), "rows": rows, "bytes": counted}
+    if node is not None:
+        data["node_machine"] = node.to_dict()
     with open(os.path.join(out, "model.json"), "w") as f:
-        json.dump({"ranks": P, "machine": m.to_dict(), "rows": rows, "bytes": counted}, f, indent=1)
+        json.dump(data, f, indent=1)
     try:
         import matplotlib
 

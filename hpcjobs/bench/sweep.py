@@ -323,25 +323,16 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
                 reset(label)
                 runs[label]()
         times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
-        on_wire = {}
-        if wire is not None:
-            from .wire import CALLS
-
-            for label in runs:
-                def calls(label=label):
-                    for _ in range(CALLS):
-                        reset(label)
-                        runs[label]()
-
-                on_wire[label] = wire.measure(calls)
+        on_wire = wire.measure_rows(runs, reset) if wire is not None else {}
         if checked:
             set_checks(False)  # as the benchmarks run (unchecked_benchmarks)
         stages.clear()  # frees the device copies before the next size
         for label in runs:
             rec = _record(count * itemsize, count, dtype, op, label, size, n_iters,
                           max_of_medians(times[label], comm) * 1e6, sum_over_ranks(wrong[label], comm),
-                          on_wire.get(label), _wire_model(wire, label, impls[label], count * itemsize, dtype, op, comm,
-                                                          device) if label in on_wire else None)
+                          on_wire.get(label), wire.model(label, count * itemsize, auto_.kept(
+                              count * itemsize, dtype, op, comm, device != "cpu") if _is_auto(impls[label]) else None)
+                          if label in on_wire else None)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -350,11 +341,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
     return records
 
 
-def _wire_model(wire, label: str, impl, nbytes: int, dtype: str, op: str, comm, device: str) -> float | None:
-    """The uplink formula for a row; for auto, that of the algorithm it kept."""
-    if isinstance(impl, Impl) and impl.settled is not None:
-        label = auto_.kept(nbytes, dtype, op, comm, device != "cpu") or label
-    return wire.model(label, nbytes)
+def _is_auto(impl) -> bool:
+    return isinstance(impl, Impl) and impl.settled is not None
 
 
 def _record(nbytes: int, count: int, dtype: str, op: str, impl: str, ranks: int, iters: int, time_us: float,

@@ -75,13 +75,28 @@ class WireMeter:
         per_host = [s for s, lead in self.comm.allgather((sent, self.leader)) if lead]
         return None if any(s is None for s in per_host) else per_host
 
-    def model(self, label: str, nbytes: int) -> float | None:
+    def measure_rows(self, runs: dict[str, Callable[[], object]], reset: Callable[[str], object]
+                     ) -> dict[str, list[float] | None]:
+        """Each row's bytes per call per host: :meth:`measure` of
+        :data:`CALLS` calls of ``runs[label]``, ``reset(label)`` before each."""
+        out = {}
+        for label, fn in runs.items():
+            def calls(label=label, fn=fn):
+                for _ in range(CALLS):
+                    reset(label)
+                    fn()
+
+            out[label] = self.measure(calls)
+        return out
+
+    def model(self, label: str, nbytes: int, kept: str | None = None) -> float | None:
         """What the formula says each node sends per call for the row
-        ``label`` (an algorithm of ours, maybe with +check or /SEGMENT);
-        None for baselines, auto, and layouts no formula covers."""
+        ``label`` (an algorithm of ours, maybe with +check or /SEGMENT; for
+        auto, ``kept``: the algorithm it kept); None for baselines, auto
+        without ``kept``, and layouts no formula covers."""
         if self.ranks_per_node is None:
             return None
-        algorithm = label.split("/")[0].removesuffix("+check")
+        algorithm = (kept or label).split("/")[0].removesuffix("+check")
         return uplink_bytes(algorithm, nbytes, self.ranks, self.ranks_per_node)
 
 

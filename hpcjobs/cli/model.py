@@ -31,6 +31,8 @@ def run(args) -> int:
         raise UsageError("the cost model needs at least 2 ranks (mpirun -n 2 or more)")
     check_outputs(comm, [("--out", args.out, True)])
     topo = detect_private(comm)
+    if topo.num_nodes > 1:
+        return _across(args, comm, topo, sizes)
     print0(f"# hpcjobs model: {P} ranks on {topo.num_nodes} node(s); measuring alpha, beta, gamma")
     m = measure(comm)
     print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {1 / m.beta / 1e9:.2f} GB/s (exchange), "
@@ -64,5 +66,71 @@ def run(args) -> int:
                    f" ({'matches' if sent == want else f'counted {sent}'})")
     if args.out and comm.Get_rank() == 0:
         write(args.out, m, rows, counted, P)
+        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
+    return 0
+
+
+def _across(args, comm, topo, sizes) -> int:
+    """Across nodes: α, β per link class, each algorithm's two-level path
+    (collectives/costs.py, ACROSS) against what it measures here."""
+    from ..bench.sweep import implementations
+    from ..bench.sweep import run as sweep
+    from ..collectives.costs import ACROSS
+    from ..collectives.hierarchical import default_segment_bytes
+    from ..comm import print0
+    from ..perfmodel import compare_across, measure_links, write
+
+    P, L = comm.Get_size(), topo.local_size
+    nodes = comm.allgather(topo.node_id)
+    if not topo.uniform or nodes != sorted(nodes):
+        raise UsageError(f"the two-level model needs equal nodes of consecutive ranks; these have "
+                         f"{list(topo.local_sizes)} ranks (mpirun's default placement gives consecutive ranks)")
+    M = topo.num_nodes
+    print0(f"# hpcjobs model: {P} ranks on {M} nodes of {L} ({topo.source}); measuring alpha, beta inside a "
+           "node and between nodes, gamma")
+    node, net = measure_links(comm, topo)
+    for label, m in (("inside a node", node if L > 1 else None), ("between nodes", net)):
+        if m is None:
+            print0(f"#   {label}: one rank per node, nothing sent inside one")
+            continue
+        print0(f"#   {label}: alpha = {m.alpha * 1e6:.2f} us   beta = {1 / m.beta / 1e9:.3f} GB/s (exchange), "
+               f"{1 / m.beta_pingpong / 1e9:.3f} GB/s (ping-pong)")
+        if m is net:
+            print0(f"#     the model's A = {m.oneway_s[0] * 1e6:.2f} us (one way, {m.sizes[0]} B), B = "
+                   f"{m.sizes[-1] / m.oneway_s[-1] / 1e9:.3f} GB/s (one way, sustained over {m.sizes[-1] >> 20} MB)")
+    print0(f"#   gamma = {1 / node.gamma / 1e9:.2f} GB/s reduced")
+    for name, a in ACROSS.items():
+        if name != "ring_pipelined":
+            print0(f"#   {name}: {a.formula}")
+    names = [n for n in ("ring", "recursive_doubling", "rabenseifner", "hierarchical")]
+    records = sweep(comm, sizes, implementations(names), iters=args.iters)
+    simulated = topo.source == "override"
+
+    def segments(nbytes):  # as hierarchical runs here (its default)
+        if simulated or L == 1:
+            return 1
+        main = nbytes // 4 // L * L  # float32 elements, as hierarchical.allreduce cuts them
+        per = max(L, default_segment_bytes(nbytes) // 4 // L * L)
+        return -(-main // per) if main > per else 1
+
+    rows = compare_across(records, P, L, node, net, segments)
+    print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "
+           "between nodes the smallest message's one-way time + n x the largest's per byte (the sustained rate), "
+           "an exchange as one direction, flows sharing an uplink as one message of their total bytes "
+           "(perfmodel.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
+    print0("#    size(B)  algorithm              measured(us)  predicted(us)   error   linear(us)   error")
+    for r in rows:
+        print0(f"{r['size_bytes']:>12}  {r['algorithm']:<20} {r['measured_us']:>13.1f} {r['predicted_us']:>14.1f} "
+               f"{r['rel_error']:>+7.0%} {r['linear_us']:>12.1f} {r['linear_rel_error']:>+7.0%}")
+    print0("# |error| over the rows >= 1 MB, mean (max): per-size model | linear model")
+    for name in names:
+        big = [x for x in rows if x["algorithm"] == name and x["size_bytes"] >= 1 << 20]
+        if big:
+            e = [abs(x["rel_error"]) for x in big]
+            le = [abs(x["linear_rel_error"]) for x in big]
+            print0(f"#   {name:<20} {statistics.mean(e):>4.0%} ({max(e):.0%})  |  "
+                   f"{statistics.mean(le):>4.0%} ({max(le):.0%})")
+    if args.out and comm.Get_rank() == 0:
+        write(args.out, net, rows, [], P, node=node)
         print0(f"# written to {args.out}/model.json and {args.out}/model.png")
     return 0

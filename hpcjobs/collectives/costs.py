@@ -39,7 +39,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-__all__ = ["Cost", "COSTS", "Costing", "evaluate", "uplink_bytes"]
+__all__ = ["ACROSS", "Across", "Cost", "COSTS", "Costing", "across_path", "evaluate", "uplink_bytes"]
 
 
 class Costing(Protocol):
@@ -133,8 +133,91 @@ def uplink_bytes(algorithm: str, N: float, P: int, L: int) -> float | None:
         return None
     return evaluate(cost.uplink, N=N, P=P, L=L)
 
-_TOKEN = re.compile(r"\s*(log2|p2|[PNLMfαβγ]|\d+|[()+\-/·⌈⌉])")
-_NAMES = {"α": "alpha", "β": "beta", "γ": "gamma", "⌈": "ceil(", "⌉": ")", "·": "*"}
+# Across nodes: two link classes. α, β are a message inside a node (shared
+# memory), A, B one between nodes (the network); M nodes of L consecutive
+# ranks, M > 1. Flows that share a node's uplink at once (the L ranks of a
+# node in recursive doubling's and Rabenseifner's far rounds, hierarchical's
+# L inter-node rings) cost as one message of their total bytes: the uplink's
+# bandwidth is what they share. A round whose messages cross the network
+# and stay inside nodes at once (every ring round, with L > 1) costs as its
+# slowest, the network's. Pipelined hierarchical (S segments) overlaps its
+# node steps with its network steps: the longer of the two, plus one
+# segment's share of the other for filling and draining the pipeline.
+@dataclass(frozen=True)
+class Across:
+    formula: str  # seconds, in α, β (inside a node), A, B (between nodes), γ
+    path: Callable[[float, int, int, "Costing", "Costing"], float]  # (N, P, L, node, network) -> seconds
+
+
+def _ring_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+    return 2 * (P - 1) * net.message(N / P) + (P - 1) * node.reduce(N / P)
+
+
+def _rd_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+    M = P // L
+    return (_log2_p2(L) * node.message(N) + _log2_p2(M) * net.message(L * N)
+            + _log2_p2(P) * node.reduce(N))
+
+
+def _rabenseifner_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+    M = P // L
+    far = [N / (2 << k) for k in range(_log2_p2(M))]  # N/2 .. N/M: every rank of a node across at once
+    near = [N / (2 << k) for k in range(_log2_p2(M), _log2_p2(P))]  # N/2M .. N/P: inside the node
+    return (sum(2 * net.message(L * h) + node.reduce(h) for h in far)
+            + sum(2 * node.message(h) + node.reduce(h) for h in near))
+
+
+def _hierarchical_node(N: float, L: int, node: Costing) -> float:
+    return _ring(N, L, L, node)
+
+
+def _hierarchical_net(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+    M = P // L
+    return 2 * (M - 1) * net.message(N / M) + (M - 1) * node.reduce(N / (L * M))
+
+
+def _hierarchical_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+    return _hierarchical_node(N, L, node) + _hierarchical_net(N, P, L, node, net)
+
+
+def _pipelined_across(segments: int) -> Callable:
+    def path(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
+        a, b = _hierarchical_node(N / segments, L, node) * segments, _hierarchical_net(N / segments, P, L, node, net) * segments
+        return max(a, b) + min(a, b) / segments
+    return path
+
+
+ACROSS = {
+    "ring": Across("2(P-1)·(A + N/P·B) + (P-1)/P·Nγ", _ring_across),
+    "recursive_doubling": Across("log2(L)·(α + Nβ) + log2(M)·(A + L·N·B) + log2(P)·Nγ", _rd_across),
+    "rabenseifner": Across("2log2(M)·A + 2L(M-1)/M·N·B + 2log2(L)·α + 2(L-1)/P·Nβ + (P-1)/P·Nγ",
+                           _rabenseifner_across),
+    "hierarchical": Across("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)A + 2(M-1)/M·N·B + (M-1)/M·(N/L)γ",
+                           _hierarchical_across),
+}
+ACROSS["ring_pipelined"] = ACROSS["ring"]
+ACROSS_POWERS_ONLY = ("recursive_doubling", "rabenseifner")  # as the uplink formulas
+
+
+def across_path(algorithm: str, N: float, P: int, L: int, node: Costing, net: Costing,
+                segments: int = 1) -> float | None:
+    """Seconds for ``algorithm`` across M = P/L nodes of L consecutive
+    ranks, messages inside a node costed by ``node`` and between nodes by
+    ``net``; ``segments`` > 1: hierarchical pipelined in that many. None
+    where no two-level path is written (tree, parameter server, unequal or
+    non-power-of-two layouts for recursive doubling and Rabenseifner)."""
+    if algorithm not in ACROSS or L < 1 or P % L or P == L:
+        return None
+    if algorithm in ACROSS_POWERS_ONLY and (P & (P - 1) or L & (L - 1)):
+        return None
+    if algorithm == "hierarchical" and segments > 1 and L > 1:
+        return _pipelined_across(segments)(N, P, L, node, net)
+    return ACROSS[algorithm].path(N, P, L, node, net)
+
+
+_TOKEN = re.compile(r"\s*(log2|p2|[PNLMfαβγAB]|\d+|[()+\-/·⌈⌉])")
+_NAMES = {"α": "alpha", "β": "beta", "γ": "gamma", "A": "net_alpha", "B": "net_beta", "⌈": "ceil(", "⌉": ")",
+          "·": "*"}
 
 
 def _python(formula: str) -> str:

@@ -53,3 +53,34 @@ def test_host_counters_sum_every_interface_but_loopback(tmp_path):
         "  eth1: 200 2 0 0 0 0 0 0 66 1 0 0 0 0 0 0\n")
     assert host_tx_bytes(str(dev)) == 1300
     assert host_tx_bytes(str(tmp_path / "missing")) is None
+
+
+def test_model_across_hosts_measures_both_link_classes_and_predicts_each_algorithm(emulated_cluster, tmp_path):
+    """hpcjobs model on 2 hosts x 2 ranks: alpha/beta inside a node and
+    between nodes, every two-level algorithm predicted at every size, the
+    JSON with both machines. (How close the predictions come is a
+    measurement, in docs/results/multinode.md, not a test.)"""
+    proc = emulated_cluster.mpirun("h1:2,h2:2", 4, "hpcjobs", "model", "-b", "1M", "-e", "4M", "-f", "4",
+                                   "--iters", "3", "--out", tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "# hpcjobs model: 4 ranks on 2 nodes of 2 (shared-memory)" in out, out
+    assert re.search(r"inside a node: alpha = [\d.]+ us\s+beta = [\d.]+ GB/s", out), out
+    assert re.search(r"between nodes: alpha = [\d.]+ us\s+beta = [\d.]+ GB/s", out), out
+    rows = re.findall(r"^\s+(\d+)\s+(\w+)\s+([\d.]+)\s+([\d.]+)\s+[+-]\d+%", out, re.M)
+    assert sorted((int(n), a) for n, a, _, _ in rows) == sorted(
+        (n, a) for n in (1 << 20, 4 << 20) for a in ("ring", "recursive_doubling", "rabenseifner", "hierarchical"))
+    assert all(float(m) > 0 and float(p) > 0 for _, _, m, p in rows)
+    data = json.loads((tmp_path / "model.json").read_text())
+    assert data["ranks"] == 4 and {"machine", "node_machine", "rows"} <= set(data)
+    assert {r["segments"] for r in data["rows"] if r["algorithm"] == "hierarchical"} == {1, 4}  # 4M: 1M segments
+
+
+def test_model_across_unequal_hosts_is_a_usage_error(emulated_cluster):
+    """Every rank exits 2 before measuring anything; rank 0 says why (as
+    every usage error of the CLI)."""
+    proc = emulated_cluster.mpirun("h1:2,h2:1", 3, "hpcjobs", "model", "-b", "1M", "-e", "1M", timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.count("hpcjobs model: error: the two-level model needs equal nodes of consecutive ranks; "
+                             "these have [2, 1]") == 1, proc.stderr
+    assert "measuring" not in proc.stdout
