@@ -35,7 +35,7 @@ from .collectives.costs import COSTS, across_path, evaluate
 from .collectives.counting import CountingComm
 from .collectives.messages import message_passing
 
-__all__ = ["Machine", "measure", "measure_links", "predict", "predict_across", "compare", "compare_across",
+__all__ = ["Machine", "link_gbps", "measure", "measure_links", "predict", "predict_across", "compare", "compare_across",
            "count_bytes", "formula_bytes", "write", "MODELED"]
 
 # The algorithms the model predicts (ring_pipelined is the ring's formula).
@@ -163,6 +163,18 @@ def _per_byte_at(n: int, sizes: list, costs: list) -> float:
     """Seconds per byte at ``n`` bytes if measured there, else at the largest size measured."""
     i = sizes.index(n) if n in sizes else len(sizes) - 1
     return costs[i] / sizes[i]
+
+
+def link_gbps(comm: MPI.Intracomm, topo, nbytes: int = 16 << 20, reps: int = 3) -> float | None:
+    """The network's sustained one-way rate in Gbit/s: ``nbytes`` between
+    rank 0 and the first rank of the next node, median of ``reps``
+    (collective); None on one node."""
+    nodes = comm.allgather(topo.node_id)
+    other = next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
+    if other is None:
+        return None
+    t = _exchange_times(comm, [nbytes], both=False, reps=reps, pair=(0, other))[0]
+    return nbytes * 8 / t / 1e9
 
 
 # Across nodes the network is measured to 16 MB with fewer repetitions: a

@@ -8,8 +8,11 @@ ranks as the jobs that will use it::
     mpirun -n 8 hpcjobs tune --out tuning.json
     export HPCJOBS_TUNING=$PWD/tuning.json
 
-The file keeps one table per (ranks, nodes); tuning another shape adds its
-table and keeps the others.
+The file keeps one table per (ranks, nodes, ranks on each node); tuning
+another shape adds its table and keeps the others. Across hosts the table
+also records the network's sustained rate (``link_gbps``, one way, between
+rank 0 and the next node's first rank), so a reader knows which link it
+was tuned on.
 """
 
 from __future__ import annotations
@@ -98,17 +101,22 @@ def _measure(size: int, best: Record, second: Record) -> dict:
             "runner_up": second.impl, "runner_up_ratio": round(second.time_us / best.time_us, 3)}
 
 
+def _shape(t: dict) -> tuple:
+    return t["ranks"], t["nodes"], tuple(t.get("local_sizes") or ())
+
+
 def merge(path: str, table: dict, environment: dict) -> dict:
     """The tuning file at ``path`` with ``table`` added or replacing the one
-    of the same ranks and nodes."""
+    of the same ranks, nodes and ranks per node."""
     data = {"version": 1, "tables": []}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    data["tables"] = [t for t in data.get("tables", [])
-                      if (t["ranks"], t["nodes"]) != (table["ranks"], table["nodes"])] + [table]
-    data["tables"].sort(key=lambda t: (t["nodes"], t["ranks"]))
-    data.setdefault("environments", {})[f"{table['ranks']}x{table['nodes']}"] = environment
+    data["tables"] = [t for t in data.get("tables", []) if _shape(t) != _shape(table)] + [table]
+    data["tables"].sort(key=_shape)
+    key = f"{table['ranks']}x{table['nodes']}" + ("" if not table.get("local_sizes") else
+                                                  "[" + ",".join(map(str, table["local_sizes"])) + "]")
+    data.setdefault("environments", {})[key] = environment
     return data
 
 
@@ -133,9 +141,13 @@ def applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
 
 
 def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, iters: int | None = None,
-         nodes: int = 1, on_record: Callable[[Record], None] | None = None) -> dict:
+         nodes: int = 1, on_record: Callable[[Record], None] | None = None, topology=None,
+         link_gbps: float | None = None) -> dict:
     """Measure ``names`` over ``sizes``, ``passes`` times, and return the
-    table for this many ranks and ``nodes`` (collective).
+    table for this many ranks and ``nodes`` (collective). With ``topology``
+    the table records the ranks on each node (``local_sizes``, which auto
+    matches) and where the layout came from; ``link_gbps``: the network's
+    sustained one-way rate, measured by the caller.
 
     Raises:
         WrongResults: a wrong result in any pass, on every rank alike (the
@@ -145,7 +157,12 @@ def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, i
     wrong = sum(r.wrong for records in runs for r in records)
     if wrong:
         raise WrongResults(f"{wrong} wrong elements: not writing a tuning table from a broken run")
-    return {"ranks": comm.Get_size(), "nodes": nodes, "passes": passes, "rows": best_rows(*runs)}
+    table = {"ranks": comm.Get_size(), "nodes": nodes, "passes": passes}
+    if topology is not None:
+        table.update(local_sizes=list(topology.local_sizes), layout=topology.source)
+    if link_gbps is not None:
+        table["link_gbps"] = round(link_gbps, 3)
+    return {**table, "rows": best_rows(*runs)}
 
 
 def write(path: str, table: dict, environment: dict) -> None:

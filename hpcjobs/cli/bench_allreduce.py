@@ -145,6 +145,8 @@ def run(args) -> int:
     for line in preamble(env, f"hpcjobs bench allreduce: {', '.join(impls)}; dtype {args.dtype}, op {args.op}, "
                               f"{where}; time = max over ranks of each rank's median"):
         print0(line)
+    if any(impl.settled is not None for impl in impls.values()):
+        print0(f"# auto's tuning table: {auto.table_used(comm)}")
     for name, reason in skipped.items():
         print0(f"# {name}: skipped: {reason}")
     for label, impl in impls.items():

@@ -50,8 +50,15 @@ def run(args) -> int:
             print0(f"#   pass {(n - 1) // len(sizes) + 1}: {format_bytes(rec.size_bytes):>6} done "
                    f"({n}/{len(sizes) * args.passes})")
 
+    link = None
+    if topo.num_nodes > 1 and topo.source != "override":  # real hosts: record the link the table is for
+        from ..perfmodel import link_gbps
+
+        link = link_gbps(comm, topo)
+        print0(f"# link between nodes: {link:.2f} Gbit/s one way (16 MB, rank 0 to the next node)")
     try:
-        table = tune.tune(comm, sizes, names, args.passes, args.iters, topo.num_nodes, on_record=progress)
+        table = tune.tune(comm, sizes, names, args.passes, args.iters, topo.num_nodes, on_record=progress,
+                          topology=topo, link_gbps=link)
     except tune.WrongResults as e:  # every rank counted the same
         print0(f"# {e}")
         return 1

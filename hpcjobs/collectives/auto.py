@@ -11,8 +11,9 @@ contenders that came close there::
                  {"max_bytes": null, "algorithm": "shm"}]}]}
 
 ``auto`` reads the file named by ``HPCJOBS_TUNING`` (or :func:`set_tuning`),
-takes the table with the same ranks and nodes, else the same nodes and the
-nearest ranks, else the nearest overall, and falls back on
+takes the table with the same ranks and nodes (and, where the table records
+them, the same ranks on each node: ``"local_sizes"``), else the same nodes
+and the nearest ranks, else the nearest overall, and falls back on
 :data:`DEFAULT_TABLE` when there is no file. It reads the node layout
 (``hpcjobs.topology``, ``HPCJOBS_RANKS_PER_NODE``) once per communicator and
 caches each decision on it per size, so a call costs a dictionary lookup.
@@ -58,7 +59,7 @@ from .names import ALGORITHMS
 
 __all__ = ["DEFAULT_TABLE", "DEVICE_SMALL_BYTES", "REMEASURE_EVERY", "UNTIMED_TURNS", "step", "oneshot_next",
            "allreduce_device", "candidates", "choose", "device_candidates", "kept",
-           "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "timed_rounds"]
+           "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "table_used", "timed_rounds"]
 
 # Used when no tuning file exists: from `hpcjobs tune` at 2 ranks on the CI
 # machine (docs/results/allreduce.md, "The tuning table"), generalised: the
@@ -162,15 +163,43 @@ def load_tuning(path: str | None) -> dict:
     return data
 
 
-def _pick_table(data: dict, ranks: int, nodes: int) -> dict:
+def _pick_table(data: dict, ranks: int, nodes: int, local_sizes: tuple | None = None) -> dict:
+    """The table for this shape: the same nodes first, then the same ranks
+    on each node (``local_sizes``; a table without them, from an older
+    ``hpcjobs tune``, comes after one that matches and before one that
+    does not), then the nearest ranks."""
     def distance(t):
-        return (t["nodes"] != nodes, abs(t["nodes"] - nodes), abs(t["ranks"] - ranks))
+        layout = t.get("local_sizes")
+        if local_sizes is None or layout is None:
+            fit = 1
+        else:
+            fit = 0 if tuple(layout) == tuple(local_sizes) else 2
+        return (t["nodes"] != nodes, abs(t["nodes"] - nodes), fit, abs(t["ranks"] - ranks))
 
     return min(data["tables"], key=distance)
 
 
-def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None) -> dict:
-    table = _pick_table(tuning or load_tuning(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None), ranks, nodes)
+def _tuning() -> dict:
+    return load_tuning(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None)
+
+
+def table_used(comm: MPI.Comm | None = None) -> str:
+    """Which tuning table ``auto`` uses on ``comm`` (collective the first
+    time: it reads the node layout), e.g. "tuning.json: 4 ranks on 2 nodes
+    [2, 2], link 0.98 Gbit/s (tuned 4 ranks on 2 nodes [2, 2])"."""
+    comm = private(comm)
+    topo = detect_private(comm)
+    path = _tuning_path or os.environ.get("HPCJOBS_TUNING") or None
+    t = _pick_table(_tuning(), comm.Get_size(), topo.num_nodes, topo.local_sizes)
+    shape = f"{t['ranks']} ranks on {t['nodes']} node(s)" + (f" {list(t['local_sizes'])}" if t.get("local_sizes")
+                                                            else "")
+    link = f", link {t['link_gbps']:.2f} Gbit/s" if t.get("link_gbps") else ""
+    here = f"{comm.Get_size()} ranks on {topo.num_nodes} node(s) {list(topo.local_sizes)}"
+    return f"{path or 'built-in table'}: the table of {shape}{link}, for {here}"
+
+
+def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None, local_sizes: tuple | None = None) -> dict:
+    table = _pick_table(tuning or _tuning(), ranks, nodes, local_sizes)
     rows = table["rows"]
     bounds = [r["max_bytes"] for r in rows[:-1]]
     return rows[bisect.bisect_left(bounds, nbytes)]
@@ -188,11 +217,13 @@ def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) 
     return _placed(_row(nbytes, ranks, nodes, tuning)["algorithm"], nodes == 1)
 
 
-def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) -> list[str]:
+def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None,
+               local_sizes: tuple | None = None) -> list[str]:
     """The table's choice first, then the row's other contenders: its
     ``candidates``, or for a table without them (an older ``hpcjobs tune``)
-    the runner-ups it measured."""
-    row = _row(nbytes, ranks, nodes, tuning)
+    the runner-ups it measured. ``local_sizes``: ranks on each node, to pick
+    the table tuned on the same layout."""
+    row = _row(nbytes, ranks, nodes, tuning, local_sizes)
     names = row.get("candidates") or [row["algorithm"], *(m.get("runner_up") for m in row.get("measured", []))]
     names = [n for n in names if n in ALGORITHMS]  # a hand-edited table's "measured" may name anything
     return list(dict.fromkeys(_placed(n, nodes == 1) for n in [row["algorithm"], *names]))
@@ -286,7 +317,7 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     topo = decisions.get("topology")
     if topo is None:  # the layout, read once per communicator (and set_tuning)
         topo = decisions["topology"] = detect_private(comm)
-    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes)
+    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes)
     # One simulated node may still span hosts: shm needs real shared memory.
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):

@@ -94,3 +94,25 @@ def test_tune_times_only_the_algorithms_that_differ_here(shared_memory, nodes, o
     assert set(ALGORITHMS) - set(names) == out
     assert names == [a for a in ALGORITHMS if a not in out]  # in ALGORITHMS' order
     assert sorted(line.split(":")[0] for line in left_out) == sorted(out)
+
+
+def test_merge_keeps_one_table_per_layout_and_auto_takes_the_matching_one(tmp_path):
+    """4 ranks on 2 nodes as 2+2 and as 3+1 are two tables; a table without
+    a layout (an older file) matches any, after the ones that match."""
+    path = tmp_path / "t.json"
+    even = {"ranks": 4, "nodes": 2, "local_sizes": [2, 2], "link_gbps": 0.98,
+            "rows": [{"max_bytes": None, "algorithm": "hierarchical"}]}
+    uneven = {"ranks": 4, "nodes": 2, "local_sizes": [3, 1], "rows": [{"max_bytes": None, "algorithm": "ring"}]}
+    path.write_text(json.dumps(merge(str(path), even, {"host": "a"})))
+    data = merge(str(path), uneven, {"host": "b"})
+    assert [t["local_sizes"] for t in data["tables"]] == [[2, 2], [3, 1]]
+    assert set(data["environments"]) == {"4x2[2,2]", "4x2[3,1]"}
+    assert choose(1 << 20, 4, 2, tuning=data) in ("hierarchical", "ring")  # no layout given: either
+    from hpcjobs.collectives.auto import candidates
+
+    assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(3, 1))[0] == "ring"
+    assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(2, 2))[0] == "hierarchical"
+    older = {"version": 1, "tables": [{"ranks": 4, "nodes": 2, "rows": [{"max_bytes": None, "algorithm": "tree"}]},
+                                      even]}
+    assert candidates(1 << 20, 4, 2, tuning=older, local_sizes=(2, 2))[0] == "hierarchical"
+    assert candidates(1 << 20, 4, 2, tuning=older, local_sizes=(3, 1))[0] == "tree"  # the layout-free table

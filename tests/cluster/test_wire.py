@@ -84,3 +84,20 @@ def test_model_across_unequal_hosts_is_a_usage_error(emulated_cluster):
     assert proc.stderr.count("hpcjobs model: error: the two-level model needs equal nodes of consecutive ranks; "
                              "these have [2, 1]") == 1, proc.stderr
     assert "measuring" not in proc.stdout
+
+
+def test_tune_across_hosts_records_the_layout_and_link_and_auto_says_it_uses_that_table(emulated_cluster, tmp_path):
+    table = tmp_path / "tuning.json"
+    proc = emulated_cluster.mpirun("h1:2,h2:2", 4, "hpcjobs", "tune", "--out", table, "-b", "64K", "-e", "1M",
+                                   "-f", "16", "--passes", "1", "--iters", "2", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"# link between nodes: [\d.]+ Gbit/s one way", proc.stdout), proc.stdout
+    (t,) = json.loads(table.read_text())["tables"]
+    assert (t["ranks"], t["nodes"], t["local_sizes"], t["layout"]) == (4, 2, [2, 2], "shared-memory")
+    assert t["link_gbps"] > 0.1
+    bench = emulated_cluster.mpirun("h1:2,h2:2", 4, "hpcjobs", "bench", "allreduce", "--impl", "auto",
+                                    "--baselines", "none", "--tuning", table, "-b", "64K", "-e", "64K",
+                                    "--iters", "2", timeout=300)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    assert (f"# auto's tuning table: {table}: the table of 4 ranks on 2 node(s) [2, 2], link "
+            f"{t['link_gbps']:.2f} Gbit/s, for 4 ranks on 2 node(s) [2, 2]") in bench.stdout, bench.stdout
