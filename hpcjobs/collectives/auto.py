@@ -40,8 +40,6 @@ more ranks follow the table alone.
 from __future__ import annotations
 
 import bisect
-import functools
-import json
 import os
 
 import numpy as np
@@ -54,6 +52,7 @@ from ._buffers import Flat, as_flat
 from . import oneshot
 from ._frame import Algorithm
 from ._shared import is_single_node
+from .tuning import DEFAULT_TABLE, _pick_table, load_tuning
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
 
@@ -61,33 +60,6 @@ __all__ = ["DEFAULT_TABLE", "DEVICE_SMALL_BYTES", "REMEASURE_EVERY", "UNTIMED_TU
            "allreduce_device", "candidates", "choose", "device_candidates", "kept",
            "load_tuning", "remeasure", "same_bits", "set_tuning", "settled", "table_used", "timed_rounds"]
 
-# Used when no tuning file exists: from `hpcjobs tune` at 2 ranks on the CI
-# machine (docs/results/allreduce.md, "The tuning table"), generalised: the
-# latency-optimal algorithm for small messages, shared memory on one node for
-# large ones, and the two-level algorithm across nodes.
-# The candidates are the algorithms that won or came second in that range
-# across several `hpcjobs tune` runs here, in the host's calm and busy spells.
-DEFAULT_TABLE = {
-    "version": 1,
-    "tables": [
-        {"ranks": 2, "nodes": 1, "rows": [
-            # oneshot: 9.1-10.7 us against recursive doubling's 13.2-21.4 at 8 B-4 KB
-            # here, and 1.6-1.8x faster than it at 4-16 ranks on a 16-core node
-            # (docs/results/allreduce.md, "Small messages: oneshot").
-            {"max_bytes": 16 << 10, "algorithm": "oneshot",
-             "candidates": ["oneshot", "recursive_doubling", "parameter_server"]},
-            # Where latency gives way to bandwidth. At 32 KB on the 16-core node
-            # oneshot took 50-101 us where shm took 84-187.
-            {"max_bytes": 64 << 10, "algorithm": "oneshot",
-             "candidates": ["oneshot", "shm", "recursive_doubling"]},
-            {"max_bytes": 4 << 20, "algorithm": "shm", "candidates": ["shm", "ring", "rabenseifner"]},
-            {"max_bytes": None, "algorithm": "shm", "candidates": ["shm", "ring_pipelined", "rabenseifner"]}]},
-        {"ranks": 16, "nodes": 2, "rows": [
-            {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
-             "candidates": ["recursive_doubling", "tree"]},
-            {"max_bytes": None, "algorithm": "hierarchical", "candidates": ["hierarchical", "ring_pipelined"]}]},
-    ],
-}
 # Calls at one message size between two measurements of its candidates.
 REMEASURE_EVERY = 1000
 # Untimed turns of every candidate before a measurement's timed rounds. On a
@@ -132,51 +104,6 @@ def remeasure() -> None:
     global _decisions_generation, _last
     _decisions_generation += 1
     _last = (None, None)
-
-
-@functools.lru_cache(maxsize=4)
-def load_tuning(path: str | None) -> dict:
-    """Read and check a tuning file; None gives :data:`DEFAULT_TABLE`.
-
-    Raises:
-        ValueError: the file is missing, not JSON, or names an unknown algorithm.
-    """
-    if path is None:
-        return DEFAULT_TABLE
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"cannot read tuning table {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tuning table {path} is not JSON: {e}") from None
-    tables = data.get("tables") if isinstance(data, dict) else None
-    if not tables:
-        raise ValueError(f"tuning table {path} has no 'tables'")
-    for t in tables:
-        for row in t.get("rows", []):
-            for name in [row.get("algorithm"), *row.get("candidates", [])]:
-                if name not in ALGORITHMS:
-                    raise ValueError(f"tuning table {path}: unknown algorithm {name!r}")
-        if not t.get("rows") or t["rows"][-1].get("max_bytes") is not None:
-            raise ValueError(f"tuning table {path}: each table's last row needs max_bytes null (no upper bound)")
-    return data
-
-
-def _pick_table(data: dict, ranks: int, nodes: int, local_sizes: tuple | None = None) -> dict:
-    """The table for this shape: the same nodes first, then the same ranks
-    on each node (``local_sizes``; a table without them, from an older
-    ``hpcjobs tune``, comes after one that matches and before one that
-    does not), then the nearest ranks."""
-    def distance(t):
-        layout = t.get("local_sizes")
-        if local_sizes is None or layout is None:
-            fit = 1
-        else:
-            fit = 0 if tuple(layout) == tuple(local_sizes) else 2
-        return (t["nodes"] != nodes, abs(t["nodes"] - nodes), fit, abs(t["ranks"] - ranks))
-
-    return min(data["tables"], key=distance)
 
 
 def _tuning() -> dict:
