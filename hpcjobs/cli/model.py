@@ -42,18 +42,7 @@ def run(args) -> int:
     rows = compare(records, P, m, topo.local_size if topo.uniform else None)
     print0("# predicted: the formulas costed with measured per-size message and reduction costs;")
     print0("# linear: the same formulas with the fitted alpha + n*beta and n*gamma")
-    print0("#    size(B)  algorithm              measured(us)  predicted(us)   error   linear(us)   error")
-    for r in rows:
-        print0(f"{r['size_bytes']:>12}  {r['algorithm']:<20} {r['measured_us']:>13.1f} {r['predicted_us']:>14.1f} "
-               f"{r['rel_error']:>+7.0%} {r['linear_us']:>12.1f} {r['linear_rel_error']:>+7.0%}")
-    print0("# |error| over the rows >= 1 MB, mean (max): per-size model | linear model")
-    for name in names:
-        big = [x for x in rows if x["algorithm"] == name and x["size_bytes"] >= 1 << 20]
-        if big:
-            e = [abs(x["rel_error"]) for x in big]
-            le = [abs(x["linear_rel_error"]) for x in big]
-            print0(f"#   {name:<20} {statistics.mean(e):>4.0%} ({max(e):.0%})  |  "
-                   f"{statistics.mean(le):>4.0%} ({max(le):.0%})")
+    _print_rows(rows, names)
     print0("# bytes rank 0 sends, counted (parameter server: rank 0 is the server), against the formula:")
     print0("#    size(B)  algorithm            sent(B)  received(B)  formula")
     counted = []
@@ -118,6 +107,18 @@ def _across(args, comm, topo, sizes) -> int:
            "between nodes the smallest message's one-way time + n x the largest's per byte (the sustained rate), "
            "an exchange as one direction, flows sharing an uplink as one message of their total bytes "
            "(perfmodel.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
+    _print_rows(rows, names)
+    if args.out and comm.Get_rank() == 0:
+        write(args.out, net, rows, [], P, node=node)
+        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
+    return 0
+
+
+def _print_rows(rows: list[dict], names: list[str]) -> None:
+    """Predicted against measured, row by row, then the mean and largest
+    error per algorithm from 1 MB up (rank 0)."""
+    from ..comm import print0
+
     print0("#    size(B)  algorithm              measured(us)  predicted(us)   error   linear(us)   error")
     for r in rows:
         print0(f"{r['size_bytes']:>12}  {r['algorithm']:<20} {r['measured_us']:>13.1f} {r['predicted_us']:>14.1f} "
@@ -130,7 +131,3 @@ def _across(args, comm, topo, sizes) -> int:
             le = [abs(x["linear_rel_error"]) for x in big]
             print0(f"#   {name:<20} {statistics.mean(e):>4.0%} ({max(e):.0%})  |  "
                    f"{statistics.mean(le):>4.0%} ({max(le):.0%})")
-    if args.out and comm.Get_rank() == 0:
-        write(args.out, net, rows, [], P, node=node)
-        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
-    return 0
