@@ -134,6 +134,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="model init and data order (default %(default)s)")
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")
+    g.add_argument("--target-loss", type=positive_float, metavar="L",
+                   help="from the 4th epoch, each epoch's line predicts the epoch at which the training loss "
+                        "reaches L (Optimus's model 1/(b0*k + b1) + b2 fitted to the losses so far, with a "
+                        "jackknife interval): predicted_epoch, predicted_epoch_low/high (null: never, by the fit)")
     g.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here after every epoch (atomic)")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")

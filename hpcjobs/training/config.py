@@ -86,6 +86,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     metrics: str | None = None
+    target_loss: float | None = None  # predict the epoch the training loss reaches it (hpcjobs.convergence)
     progress: bool = True
     quiet: bool = False
 

@@ -50,6 +50,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
+from ..convergence import MIN_POINTS, prediction_fields
 from ..compression import make_compressor
 from ..runtime import autocast, out_of_memory, pick_device
 from . import checkpoint
@@ -373,6 +374,8 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
 def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
     """Step 4: the metrics line (rank 0) and the end-of-epoch checkpoint."""
     run.history.append(record)
+    if run.cfg.target_loss and len(run.history) >= MIN_POINTS:
+        record.update(prediction_fields(run.history, run.cfg.target_loss))
     if run.rank == 0:
         _report(run.cfg, record)
     if run.cfg.checkpoint:

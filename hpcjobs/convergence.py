@@ -1,0 +1,176 @@
+"""Optimus's convergence model: the training loss after k epochs as
+
+    l(k) = 1 / (β0·k + β1) + β2,     β0, β1, β2 >= 0
+
+(Peng et al., "Optimus", EuroSys 2018, §4.1), fitted to a run's loss
+history, and the epochs it predicts to a target loss.
+
+The fit: for a fixed asymptote β2 below every observed loss,
+1 / (l - β2) = β0·k + β1 is linear in (β0, β1), solved by non-negative
+least squares (two unknowns: the unconstrained solution, or the best with
+one of them at 0); β2 is searched on a grid in [0, min(l)) and refined
+around the best point, keeping the fit with the smallest squared error in
+the loss itself. Nothing beyond numpy.
+
+The interval: the fit repeated without each point in turn (a jackknife);
+the predicted epochs to the target from those fits give its low and high
+ends. A target at or below a fit's asymptote is never reached by that fit
+(``inf``).
+
+``hpcjobs train --target-loss L`` prints the prediction with each epoch's
+line once it has :data:`MIN_POINTS` epochs; :func:`fit_metrics` reads a
+``--metrics`` JSONL file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MIN_POINTS", "Fit", "Prediction", "fit", "fit_metrics", "predict_epochs", "prediction_fields"]
+
+MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
+_GRID = 64  # asymptote values tried in [0, min loss), then again around the best
+
+
+@dataclass(frozen=True)
+class Fit:
+    beta0: float
+    beta1: float
+    beta2: float
+    rmse: float  # of the fitted losses against the observed, in loss units
+    points: int
+
+    def loss(self, k: float) -> float:
+        """The loss the fit predicts after ``k`` epochs."""
+        d = self.beta0 * k + self.beta1
+        return math.inf if d <= 0 else 1.0 / d + self.beta2
+
+    def epochs_to(self, target: float) -> float:
+        """Epochs (from the start) until the loss reaches ``target``;
+        ``inf`` if the fit's asymptote is at or above it."""
+        if target <= self.beta2 or self.beta0 <= 0:
+            return math.inf
+        return max(0.0, (1.0 / (target - self.beta2) - self.beta1) / self.beta0)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    target: float
+    epochs: float  # from the start of training
+    low: float
+    high: float
+    fit: Fit
+
+
+def _nnls2(k: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
+    """min over b0, b1 >= 0 of sum(w·(b0·k + b1 - y)^2)."""
+    A = np.stack([k, np.ones_like(k)], axis=1) * np.sqrt(w)[:, None]
+    t = y * np.sqrt(w)
+    (b0, b1), *_ = np.linalg.lstsq(A, t, rcond=None)
+    if b0 >= 0 and b1 >= 0:
+        return float(b0), float(b1)
+    best = None
+    for fixed in (0, 1):  # one of them at 0: the other's constrained optimum
+        col = A[:, 1 - fixed]
+        v = max(0.0, float(col @ t / (col @ col))) if col @ col > 0 else 0.0
+        cand = (v, 0.0) if fixed == 1 else (0.0, v)
+        err = float(np.sum((A @ np.array(cand) - t) ** 2))
+        if best is None or err < best[0]:
+            best = (err, cand)
+    return best[1]
+
+
+def _fit_at(k: np.ndarray, loss: np.ndarray, b2: float) -> tuple[float, float, float]:
+    gap = loss - b2
+    y = 1.0 / gap
+    # Errors in 1/(l - b2) grow as gap^-2 times the loss's: weight by gap^4 so
+    # the linear fit approximates least squares in the loss.
+    b0, b1 = _nnls2(k, y, gap ** 4)
+    d = b0 * k + b1
+    pred = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0) + b2, np.inf)
+    return b0, b1, float(np.sum((pred - loss) ** 2))
+
+
+def fit(epochs, losses) -> Fit:
+    """Fit ``l = 1/(β0·k + β1) + β2`` to losses observed after ``epochs``
+    (1, 2, ...; any positive numbers, in any order).
+
+    Raises:
+        ValueError: fewer than three points, lengths that differ, or a
+            loss that is not a positive finite number.
+    """
+    k = np.asarray(epochs, dtype=np.float64)
+    loss = np.asarray(losses, dtype=np.float64)
+    if k.shape != loss.shape or k.ndim != 1:
+        raise ValueError(f"epochs and losses must be two lists of one length, got {k.shape} and {loss.shape}")
+    if len(k) < 3:
+        raise ValueError(f"the loss model has three parameters: it needs at least 3 points, got {len(k)}")
+    if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
+        raise ValueError("losses must be positive finite numbers")
+    top = float(loss.min())
+    grid = np.linspace(0.0, top, _GRID, endpoint=False)
+    best = min(((b2, *_fit_at(k, loss, b2)) for b2 in grid), key=lambda r: r[3])
+    step = top / _GRID
+    lo, hi = max(0.0, best[0] - step), min(top * (1 - 1e-9), best[0] + step)
+    best = min([best, *((b2, *_fit_at(k, loss, b2)) for b2 in np.linspace(lo, hi, _GRID))], key=lambda r: r[3])
+    b2, b0, b1, sse = best
+    return Fit(b0, b1, float(b2), math.sqrt(sse / len(k)), len(k))
+
+
+def predict_epochs(epochs, losses, target: float) -> Prediction:
+    """Epochs to reach ``target``, with the jackknife interval (module
+    docstring).
+
+    Raises:
+        ValueError: as :func:`fit`, fewer than :data:`MIN_POINTS` points,
+            or a target that is not a positive number.
+    """
+    if not target > 0:
+        raise ValueError(f"the target loss must be a positive number, got {target}")
+    k, loss = list(epochs), list(losses)
+    if len(k) < MIN_POINTS:
+        raise ValueError(f"a prediction needs at least {MIN_POINTS} epochs of losses, got {len(k)}")
+    whole = fit(k, loss)
+    ends = [fit(k[:i] + k[i + 1:], loss[:i] + loss[i + 1:]).epochs_to(target) for i in range(len(k))]
+    middle = whole.epochs_to(target)
+    return Prediction(target, middle, min([middle, *ends]), max([middle, *ends]), whole)
+
+
+def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:
+    """(epochs, losses) from a ``train --metrics`` JSONL file (its ``epoch``
+    and ``key`` fields); a file appended to by several runs gives the last
+    run's lines (from its last epoch 1).
+
+    Raises:
+        ValueError: unreadable, not JSON lines, or no ``key`` in them.
+    """
+    try:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON lines: {e}") from None
+    starts = [i for i, r in enumerate(lines) if r.get("epoch") == 1]
+    lines = lines[starts[-1]:] if starts else lines
+    if not lines or any(key not in r or "epoch" not in r for r in lines):
+        raise ValueError(f"{path}: every line needs 'epoch' and {key!r}")
+    return [int(r["epoch"]) for r in lines], [float(r[key]) for r in lines]
+
+
+def prediction_fields(history: list[dict], target: float, key: str = "loss") -> dict:
+    """What ``train --target-loss`` adds to an epoch's line: the epoch at
+    which ``key`` reaches ``target`` by the model fitted to ``history`` (the
+    epoch records so far), and its interval; None where the fit never
+    reaches it."""
+    p = predict_epochs([r["epoch"] for r in history], [r[key] for r in history], target)
+
+    def finite(v: float):
+        return None if math.isinf(v) else round(v, 2)
+
+    return {"predicted_epoch": finite(p.epochs), "predicted_epoch_low": finite(p.low),
+            "predicted_epoch_high": finite(p.high)}

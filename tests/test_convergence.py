@@ -1,0 +1,100 @@
+"""Optimus's loss model (hpcjobs/convergence.py): the fit against its
+closed form, the prediction and its interval, the errors, the metrics file,
+and ``train --target-loss``."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from hpcjobs.convergence import MIN_POINTS, fit, fit_metrics, predict_epochs, prediction_fields
+
+B0, B1, B2 = 0.8, 0.5, 0.3
+K = np.arange(1, 11, dtype=float)
+EXACT = 1 / (B0 * K + B1) + B2
+
+
+def test_the_fit_recovers_the_parameters_of_an_exact_curve():
+    f = fit(K, EXACT)
+    assert (f.beta0, f.beta1, f.beta2) == pytest.approx((B0, B1, B2), rel=2e-3)
+    assert f.rmse < 1e-4 and f.points == 10
+    assert f.loss(20) == pytest.approx(1 / (B0 * 20 + B1) + B2, rel=1e-3)
+
+
+def test_the_prediction_is_the_closed_form_and_its_interval_holds_it():
+    target = 0.4  # reached at (1/(0.4-0.3) - 0.5) / 0.8 = 11.875 epochs: beyond the 6 points given
+    p = predict_epochs(list(K[:6]), list(EXACT[:6]), target)
+    want = (1 / (target - B2) - B1) / B0
+    assert p.epochs == pytest.approx(want, abs=0.05)
+    assert p.low <= p.epochs <= p.high and p.high - p.low < 0.5
+
+
+def test_noise_widens_the_interval_around_the_truth():
+    rng = np.random.default_rng(0)  # seeded: the same numbers every run
+    noisy = EXACT * (1 + 0.01 * rng.standard_normal(len(K)))
+    p = predict_epochs(list(K), list(noisy), 0.4)
+    assert p.low < 11.875 < p.high
+    assert p.high - p.low > 0.1
+
+
+def test_a_target_under_the_asymptote_is_never_reached():
+    p = predict_epochs(list(K), list(EXACT), 0.25)
+    assert math.isinf(p.epochs) and math.isinf(p.high)
+    assert prediction_fields([{"epoch": int(k), "loss": float(v)} for k, v in zip(K, EXACT)], 0.25) == {
+        "predicted_epoch": None, "predicted_epoch_low": None, "predicted_epoch_high": None}
+
+
+def test_a_target_already_passed_is_epoch_zero_or_more():
+    assert 0 <= predict_epochs(list(K), list(EXACT), 5.0).epochs <= 1
+
+
+@pytest.mark.parametrize("epochs,losses,words", [
+    ([1, 2], [1.0, 0.5], "at least 3 points"),
+    ([1, 2, 3], [1.0, 0.5], "one length"),
+    ([1, 2, 3, 4], [1.0, -0.5, 0.4, 0.3], "positive finite"),
+    ([1, 2, 3, 4], [1.0, float("nan"), 0.4, 0.3], "positive finite"),
+])
+def test_bad_histories_are_refused_with_the_rule(epochs, losses, words):
+    with pytest.raises(ValueError, match=words):
+        fit(epochs, losses)
+
+
+@pytest.mark.parametrize("epochs,losses,target,words", [
+    ([1, 2, 3], [1.0, 0.5, 0.4], 0.1, f"at least {MIN_POINTS} epochs"),
+    ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.0, "positive number"),
+])
+def test_bad_predictions_are_refused_with_the_rule(epochs, losses, target, words):
+    with pytest.raises(ValueError, match=words):
+        predict_epochs(epochs, losses, target)
+
+
+def test_metrics_file_gives_the_last_runs_losses(tmp_path):
+    path = tmp_path / "m.jsonl"
+    lines = [{"epoch": 1, "loss": 9.0}, {"epoch": 2, "loss": 8.0},  # an earlier run, appended to
+             {"epoch": 1, "loss": 2.0}, {"epoch": 2, "loss": 1.5}, {"epoch": 3, "loss": 1.2}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert fit_metrics(str(path)) == ([1, 2, 3], [2.0, 1.5, 1.2])
+    path.write_text('{"epoch": 1}\n')
+    with pytest.raises(ValueError, match="every line needs 'epoch' and 'loss'"):
+        fit_metrics(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        fit_metrics(str(tmp_path / "missing.jsonl"))
+
+
+def test_train_predicts_the_target_epoch_from_its_fourth_epoch(tmp_path):
+    from launch import mpirun
+
+    metrics = tmp_path / "m.jsonl"
+    out = mpirun(2, "train", "--dataset", "synthetic", "--num-samples", "800", "--width", "16", "-b", "16",
+                 "--epochs", "5", "--target-loss", "0.05", "--metrics", str(metrics), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]
+    assert all("predicted_epoch" not in r for r in records[:3])
+    for n, r in enumerate(records[3:], start=4):
+        # the same fit on the same losses (as the line rounds them to 6 digits), here
+        want = prediction_fields(records[:n], 0.05)
+        for key, value in want.items():
+            assert (r[key] is None) == (value is None), (key, r, want)
+            assert value is None or r[key] == pytest.approx(value, abs=0.02, rel=1e-3), (key, r, want)
