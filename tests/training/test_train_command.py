@@ -15,6 +15,7 @@ from launch import mpirun_script
     (["--checkpoint-every", "0", "--checkpoint", "/tmp/x.pt"], "must be positive"),
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
+    (["--target-loss", "0"], "must be positive"),
     (["--dataset", "mnist"], "give data_dir"),
     (["--compression", "zip"], "unknown compression 'zip'"),
     (["--compression", "topk:2"], "ratio must be a number in (0, 1]"),
