@@ -78,6 +78,6 @@ def best_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4
     if not ratios:
         return None
     at = set(at)
-    shown = [(s, x) for s, x in ratios if s in at] or [ratios[0], ratios[-1]]
+    shown = [(s, x) for s, x in ratios if s in at] or list(dict.fromkeys([ratios[0], ratios[-1]]))  # once if one
     return (", ".join(f"{x:.2f}x at {format_bytes(s)}" for s, x in shown)
             + f"; faster at {sum(x > 1 for _, x in ratios)} of {len(ratios)} sizes")

@@ -27,3 +27,7 @@ def test_our_best_is_compared_with_a_baseline_at_the_usual_sizes():
     # no size of the usual ones: the first and the last
     assert best_against([rec(16, "ring", 10), rec(16, "mpi", 5), rec(64, "ring", 10), rec(64, "mpi", 30)],
                         "mpi") == "0.50x at 16, 3.00x at 64; faster at 1 of 2 sizes"
+    # one size of no usual kind: said once
+    assert best_against([rec(3 << 20, "ring", 10), rec(3 << 20, "mpi", 28)], "mpi") == "2.80x at 3M; faster at 1 of 1 sizes"
+    # hierarchical per segment size counts as ours
+    assert best_against([rec(16, "hierarchical/1M", 10), rec(16, "mpi", 20)], "mpi") == "2.00x at 16; faster at 1 of 1 sizes"
