@@ -34,6 +34,7 @@ __all__ = ["MIN_POINTS", "Fit", "Prediction", "fit", "fit_metrics", "predict_epo
 
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
 _GRID = 64  # asymptote values tried in [0, min loss), then again around the best
+_FLAT = 1e-9  # beta0 below this fraction of 1/(target - beta2) per epoch: a billion epochs or more, never
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Fit:
     def epochs_to(self, target: float) -> float:
         """Epochs (from the start) until the loss reaches ``target``;
         ``inf`` if the fit's asymptote is at or above it."""
-        if target <= self.beta2 or self.beta0 <= 0:
-            return math.inf
+        if target <= self.beta2 or self.beta0 <= _FLAT * (1.0 / (target - self.beta2)):
+            return math.inf  # a flat fit (beta0 ~ 0 by round-off) never gets there
         return max(0.0, (1.0 / (target - self.beta2) - self.beta1) / self.beta0)
 
 
@@ -167,7 +168,10 @@ def prediction_fields(history: list[dict], target: float, key: str = "loss") -> 
     which ``key`` reaches ``target`` by the model fitted to ``history`` (the
     epoch records so far), and its interval; None where the fit never
     reaches it."""
-    p = predict_epochs([r["epoch"] for r in history], [r[key] for r in history], target)
+    losses = [r[key] for r in history]
+    if not all(math.isfinite(v) and v > 0 for v in losses):  # a diverged (or exact) run: no fit, no abort
+        return {"predicted_epoch": None, "predicted_epoch_low": None, "predicted_epoch_high": None}
+    p = predict_epochs([r["epoch"] for r in history], losses, target)
 
     def finite(v: float):
         return None if math.isinf(v) else round(v, 2)

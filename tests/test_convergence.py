@@ -98,3 +98,11 @@ def test_train_predicts_the_target_epoch_from_its_fourth_epoch(tmp_path):
         for key, value in want.items():
             assert (r[key] is None) == (value is None), (key, r, want)
             assert value is None or r[key] == pytest.approx(value, abs=0.02, rel=1e-3), (key, r, want)
+
+
+def test_a_flat_or_diverged_history_predicts_never_without_raising():
+    flat = [{"epoch": k, "loss": 0.7} for k in range(1, 7)]
+    assert prediction_fields(flat, 0.5)["predicted_epoch"] is None
+    diverged = flat[:4] + [{"epoch": 5, "loss": float("nan")}]
+    assert prediction_fields(diverged, 0.5) == {"predicted_epoch": None, "predicted_epoch_low": None,
+                                                "predicted_epoch_high": None}

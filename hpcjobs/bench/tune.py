@@ -102,12 +102,12 @@ def _measure(size: int, best: Record, second: Record) -> dict:
 
 
 def _shape(t: dict) -> tuple:
-    return t["ranks"], t["nodes"], tuple(t.get("local_sizes") or ())
+    return t["ranks"], t["nodes"], tuple(t.get("local_sizes") or ()), t.get("layout") == "override"
 
 
 def merge(path: str, table: dict, environment: dict) -> dict:
     """The tuning file at ``path`` with ``table`` added or replacing the one
-    of the same ranks, nodes and ranks per node."""
+    of the same ranks, nodes and ranks per node, simulated or real."""
     data = {"version": 1, "tables": []}
     if os.path.exists(path):
         with open(path) as f:
@@ -116,6 +116,7 @@ def merge(path: str, table: dict, environment: dict) -> dict:
     data["tables"].sort(key=_shape)
     key = f"{table['ranks']}x{table['nodes']}" + ("" if not table.get("local_sizes") else
                                                   "[" + ",".join(map(str, table["local_sizes"])) + "]")
+    key += " simulated" if table.get("layout") == "override" else ""
     data.setdefault("environments", {})[key] = environment
     return data
 

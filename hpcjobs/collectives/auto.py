@@ -117,7 +117,7 @@ def table_used(comm: MPI.Comm | None = None) -> str:
     comm = private(comm)
     topo = detect_private(comm)
     path = _tuning_path or os.environ.get("HPCJOBS_TUNING") or None
-    t = _pick_table(_tuning(), comm.Get_size(), topo.num_nodes, topo.local_sizes)
+    t = _pick_table(_tuning(), comm.Get_size(), topo.num_nodes, topo.local_sizes, topo.source == "override")
     shape = f"{t['ranks']} ranks on {t['nodes']} node(s)" + (f" {list(t['local_sizes'])}" if t.get("local_sizes")
                                                             else "")
     link = f", link {t['link_gbps']:.2f} Gbit/s" if t.get("link_gbps") else ""
@@ -125,8 +125,9 @@ def table_used(comm: MPI.Comm | None = None) -> str:
     return f"{path or 'built-in table'}: the table of {shape}{link}, for {here}"
 
 
-def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None, local_sizes: tuple | None = None) -> dict:
-    table = _pick_table(tuning or _tuning(), ranks, nodes, local_sizes)
+def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None, local_sizes: tuple | None = None,
+         simulated: bool | None = None) -> dict:
+    table = _pick_table(tuning or _tuning(), ranks, nodes, local_sizes, simulated)
     rows = table["rows"]
     bounds = [r["max_bytes"] for r in rows[:-1]]
     return rows[bisect.bisect_left(bounds, nbytes)]
@@ -145,12 +146,13 @@ def choose(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None) 
 
 
 def candidates(nbytes: int, ranks: int, nodes: int = 1, tuning: dict | None = None,
-               local_sizes: tuple | None = None) -> list[str]:
+               local_sizes: tuple | None = None, simulated: bool | None = None) -> list[str]:
     """The table's choice first, then the row's other contenders: its
     ``candidates``, or for a table without them (an older ``hpcjobs tune``)
-    the runner-ups it measured. ``local_sizes``: ranks on each node, to pick
-    the table tuned on the same layout."""
-    row = _row(nbytes, ranks, nodes, tuning, local_sizes)
+    the runner-ups it measured. ``local_sizes``: ranks on each node, and
+    ``simulated``: nodes simulated on one host, to pick the table tuned on
+    the same layout."""
+    row = _row(nbytes, ranks, nodes, tuning, local_sizes, simulated)
     names = row.get("candidates") or [row["algorithm"], *(m.get("runner_up") for m in row.get("measured", []))]
     names = [n for n in names if n in ALGORITHMS]  # a hand-edited table's "measured" may name anything
     return list(dict.fromkeys(_placed(n, nodes == 1) for n in [row["algorithm"], *names]))
@@ -244,7 +246,8 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     topo = decisions.get("topology")
     if topo is None:  # the layout, read once per communicator (and set_tuning)
         topo = decisions["topology"] = detect_private(comm)
-    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes)
+    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes,
+                       simulated=topo.source == "override")
     # One simulated node may still span hosts: shm needs real shared memory.
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):

@@ -46,6 +46,8 @@ Step: :func:`allreduce`.
 
 from __future__ import annotations
 
+import threading
+
 from mpi4py import MPI
 
 from ..comm import private
@@ -90,7 +92,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
     if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
         segment_bytes = 0 if topo.source == "override" else default_segment_bytes(flat.nbytes)
     per = main if not segment_bytes else max(L, segment_bytes // flat.itemsize // L * L)
-    if main > per and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+    if main > per and _threads_everywhere(comm):
         _pipelined(flat.slice(0, main), op, topo, inter_step, intra, per, size)
     elif main:
         m = flat.slice(0, main)
@@ -105,7 +107,34 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
         _through_leaders(flat.slice(main, flat.count), op, topo, inter_step, size)
 
 
-_inter_thread = None  # one worker thread per process: the network stage of the pipelined path
+# The pipelined path's network stages run on a worker thread of their own per
+# cross-node communicator: two communicators' collectives in flight at once
+# (the torch backend's process groups, Horovod's executor beside a user's
+# call) never queue behind each other's, whose order may differ by rank.
+_workers: dict[int, object] = {}
+_workers_lock = threading.Lock()
+_THREADS_KEYVAL = MPI.Comm.Create_keyval()  # on a communicator: every rank has MPI_THREAD_MULTIPLE
+
+
+def _worker(cross: MPI.Intracomm):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _workers_lock:
+        worker = _workers.get(id(cross))
+        if worker is None:
+            worker = _workers[id(cross)] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcjobs-inter")
+        return worker
+
+
+def _threads_everywhere(comm: MPI.Intracomm) -> bool:
+    """Whether every rank of ``comm`` runs with MPI_THREAD_MULTIPLE (one
+    small allreduce the first time per communicator, on every rank alike:
+    the pipelined and the plain path must not mix)."""
+    ok = comm.Get_attr(_THREADS_KEYVAL)
+    if ok is None:
+        ok = bool(comm.allreduce(MPI.Query_thread() == MPI.THREAD_MULTIPLE, op=MPI.LAND))
+        comm.Set_attr(_THREADS_KEYVAL, ok)
+    return ok
 
 # Measured on the emulated cluster (2 hosts x 2 ranks, 1 Gbit/s links;
 # docs/results/multinode.md, "Pipelined hierarchical"): 1 MiB segments took
@@ -131,13 +160,9 @@ def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: in
     every rank -- RS(0), RS(1), AG(0), RS(2), AG(1), ..., AG(K-1) -- and the
     cross communicator the segments in order, so no two ranks can disagree
     on what comes next; the segments are disjoint memory."""
-    global _inter_thread
-    from concurrent.futures import ThreadPoolExecutor
-
-    if _inter_thread is None:
-        _inter_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcjobs-inter")
     stage = "sum" if op == "avg" else op
     node, cross, L, me = topo.node_comm, topo.cross_comm, topo.local_size, topo.local_rank
+    worker = _worker(cross)
     rs = shm.reduce_scatter if intra == "shm" else ring.reduce_scatter
     ag = shm.allgather if intra == "shm" else ring.allgather
     segments = [m.slice(lo, min(lo + per, m.count)) for lo in range(0, m.count, per)]
@@ -158,7 +183,7 @@ def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: in
                 done = in_flight[0]
             else:
                 done = None
-            in_flight = (k, _inter_thread.submit(across, seg))
+            in_flight = (k, worker.submit(across, seg))
             if done is not None:
                 ag(segments[done], node)
         in_flight[1].result()

@@ -69,17 +69,24 @@ def load_tuning(path: str | None) -> dict:
     return data
 
 
-def _pick_table(data: dict, ranks: int, nodes: int, local_sizes: tuple | None = None) -> dict:
+def _pick_table(data: dict, ranks: int, nodes: int, local_sizes: tuple | None = None,
+                simulated: bool | None = None) -> dict:
     """The table for this shape: the same nodes first, then the same ranks
-    on each node (``local_sizes``; a table without them, from an older
-    ``hpcjobs tune``, comes after one that matches and before one that
-    does not), then the nearest ranks."""
+    on each node (``local_sizes``) on the same kind of nodes (``simulated``:
+    nodes simulated on one host with --ranks-per-node, whose tables were
+    tuned where every step shares the same cores), then the nearest ranks. A
+    table without a layout, from an older ``hpcjobs tune``, comes after one
+    that matches and before one that does not."""
     def distance(t):
         layout = t.get("local_sizes")
         if local_sizes is None or layout is None:
             fit = 1
+        elif tuple(layout) != tuple(local_sizes):
+            fit = 3
+        elif simulated is not None and "layout" in t and (t["layout"] == "override") != simulated:
+            fit = 2
         else:
-            fit = 0 if tuple(layout) == tuple(local_sizes) else 2
+            fit = 0
         return (t["nodes"] != nodes, abs(t["nodes"] - nodes), fit, abs(t["ranks"] - ranks))
 
     return min(data["tables"], key=distance)

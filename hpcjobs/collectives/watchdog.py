@@ -130,6 +130,22 @@ def _start() -> None:
             _thread.start()
 
 
+def _forget_guardian() -> None:
+    """In a child forked from a rank (a DataLoader worker): the guardian is
+    the rank's, not the child's. Close the child's copy of its pipe, so the
+    guardian sees EOF when the rank ends, and never say "clean" for it."""
+    global _guardian
+    if _guardian is not None:
+        try:
+            _guardian.stdin.close()
+        except (OSError, ValueError):
+            pass
+        _guardian = None
+
+
+os.register_at_fork(after_in_child=_forget_guardian)
+
+
 @atexit.register
 def _stop() -> None:
     # Runs before mpi4py finalizes MPI (atexit is last in, first out): after
@@ -281,7 +297,8 @@ def _watch() -> None:
         for tid, (what, call, t0) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
-                reaper = _guardian or _start_reaper()
+                alive = _guardian is not None and _guardian.poll() is None
+                reaper = _guardian if alive else _start_reaper()
                 report = _report(what, call, rank)
                 print(report, file=sys.stderr, flush=True)
                 _tell_reaper(reaper, report)

@@ -116,3 +116,18 @@ def test_merge_keeps_one_table_per_layout_and_auto_takes_the_matching_one(tmp_pa
                                       even]}
     assert candidates(1 << 20, 4, 2, tuning=older, local_sizes=(2, 2))[0] == "hierarchical"
     assert candidates(1 << 20, 4, 2, tuning=older, local_sizes=(3, 1))[0] == "tree"  # the layout-free table
+
+
+def test_a_table_tuned_on_simulated_nodes_is_kept_apart_from_one_on_real_hosts(tmp_path):
+    path = tmp_path / "t.json"
+    real = {"ranks": 4, "nodes": 2, "local_sizes": [2, 2], "layout": "shared-memory",
+            "rows": [{"max_bytes": None, "algorithm": "hierarchical"}]}
+    simulated = {"ranks": 4, "nodes": 2, "local_sizes": [2, 2], "layout": "override",
+                 "rows": [{"max_bytes": None, "algorithm": "ring"}]}
+    path.write_text(json.dumps(merge(str(path), real, {})))
+    data = merge(str(path), simulated, {})
+    assert len(data["tables"]) == 2 and set(data["environments"]) == {"4x2[2,2]", "4x2[2,2] simulated"}
+    from hpcjobs.collectives.auto import candidates
+
+    assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(2, 2), simulated=False)[0] == "hierarchical"
+    assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(2, 2), simulated=True)[0] == "ring"
