@@ -142,12 +142,23 @@ def _rows(output):
     return [line.split() for line in output.splitlines() if re.match(r"^\s+\d+\s+\d+\s+float32", line)]
 
 
+WRONG = 8  # the #wrong column; across hosts wire(B), model(B) and wire/model follow it
+
+
+def _exact_and_counted(rows):
+    """Every row exact, and (the job spans two hosts) every row with the
+    bytes its hosts sent; ours beside their formula too."""
+    assert rows and all(row[WRONG] == "0" for row in rows), rows
+    assert all(len(row) == WRONG + 4 and float(row[WRONG + 1]) > 0 for row in rows), rows
+    assert all(row[WRONG + 2] != "-" for row in rows if row[4] in ("ring", "hierarchical")), rows
+
+
 def test_allreduce_template(jobs):
     r = jobs["allreduce"]
     _ok(r)
     rows = _rows(r["output"])
     assert {row[4] for row in rows} == {"ring", "hierarchical", "auto", "mpi", "gloo"}
-    assert all(row[-1] == "0" for row in rows)  # #wrong
+    _exact_and_counted(rows)
     assert (r["dir"] / "report" / "report.md").exists()
     assert json.loads((r["dir"] / "allreduce.json").read_text())["records"]
 
@@ -201,7 +212,7 @@ def test_allreduce_template_launched_with_mpirun(jobs):
     assert f"# removed 1 session folder(s) of killed mpiruns, which would stop an mpirun given the same pid: " \
         f"{jobs['stale session']}" in r["output"]
     assert not jobs["stale session"].exists()
-    assert all(row[-1] == "0" for row in _rows(r["output"]))
+    _exact_and_counted(_rows(r["output"]))
 
 
 def test_ranks_that_come_up_as_singletons_fail_the_job(jobs):
