@@ -1,7 +1,9 @@
 """The watchdog's last resort: make the launcher return after a rank's abort.
 
 Run by path (``python -I -S _reaper.py RANK_PID DAEMON_PID GRACE REPORT_WAIT
-[UNCLEAN_GRACE]``), never imported: it must not load MPI. It runs in a
+[UNCLEAN_GRACE]``), so that it loads nothing of hpcjobs and no MPI (the
+watchdog imports it only for its constants; it imports only the standard
+library). It runs in a
 session of its own and without the rank's stdout or stderr (a rank's open
 stdout keeps Open MPI's daemon from counting that rank as ended), and reads
 what the rank says on its stdin. Two ways to start it:

@@ -165,12 +165,17 @@ def _per_byte_at(n: int, sizes: list, costs: list) -> float:
     return costs[i] / sizes[i]
 
 
+def _next_node_rank(comm: MPI.Intracomm, topo) -> int | None:
+    """The first rank not on rank 0's node, or None on one node (collective)."""
+    nodes = comm.allgather(topo.node_id)
+    return next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
+
+
 def link_gbps(comm: MPI.Intracomm, topo, nbytes: int = 16 << 20, reps: int = 3) -> float | None:
     """The network's sustained one-way rate in Gbit/s: ``nbytes`` between
     rank 0 and the first rank of the next node, median of ``reps``
     (collective); None on one node."""
-    nodes = comm.allgather(topo.node_id)
-    other = next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
+    other = _next_node_rank(comm, topo)
     if other is None:
         return None
     t = _exchange_times(comm, [nbytes], both=False, reps=reps, pair=(0, other))[0]
@@ -190,12 +195,11 @@ def measure_links(comm: MPI.Intracomm, topo, dtype: str = "float32", reps: int =
     ranks 0 and 1 if they share a node (else the network's machine stands in:
     a node of one rank sends nothing inside it); between: rank 0 and the
     first rank of the next node."""
-    nodes = comm.allgather(topo.node_id)
-    other = next((r for r, n in enumerate(nodes) if n != nodes[0]), None)
+    other = _next_node_rank(comm, topo)
     if other is None:
         raise ValueError("measure_links needs ranks on more than one node")
     net = measure(comm, dtype, NETWORK_REPS, pair=(0, other), max_bytes=NETWORK_MAX_BYTES)
-    node = measure(comm, dtype, reps, pair=(0, 1)) if nodes[1] == nodes[0] else net
+    node = measure(comm, dtype, reps, pair=(0, 1)) if other > 1 else net
     return node, net
 
 

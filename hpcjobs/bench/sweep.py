@@ -330,9 +330,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         for label in runs:
             rec = _record(count * itemsize, count, dtype, op, label, size, n_iters,
                           max_of_medians(times[label], comm) * 1e6, sum_over_ranks(wrong[label], comm),
-                          on_wire.get(label), wire.model(label, count * itemsize, auto_.kept(
-                              count * itemsize, dtype, op, comm, device != "cpu") if _is_auto(impls[label]) else None)
-                          if label in on_wire else None)
+                          on_wire.get(label), _wire_model(wire, label, impls[label], count * itemsize, dtype, op,
+                                                          comm, device) if label in on_wire else None)
             records.append(rec)
             if on_record is not None:
                 on_record(rec)
@@ -341,8 +340,11 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
     return records
 
 
-def _is_auto(impl) -> bool:
-    return isinstance(impl, Impl) and impl.settled is not None
+def _wire_model(wire, label: str, impl, nbytes: int, dtype: str, op: str, comm, device: str) -> float | None:
+    """What the uplink formula says a node sends for a row (for auto: for
+    the algorithm it kept)."""
+    auto = isinstance(impl, Impl) and impl.settled is not None
+    return wire.model(label, nbytes, auto_.kept(nbytes, dtype, op, comm, device != "cpu") if auto else None)
 
 
 def _record(nbytes: int, count: int, dtype: str, op: str, impl: str, ranks: int, iters: int, time_us: float,

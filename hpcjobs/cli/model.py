@@ -65,7 +65,7 @@ def _across(args, comm, topo, sizes) -> int:
     from ..bench.sweep import implementations
     from ..bench.sweep import run as sweep
     from ..collectives.costs import ACROSS
-    from ..collectives.hierarchical import default_segment_bytes
+    from ..collectives.hierarchical import segment_elements
     from ..comm import print0
     from ..perfmodel import compare_across, measure_links, write
 
@@ -91,16 +91,12 @@ def _across(args, comm, topo, sizes) -> int:
     for name, a in ACROSS.items():
         if name != "ring_pipelined":
             print0(f"#   {name}: {a.formula}")
-    names = [n for n in ("ring", "recursive_doubling", "rabenseifner", "hierarchical")]
+    names = ["ring", "recursive_doubling", "rabenseifner", "hierarchical"]
     records = sweep(comm, sizes, implementations(names), iters=args.iters)
-    simulated = topo.source == "override"
 
-    def segments(nbytes):  # as hierarchical runs here (its default)
-        if simulated or L == 1:
-            return 1
-        main = nbytes // 4 // L * L  # float32 elements, as hierarchical.allreduce cuts them
-        per = max(L, default_segment_bytes(nbytes) // 4 // L * L)
-        return -(-main // per) if main > per else 1
+    def segments(nbytes):  # as hierarchical cuts the sweep's float32 buffer here (its default)
+        main = nbytes // 4 // L * L
+        return max(1, -(-main // segment_elements(nbytes // 4, 4, L, topo.source == "override")))
 
     rows = compare_across(records, P, L, node, net, segments)
     print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "

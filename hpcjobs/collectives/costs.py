@@ -117,7 +117,13 @@ COSTS = {
     "hierarchical": Cost("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ",
                          "2(L-1)/L·N + 2(M-1)/M·N/L", _hierarchical, "2(M-1)/M·N"),
 }
-_POWERS_ONLY = ("recursive_doubling", "rabenseifner")  # uplink formulas that need P and L powers of two
+_POWERS_ONLY = ("recursive_doubling", "rabenseifner")  # two-level formulas that need P and L powers of two
+
+
+def _covers(algorithm: str, P: int, L: int) -> bool:
+    """Whether the two-level formulas (uplink, ACROSS) hold for ``P`` ranks
+    in equal nodes of ``L`` consecutive ranks."""
+    return L >= 1 and P % L == 0 and not (algorithm in _POWERS_ONLY and (P & (P - 1) or L & (L - 1)))
 
 
 def uplink_bytes(algorithm: str, N: float, P: int, L: int) -> float | None:
@@ -129,9 +135,7 @@ def uplink_bytes(algorithm: str, N: float, P: int, L: int) -> float | None:
         return None
     if P == L:
         return 0.0
-    if algorithm in _POWERS_ONLY and (P & (P - 1) or L & (L - 1)):
-        return None
-    return evaluate(cost.uplink, N=N, P=P, L=L)
+    return evaluate(cost.uplink, N=N, P=P, L=L) if _covers(algorithm, P, L) else None
 
 # Across nodes: two link classes. α, β are a message inside a node (shared
 # memory), A, B one between nodes (the network); M nodes of L consecutive
@@ -180,11 +184,10 @@ def _hierarchical_across(N: float, P: int, L: int, node: Costing, net: Costing) 
     return _hierarchical_node(N, L, node) + _hierarchical_net(N, P, L, node, net)
 
 
-def _pipelined_across(segments: int) -> Callable:
-    def path(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
-        a, b = _hierarchical_node(N / segments, L, node) * segments, _hierarchical_net(N / segments, P, L, node, net) * segments
-        return max(a, b) + min(a, b) / segments
-    return path
+def _pipelined_across(N: float, P: int, L: int, node: Costing, net: Costing, segments: int) -> float:
+    a = _hierarchical_node(N / segments, L, node) * segments
+    b = _hierarchical_net(N / segments, P, L, node, net) * segments
+    return max(a, b) + min(a, b) / segments
 
 
 ACROSS = {
@@ -196,7 +199,6 @@ ACROSS = {
                            _hierarchical_across),
 }
 ACROSS["ring_pipelined"] = ACROSS["ring"]
-ACROSS_POWERS_ONLY = ("recursive_doubling", "rabenseifner")  # as the uplink formulas
 
 
 def across_path(algorithm: str, N: float, P: int, L: int, node: Costing, net: Costing,
@@ -206,12 +208,10 @@ def across_path(algorithm: str, N: float, P: int, L: int, node: Costing, net: Co
     ``net``; ``segments`` > 1: hierarchical pipelined in that many. None
     where no two-level path is written (tree, parameter server, unequal or
     non-power-of-two layouts for recursive doubling and Rabenseifner)."""
-    if algorithm not in ACROSS or L < 1 or P % L or P == L:
-        return None
-    if algorithm in ACROSS_POWERS_ONLY and (P & (P - 1) or L & (L - 1)):
+    if algorithm not in ACROSS or P == L or not _covers(algorithm, P, L):
         return None
     if algorithm == "hierarchical" and segments > 1 and L > 1:
-        return _pipelined_across(segments)(N, P, L, node, net)
+        return _pipelined_across(N, P, L, node, net, segments)
     return ACROSS[algorithm].path(N, P, L, node, net)
 
 

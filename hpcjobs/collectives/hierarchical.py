@@ -89,19 +89,13 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
         _through_leaders(flat, op, topo, inter_step, size)
         return
     main = flat.count // L * L
-    if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
-        segment_bytes = 0 if topo.source == "override" else default_segment_bytes(flat.nbytes)
-    per = main if not segment_bytes else max(L, segment_bytes // flat.itemsize // L * L)
+    per = segment_elements(flat.count, flat.itemsize, L, topo.source == "override", segment_bytes)
     if main > per and _threads_everywhere(comm):
         _pipelined(flat.slice(0, main), op, topo, inter_step, intra, per, size)
     elif main:
         m = flat.slice(0, main)
         (shm.reduce_scatter if intra == "shm" else ring.reduce_scatter)(m, stage, node)
-        b = chunk_bounds(main, L)
-        shard = m.slice(b[topo.local_rank], b[topo.local_rank + 1])
-        inter_step(shard, stage, cross)
-        if op == "avg":
-            finish_avg(shard.data, flat.dtype, size)
+        _network_step(m, op, topo, inter_step, size)
         (shm.allgather if intra == "shm" else ring.allgather)(m, node)
     if main < flat.count:
         _through_leaders(flat.slice(main, flat.count), op, topo, inter_step, size)
@@ -153,6 +147,26 @@ def default_segment_bytes(nbytes: int) -> int:
     return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
 
 
+def segment_elements(count: int, itemsize: int, L: int, simulated: bool, segment_bytes: int | None = None) -> int:
+    """Elements per segment of the uniform path for ``count`` elements on
+    nodes of ``L`` ranks (a multiple of L); the whole main part, count // L
+    * L, when not pipelined. ``segment_bytes``: as :func:`hierarchical_allreduce`
+    takes it (None: the default, off on ``simulated`` nodes)."""
+    if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
+        segment_bytes = 0 if simulated else default_segment_bytes(count * itemsize)
+    return count // L * L if not segment_bytes else max(L, segment_bytes // itemsize // L * L)
+
+
+def _network_step(seg: Flat, op: str, topo: Topology, inter_step, size: int) -> None:
+    """Step 2 on a reduce-scattered piece: this rank's shard of it across
+    the nodes (divided by the job's size for avg)."""
+    b = chunk_bounds(seg.count, topo.local_size)
+    shard = seg.slice(b[topo.local_rank], b[topo.local_rank + 1])
+    inter_step(shard, "sum" if op == "avg" else op, topo.cross_comm)
+    if op == "avg":
+        finish_avg(shard.data, seg.dtype, size)
+
+
 def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: int, size: int) -> None:
     """The uniform path in segments of ``per`` elements, the network stage
     of one segment running in a thread of its own while this one does the
@@ -161,18 +175,12 @@ def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: in
     cross communicator the segments in order, so no two ranks can disagree
     on what comes next; the segments are disjoint memory."""
     stage = "sum" if op == "avg" else op
-    node, cross, L, me = topo.node_comm, topo.cross_comm, topo.local_size, topo.local_rank
-    worker = _worker(cross)
+    node = topo.node_comm
+    worker = _worker(topo.cross_comm)
     rs = shm.reduce_scatter if intra == "shm" else ring.reduce_scatter
     ag = shm.allgather if intra == "shm" else ring.allgather
     segments = [m.slice(lo, min(lo + per, m.count)) for lo in range(0, m.count, per)]
-
-    def across(seg: Flat) -> None:
-        b = chunk_bounds(seg.count, L)
-        shard = seg.slice(b[me], b[me + 1])
-        inter_step(shard, stage, cross)
-        if op == "avg":
-            finish_avg(shard.data, m.dtype, size)
+    across = functools.partial(_network_step, op=op, topo=topo, inter_step=inter_step, size=size)
 
     in_flight = None  # (segment index, future) of the network stage running now
     try:

@@ -57,6 +57,8 @@ import time
 
 from mpi4py import MPI
 
+from .. import _reaper
+
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "enter", "leave",
            "attach"]
 
@@ -111,8 +113,7 @@ def attach(world_dup) -> None:
     """Let the watchdog answer and ask "where are you?" on ``world_dup``, a
     duplicate of COMM_WORLD made collectively for it (:func:`hpcjobs.comm.private`
     does this with the first collective on COMM_WORLD). Starts the thread."""
-    global _reports
-    global _guardian
+    global _reports, _guardian
     if _guardian is None and _spans_hosts():
         _guardian = _start_reaper(guardian=True)
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE or _reports is not None:
@@ -154,7 +155,7 @@ def _stop() -> None:
     _mpi_lock.acquire()
     _reports = None
     if _guardian is not None:  # a clean end: the guardian stands down
-        _tell_reaper(_guardian, _reaper_clean)
+        _tell_reaper(_guardian, _reaper.CLEAN)
         _guardian = None
 
 
@@ -228,9 +229,7 @@ def _report(what: str, call: int, rank: int) -> str:
     return "\n".join(lines)
 
 
-_REAPER = os.path.join(os.path.dirname(os.path.dirname(__file__)), "_reaper.py")
-_reaper_clean = "clean"  # hpcjobs._reaper.CLEAN (that file is never imported)
-_LAUNCH_PROCESSES = {"prterun", "prte", "mpirun", "mpiexec", "orterun", "prted", "orted"}  # _reaper's
+_REAPER = _reaper.__file__  # run by path in a process of its own; imported here for its constants only
 
 
 def _spans_hosts() -> bool:
@@ -244,7 +243,7 @@ def _spans_hosts() -> bool:
             parent = f.read().strip()
     except (KeyError, ValueError, OSError):
         return False
-    return local < size and parent in _LAUNCH_PROCESSES
+    return local < size and parent in _reaper.LAUNCHERS | _reaper.DAEMONS
 
 
 def _start_reaper(guardian: bool = False):
