@@ -28,7 +28,7 @@ import torch
 from . import _collectives as C
 from ._compression import Compression
 from ._handles import submit, synchronize
-from ._state import check_process_set, global_process_set, reduce_op, world
+from ._state import global_process_set, reduce_op
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
            "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "copy"]
@@ -40,14 +40,13 @@ def copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def _submit(outputs: list, name, op: int, prescale: float, postscale: float, process_set, grouped: bool) -> int:
-    check_process_set(process_set)
-    comm = world().ops
+    meta = {**C.describe(outputs), "op": op, "prescale": repr(float(prescale)), "postscale": repr(float(postscale))}
 
     def job():
-        C.allreduce(outputs, op, prescale, postscale, name, comm)
         return tuple(outputs) if grouped else outputs[0]
 
-    return submit("allreduce", name, job, outputs)
+    return submit("allreduce", name, job, outputs, process_set=process_set, meta=meta, buffers=outputs,
+                  check=lambda: C.dense(outputs, contiguous=True), spec=C.spec(outputs))
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -71,15 +70,16 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale):
-        ctx.args = op, prescale, postscale
+    def forward(ctx, tensor, name, op, prescale, postscale, process_set):
+        ctx.args = op, prescale, postscale, process_set
         return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale))
+                                           postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        op, prescale, postscale = ctx.args
-        return allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale), None, None, None, None
+        op, prescale, postscale, process_set = ctx.args
+        return (allreduce(grad, op=op, prescale_factor=prescale, postscale_factor=postscale,
+                          process_set=process_set), None, None, None, None, None)
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -87,9 +87,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """The reduction of ``tensor`` over the ranks, as a new tensor
     (differentiable); ``tensor`` is not modified."""
     op = reduce_op(op, average)
-    check_process_set(process_set)
     compressed, ctx = compression.compress(tensor)
-    return compression.decompress(_Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor), ctx)
+    return compression.decompress(_Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
+                                                   process_set), ctx)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -115,23 +115,24 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale, postscale, *tensors):
-        ctx.args = op, prescale, postscale
+    def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
+        ctx.args = op, prescale, postscale, process_set
         return synchronize(grouped_allreduce_async(list(tensors), name=name, op=op, prescale_factor=prescale,
-                                                   postscale_factor=postscale))
+                                                   postscale_factor=postscale, process_set=process_set))
 
     @staticmethod
     def backward(ctx, *grads):
-        op, prescale, postscale = ctx.args
-        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=prescale, postscale_factor=postscale)
-        return (None, None, None, None, *reduced)
+        op, prescale, postscale, process_set = ctx.args
+        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=prescale, postscale_factor=postscale,
+                                    process_set=process_set)
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
     """The reductions of ``tensors``, as a list of new tensors (differentiable)."""
     op = reduce_op(op, average)
-    check_process_set(process_set)
     pairs = [compression.compress(t) for t in tensors]
-    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *(p for p, _ in pairs))
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *(p for p, _ in pairs))
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]

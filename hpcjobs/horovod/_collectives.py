@@ -1,34 +1,34 @@
-"""The collectives behind the ``hvd`` calls, as they run on the worker
-thread (:mod:`~hpcjobs.horovod._handles`), on the ``hvd`` communicator.
+"""The collectives behind the ``hvd`` calls, as the controller runs them
+(:mod:`~hpcjobs.horovod._controller`) on a process set's communicator,
+and the checks and descriptions each call submits with its request.
 
-Each first agrees with the other ranks on what it was asked to do
-(:func:`~hpcjobs.collectives.agreement.agree_or_raise`): name, shapes (for
-allgather and alltoall the dimensions after the first), dtypes, devices,
-op, scale factors, root. Horovod checks the same and fails every rank on a
-mismatch; so do we, with a MismatchError naming the ranks and their values,
-before any data moves. A local error (a 0-d tensor to allgather, splits
-that do not add up) travels in the same exchange, so every rank raises it.
-Then the data:
+What every rank must agree on (:func:`describe`: shapes -- for allgather
+and alltoall the dimensions after the first -- dtypes, devices; and the
+op, scale factors, root) is compared by the controller's coordinator
+before any data moves; a mismatch fails every rank, naming the ranks and
+their values, as Horovod does. Then the data:
 
 - ``allreduce``: hpcjobs' :func:`~hpcjobs.collectives.allreduce` (``auto``
   chooses the algorithm; CUDA tensors reduce on the device) once per
-  dtype and device, the group's tensors fused into one buffer;
+  dtype and device, the tensors (of one request, or fused from several)
+  in one buffer;
 - ``allgather``: :func:`~hpcjobs.collectives.ring_allgatherv` of each
   tensor's bytes, its first dimension travelling with them;
 - ``reducescatter``: :func:`~hpcjobs.collectives.ring_reduce_scatter` on a
   buffer laid out so that the ring's P equal chunks are the ranks' blocks
   of rows, each padded to the largest (Horovod's split: the first
   ``rows % P`` ranks get one row more);
-- ``broadcast``, ``alltoall``, ``barrier``, ``join`` and the object
-  collectives: MPI's own (``Bcast`` of each tensor's bytes, ``Alltoall`` of
-  the splits then ``Alltoallv`` of the rows, ...).
+- ``broadcast``, ``alltoall`` and the object collectives: MPI's own
+  (``Bcast`` of each tensor's bytes, ``Alltoall`` of the splits then
+  ``Alltoallv`` of the rows, ...).
 
 Horovod's arithmetic: scale by ``prescale``, reduce, scale by
 ``postscale``. Average of floats is our ``avg`` (a sum, then one division
 by P on the rank that owns each chunk); Average of integers is the sum
 scaled by ``postscale / P`` in double precision and truncated toward zero,
-as Horovod's C++ ``ScaleBuffer`` does. The byte-moving collectives copy
-CUDA tensors to the host and back.
+as Horovod's C++ ``ScaleBuffer`` does. A rank that has joined
+(``hvd.join``) reduces zeros of the agreed shapes (:func:`zeros`). The
+byte-moving collectives copy CUDA tensors to the host and back.
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import allreduce as allreduce_, chunk_bounds, ring_allgatherv, ring_reduce_scatter
-from ..collectives.agreement import agree_or_raise
 from ..collectives.watchdog import guard
 from ._state import OPS, Average
 
-__all__ = ["allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join",
-           "broadcast_object", "allgather_object", "scale"]
+__all__ = ["allreduce", "allgather", "broadcast", "alltoall", "alltoall_counts", "reducescatter",
+           "broadcast_object", "allgather_object", "scale", "describe", "dense", "spec", "zeros"]
 
 
 def _watched(fn):
@@ -61,26 +60,14 @@ def _watched(fn):
     return watched
 
 
-def _agree(comm: MPI.Intracomm, what: str, fields: dict, check=None) -> None:
-    """Every rank has the same ``fields`` and ``check()`` raised nowhere, or
-    MismatchError on every rank."""
-    error = None
-    if check is not None:
-        try:
-            check()
-        except (TypeError, ValueError) as e:
-            error = e
-    agree_or_raise(comm, what, fields, error)
-
-
-def _describe(tensors, shapes: bool = True) -> dict:
+def describe(tensors, shapes: bool = True) -> dict:
     return {"shapes" if shapes else "shapes after dim 0":
             ";".join(str(tuple(t.shape if shapes else t.shape[1:])) for t in tensors),
             "dtypes": ",".join(str(t.dtype) for t in tensors),
             "devices": ",".join(t.device.type for t in tensors)}
 
 
-def _dense(tensors, contiguous: bool = False, min_dim: int = 0) -> None:
+def dense(tensors, contiguous: bool = False, min_dim: int = 0) -> None:
     for t in tensors:
         if t.layout != torch.strided:
             raise ValueError(f"sparse tensors are not supported (layout {t.layout})")
@@ -121,11 +108,22 @@ def _reduction(op: int, t: torch.Tensor, postscale: float, size: int) -> tuple[s
     return OPS[op], postscale
 
 
+def spec(tensors) -> list:
+    """Each tensor's ``(shape, dtype)``: what a joined rank's zeros need."""
+    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in tensors]
+
+
+def zeros(specs: list, devices: str, join_device: int) -> list:
+    """Zeros for a joined rank: ``specs`` as :func:`spec` gives them, on the
+    GPU ``join(device)`` named where the others' tensors are on GPUs."""
+    on_gpu = "cuda" in devices and join_device >= 0
+    device = torch.device("cuda", join_device) if on_gpu else torch.device("cpu")
+    return [torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for shape, dtype in specs]
+
+
 @_watched
-def allreduce(tensors: list, op: int, prescale: float, postscale: float, name, comm: MPI.Intracomm) -> None:
-    """Reduce ``tensors`` (contiguous) over the ranks, in place."""
-    _agree(comm, "hvd.allreduce", {"name": name, **_describe(tensors), "op": op, "prescale": repr(prescale),
-                                   "postscale": repr(postscale)}, lambda: _dense(tensors, contiguous=True))
+def allreduce(tensors: list, op: int, prescale: float, postscale: float, comm: MPI.Intracomm) -> None:
+    """Reduce ``tensors`` (contiguous) over the ranks of ``comm``, in place."""
     groups: dict = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t.detach())
@@ -141,15 +139,13 @@ def allreduce(tensors: list, op: int, prescale: float, postscale: float, name, c
 
 
 @_watched
-def allgather(tensors: list, name, comm: MPI.Intracomm) -> tuple[list, np.ndarray]:
+def allgather(tensors: list, comm: MPI.Intracomm) -> tuple[list, np.ndarray]:
     """Each tensor's rows from every rank, in rank order.
 
     Returns:
         ``(outputs, dims)``: the gathered tensors, and ``dims[q, i]``, the
         first dimension of rank q's tensor i.
     """
-    _agree(comm, "hvd.allgather", {"name": name, **_describe(tensors, shapes=False)},
-           lambda: _dense(tensors, min_dim=1))
     host = [t.detach().contiguous().cpu() for t in tensors]
     dims = np.array([t.shape[0] for t in tensors], dtype=np.int64)
     rows = ring_allgatherv([dims, *(_bytes(h) for h in host)], comm)
@@ -160,17 +156,9 @@ def allgather(tensors: list, name, comm: MPI.Intracomm) -> tuple[list, np.ndarra
 
 
 @_watched
-def broadcast(tensors: list, root: int, name, comm: MPI.Intracomm) -> None:
-    """Overwrite ``tensors`` (contiguous) with rank ``root``'s, in place: one
-    agreement on them all, then an ``MPI_Bcast`` of each one's bytes."""
-    size = comm.Get_size()
-
-    def check():
-        if not 0 <= root < size:
-            raise ValueError(f"root_rank {root} is not one of the {size} ranks")
-        _dense(tensors, contiguous=True)
-
-    _agree(comm, "hvd.broadcast", {"name": name, "root": root, **_describe(tensors)}, check)
+def broadcast(tensors: list, root: int, comm: MPI.Intracomm) -> None:
+    """Overwrite ``tensors`` (contiguous) with those of ``root`` (a rank of
+    ``comm``), in place: an ``MPI_Bcast`` of each one's bytes."""
     for t in tensors:
         t = t.detach()
         host = t if t.device.type == "cpu" else t.cpu()
@@ -179,35 +167,37 @@ def broadcast(tensors: list, root: int, name, comm: MPI.Intracomm) -> None:
             t.copy_(host)
 
 
+def alltoall_counts(tensor: torch.Tensor, splits, size: int) -> np.ndarray:
+    """The rows to send to each of ``size`` ranks (``splits`` None: equal
+    parts), checked as Horovod checks them.
+
+    Raises:
+        ValueError: Horovod's messages, or splits that do not fit the tensor.
+    """
+    dense([tensor], min_dim=1)
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % size:
+            raise ValueError("splits not provided, but first dimension of tensor is not an even multiple "
+                             "of the number of workers.")
+        return np.full(size, rows // size, dtype=np.int64)
+    given = np.asarray(splits, dtype=np.int64).reshape(-1)
+    if given.size != size:
+        raise ValueError("Number of entries in splits does not equal number of workers.")
+    if (given < 0).any() or given.sum() > rows:
+        raise ValueError(f"splits {given.tolist()} must be non-negative and add up to at most the first "
+                         f"dimension of the tensor ({rows})")
+    return given
+
+
 @_watched
-def alltoall(tensor: torch.Tensor, splits, name, comm: MPI.Intracomm) -> tuple[torch.Tensor, np.ndarray]:
-    """Send rows ``splits[q]`` (consecutive, from the first row) to rank q;
-    ``splits`` None splits the first dimension evenly.
+def alltoall(tensor: torch.Tensor, send: np.ndarray, comm: MPI.Intracomm) -> tuple[torch.Tensor, np.ndarray]:
+    """Send rows ``send[q]`` (consecutive, from the first row) to rank q.
 
     Returns:
         ``(rows received, in rank order; how many from each rank)``.
     """
     size = comm.Get_size()
-    send = np.zeros(size, dtype=np.int64)
-
-    def check():
-        _dense([tensor], min_dim=1)
-        rows = tensor.shape[0]
-        if splits is None:
-            if rows % size:
-                raise ValueError("splits not provided, but first dimension of tensor is not an even multiple "
-                                 "of the number of workers.")
-            send[:] = rows // size
-            return
-        given = np.asarray(splits, dtype=np.int64).reshape(-1)
-        if given.size != size:
-            raise ValueError("Number of entries in splits does not equal number of workers.")
-        if (given < 0).any() or given.sum() > rows:
-            raise ValueError(f"splits {given.tolist()} must be non-negative and add up to at most the first "
-                             f"dimension of the tensor ({rows})")
-        send[:] = given
-
-    _agree(comm, "hvd.alltoall", {"name": name, **_describe([tensor], shapes=False)}, check)
     received = np.empty(size, dtype=np.int64)
     comm.Alltoall(send, received)
     row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
@@ -223,13 +213,10 @@ def _counts(nbytes: np.ndarray) -> tuple[list, list]:
 
 
 @_watched
-def reducescatter(tensors: list, op: int, prescale: float, postscale: float, name,
-                  comm: MPI.Intracomm) -> list:
+def reducescatter(tensors: list, op: int, prescale: float, postscale: float, comm: MPI.Intracomm) -> list:
     """This rank's block of rows of each tensor's reduction: rows
     ``chunk_bounds(rows, P)[rank:rank + 2]``."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    _agree(comm, "hvd.reducescatter", {"name": name, **_describe(tensors), "op": op, "prescale": repr(prescale),
-                                       "postscale": repr(postscale)}, lambda: _dense(tensors, min_dim=1))
     outputs = []
     for t in tensors:
         t = t.detach()
@@ -249,33 +236,12 @@ def reducescatter(tensors: list, op: int, prescale: float, postscale: float, nam
 
 
 @_watched
-def barrier(comm: MPI.Intracomm) -> None:
-    comm.Barrier()
-
-
-@_watched
-def join(arrived: float, comm: MPI.Intracomm) -> int:
-    """The rank with the latest ``arrived`` time (the highest such rank on a tie)."""
-    times = np.empty(comm.Get_size(), dtype=np.float64)
-    comm.Allgather(np.array([arrived], dtype=np.float64), times)
-    return int(np.flatnonzero(times == times.max())[-1])
-
-
-@_watched
-def broadcast_object(obj, root: int, name, comm: MPI.Intracomm):
-    """Rank ``root``'s ``obj`` (pickled) on every rank."""
-    size = comm.Get_size()
-
-    def check():
-        if not 0 <= root < size:
-            raise ValueError(f"root_rank {root} is not one of the {size} ranks")
-
-    _agree(comm, "hvd.broadcast_object", {"name": name, "root": root}, check)
+def broadcast_object(obj, root: int, comm: MPI.Intracomm):
+    """Rank ``root``'s ``obj`` (pickled) on every rank of ``comm``."""
     return comm.bcast(obj, root=root)
 
 
 @_watched
-def allgather_object(obj, name, comm: MPI.Intracomm) -> list:
+def allgather_object(obj, comm: MPI.Intracomm) -> list:
     """Every rank's ``obj`` (pickled), in rank order."""
-    _agree(comm, "hvd.allgather_object", {"name": name})
     return comm.allgather(obj)

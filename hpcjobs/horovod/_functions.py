@@ -22,7 +22,9 @@ from the same model and optimizer, and move Python objects.
   object collectives (``pickle``, not Horovod's ``cloudpickle``: lambdas
   and local classes do not travel).
 
-All run on the ``hvd`` worker thread, in order with the other collectives.
+Each is one request to the controller (:mod:`~hpcjobs.horovod._controller`),
+matched across ranks by name like every other call: an unnamed object
+collective is named after the object's type, as in Horovod.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 
 from . import _collectives as C
 from ._handles import run, synchronize
-from ._ops import submit_broadcast
-from ._state import check_process_set, global_process_set, world
+from ._ops import set_rank, submit_broadcast
+from ._process_sets import resolve
+from ._state import global_process_set, world
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -57,7 +60,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
         raise ValueError(f"root_rank {root_rank} is not one of the {w.size} ranks")
     if not optimizer.state_dict()["state"]:
         _initialize_state(optimizer)
-    run("broadcast_optimizer_state", None, lambda: broadcast_state(optimizer, root_rank, comm=w.ops))
+    run("broadcast_optimizer_state", None, lambda: broadcast_state(optimizer, root_rank, comm=w.ops),
+        meta={"root": root_rank})
 
 
 def _initialize_state(optimizer) -> None:
@@ -79,13 +83,20 @@ def _initialize_state(optimizer) -> None:
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
-    """Rank ``root_rank``'s ``obj`` on every rank (pickled)."""
-    check_process_set(process_set)
-    comm = world().ops
-    return run("broadcast_object", name, lambda: C.broadcast_object(obj, root_rank, name, comm))
+    """Rank ``root_rank``'s ``obj`` on every rank of the set (pickled)."""
+    comm, ranks = resolve(process_set)[1:]
+    root = [None]
+
+    def check():
+        root[0] = set_rank(process_set, root_rank)
+
+    return run("broadcast_object", name if name is not None else type(obj).__name__,
+               lambda: C.broadcast_object(obj, root[0], comm), process_set=process_set, meta={"root": root_rank},
+               check=check)
 
 
-def allgather_object(obj, name=None) -> list:
+def allgather_object(obj, name=None, process_set=global_process_set) -> list:
     """Every rank's ``obj`` (pickled), as a list in rank order."""
-    comm = world().ops
-    return run("allgather_object", name, lambda: C.allgather_object(obj, name, comm))
+    comm = resolve(process_set)[1]
+    return run("allgather_object", name if name is not None else type(obj).__name__,
+               lambda: C.allgather_object(obj, comm), process_set=process_set)

@@ -1,33 +1,38 @@
-"""Handles: every ``hvd`` collective is a job on one worker thread.
+"""Handles: every ``hvd`` operation is a request to the controller.
 
 Horovod's asynchronous calls (``allreduce_async`` and the others) return an
 integer handle; ``poll(handle)`` says whether the operation has finished
-and ``synchronize(handle)`` waits for it and returns its output. Horovod's
-background thread negotiates, by name, which tensors every rank is ready to
-reduce, so its ranks may submit them in different orders. hpcjobs has no
-negotiation: each collective is a job on a single worker thread per process
-(``ThreadPoolExecutor(max_workers=1)``, :mod:`~hpcjobs.horovod._state`) and
-runs in the order it was called, so the ranks must call the collectives in
-the same order -- which Horovod scripts do. The names the ranks give their
-operations are checked against each other with the shapes
-(:mod:`~hpcjobs.horovod._collectives`): ranks that called in different
-orders get a MismatchError on every rank, not a sum of unrelated tensors.
+and ``synchronize(handle)`` waits for it and returns its output. Here a
+call becomes a :class:`~hpcjobs.horovod._controller.Request` and the
+controller runs it once every rank of its process set has submitted the
+same name (:mod:`~hpcjobs.horovod._controller`), so the ranks may submit
+in different orders, as Horovod's may.
 
-Names. ``name`` (``<kind>.noname.<handle>`` when None) is in use from the
-asynchronous call until ``synchronize`` returns its handle; a second
-operation of the same kind under a name in use raises ValueError, as
-Horovod's duplicate-name check does. Horovod frees a name when the
-operation completes; here it is freed when the handle is synchronized, so
-whether a reuse is refused never depends on timing.
+Names. ``name`` is per kind of operation and process set; an unnamed call
+is ``<kind>.noname.<n>``, the n-th unnamed call of that kind on this rank,
+so unnamed calls must come in the same order on every rank (as in
+Horovod). A rank that has joined skips the calls the others make; when
+``join`` returns, every rank is at the same point, and the count starts
+again from 0 everywhere, so unnamed calls after a join match again. A name is in use from the call until the operation completes; a
+second operation of the same kind under a name in use raises ValueError at
+the call, as Horovod's duplicate-name check does.
 
-GPU tensors. A job on a CUDA tensor runs on the worker with the caller's
-device and current stream (taken at the call), so it runs after the
-kernels that produced the tensor and before those the caller queues after
-``synchronize``.
+Arguments. ``check()`` validates this rank's arguments at the call; what
+it raises travels to the coordinator, so every rank of the set gets an
+error rather than a hang: the rank whose arguments failed its own
+exception (ValueError, TypeError), the others
+:class:`HorovodMismatchError` naming it. Fields that differ across ranks
+(shapes, dtypes, root, op, ...) raise HorovodMismatchError on every rank,
+naming the ranks and their values.
 
-Errors. ``synchronize`` raises what the job raised: errors in the
-arguments (ValueError, TypeError, MismatchError) as they are, anything else
-as :class:`~hpcjobs.horovod._state.HorovodInternalError`.
+GPU tensors. A job on a CUDA tensor runs on the controller's thread with
+the caller's device and current stream (taken at the call), so it runs
+after the kernels that produced the tensor and before those the caller
+queues after ``synchronize``.
+
+Errors. ``synchronize`` raises ValueError and TypeError as they are,
+anything else as :class:`~hpcjobs.horovod._state.HorovodInternalError`
+(a RuntimeError: what Horovod's users catch).
 """
 
 from __future__ import annotations
@@ -35,48 +40,93 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
 
+from ..collectives.agreement import MismatchError
+from ..collectives.watchdog import guard
+from ._controller import ControllerError, Request
+from ._process_sets import resolve
 from ._state import HorovodInternalError, world
 
-__all__ = ["submit", "run", "poll", "synchronize", "clear"]
+__all__ = ["submit", "run", "poll", "synchronize", "clear", "restart_unnamed", "HorovodMismatchError"]
+
+
+class HorovodMismatchError(HorovodInternalError, MismatchError):
+    """The ranks' arguments to one operation disagree, or some rank's failed:
+    a RuntimeError for Horovod's users, a MismatchError for hpcjobs'."""
+
 
 _lock = threading.Lock()
-_jobs: dict[int, tuple[str, Future]] = {}  # handle -> (name in use, future)
-_in_use: set[str] = set()
+_jobs: dict[int, Request] = {}  # handle -> request
+_in_use: set[tuple] = set()  # (process set, key) submitted and not yet complete on this rank
 _counter = itertools.count()
+_unnamed: dict[tuple, itertools.count] = {}
 
 
-def submit(kind: str, name: str | None, job: Callable, tensors=()) -> int:
-    """Queue ``job()`` (a collective on the ``hvd`` communicator) behind the
-    ones called before it; returns its handle.
+def submit(kind: str, name, job: Callable, tensors=(), *, process_set=None, meta: dict | None = None,
+           check: Callable | None = None, buffers: list | None = None, spec: list | None = None) -> int:
+    """Submit an operation; returns its handle.
 
     Args:
-        kind: the operation ("allreduce", "allgather", ...); names are per kind.
-        name: the user's name for the operation, or None.
+        kind: "allreduce", "allgather", ...; names are per kind.
+        name: the user's name, or None.
+        job: returns the handle's result -- for allreduce, after the
+            controller has reduced ``buffers``; otherwise it runs the
+            collective (on the process set's communicator).
         tensors: the tensors it reads or writes (for the CUDA stream).
+        meta: the fields every rank must agree on.
+        check: validates this rank's arguments (module docstring).
+        buffers, spec: allreduce only: the buffers to reduce, and each
+            one's ``(shape, dtype)`` for a joined rank's zeros.
 
     Raises:
-        ValueError: not initialized, or ``name`` is in use.
+        ValueError: not initialized, a process set this rank cannot use,
+            or ``name`` is in use.
     """
     w = world()
-    job = _on_callers_stream(job, tensors)
+    set_id = resolve(process_set)[0]
+    error = None
+    if check is not None:
+        try:
+            check()
+        except (TypeError, ValueError) as e:
+            error = e
+    meta = dict(meta or {})
+    buffers = list(buffers or ())
+    wrap = _on_callers_stream(tensors)
+    request = Request(set_id, "", kind, meta, error, sum(b.numel() * b.element_size() for b in buffers),
+                      buffers, list(spec or ()), job if kind == "allreduce" else (lambda: wrap(job)), wrap)
     with _lock:
+        if name is None:
+            n = next(_unnamed.setdefault((set_id, kind), itertools.count()))
+            request.key = f"{kind}.noname.{n}"
+        else:
+            request.key = f"{kind}.{name}"
+            if (set_id, request.key) in _in_use:
+                raise ValueError(f"Requested to {kind} a tensor with the same name as another tensor that is "
+                                 f"currently being processed: {name!r}")
+        meta.setdefault("name", request.key)
         handle = next(_counter)
-        key = f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
-        if key in _in_use:
-            raise ValueError(f"Requested to {kind} a tensor with the same name as another tensor that is "
-                             f"currently being processed: {name!r} (synchronize its handle first)")
-        _in_use.add(key)
-        # Submitting under the lock keeps the queue in call order across threads.
-        future = w.executor.submit(job) if w.executor is not None else _run_now(job)
-        _jobs[handle] = (key, future)
+        _in_use.add((set_id, request.key))
+        _jobs[handle] = request
+    request.future.add_done_callback(lambda _: _release((set_id, request.key)))
+    w.controller.submit(request)
     return handle
 
 
-def run(kind: str, name: str | None, job: Callable, tensors=()):
+def restart_unnamed() -> None:
+    """Number unnamed calls from 0 again (on every rank, as ``join`` returns)."""
+    with _lock:
+        _unnamed.clear()
+
+
+def _release(entry: tuple) -> None:
+    with _lock:
+        _in_use.discard(entry)
+
+
+def run(kind: str, name, job: Callable, tensors=(), **kwargs):
     """:func:`submit`, then :func:`synchronize`: the blocking calls."""
-    return synchronize(submit(kind, name, job, tensors))
+    return synchronize(submit(kind, name, job, tensors, **kwargs))
 
 
 def poll(handle: int) -> bool:
@@ -86,60 +136,62 @@ def poll(handle: int) -> bool:
         ValueError: an unknown handle (never issued, or synchronized already).
     """
     with _lock:
-        entry = _jobs.get(handle)
-    if entry is None:
+        request = _jobs.get(handle)
+    if request is None:
         raise ValueError(f"unknown handle {handle!r}")
-    return entry[1].done()
+    world().controller.drive()
+    return request.future.done()
 
 
 def synchronize(handle: int):
     """Wait for the operation behind ``handle`` and return its output; None
-    for a handle that is not in flight (Horovod's behaviour)."""
+    for a handle that is not in flight (Horovod's behaviour). The wait is
+    watched: a name some rank never submits ends the job after
+    ``HPCJOBS_TIMEOUT`` (hpcjobs.collectives.watchdog), never a silent hang."""
     with _lock:
-        entry = _jobs.get(handle)
-    if entry is None:
+        request = _jobs.get(handle)
+    if request is None:
         return None
-    key, future = entry
     try:
-        return future.result()
-    except (ValueError, TypeError):
+        with guard(f"hvd.synchronize({request.key})"):
+            future = request.future
+            return future.result() if future.done() else world().controller.wait(future)
+    except ControllerError as e:
+        raise HorovodMismatchError(str(e)) from None
+    except (ValueError, TypeError, HorovodInternalError):
         raise
     except Exception as e:
-        raise HorovodInternalError(f"{key} failed: {type(e).__name__}: {e}") from e
+        raise HorovodInternalError(f"{request.key} failed: {type(e).__name__}: {e}") from e
     finally:
         with _lock:
             _jobs.pop(handle, None)
-            _in_use.discard(key)
 
 
 def clear() -> None:
-    """Forget every handle (at shutdown, after the worker has finished)."""
+    """Forget the names (at shutdown, after the controller stopped). The
+    handles stay until synchronized: one still pending then raises
+    HorovodInternalError ("shut down"), as in Horovod."""
     with _lock:
-        _jobs.clear()
         _in_use.clear()
+        _unnamed.clear()
 
 
-def _run_now(job: Callable) -> Future:
-    """``job`` run on the calling thread, as a finished future (MPI below
-    ``THREAD_MULTIPLE``: no worker thread)."""
-    future = Future()
-    try:
-        future.set_result(job())
-    except Exception as e:
-        future.set_exception(e)
-    return future
-
-
-def _on_callers_stream(job: Callable, tensors) -> Callable:
-    cuda = next((t for t in tensors if t.is_cuda), None)
+def _on_callers_stream(tensors) -> Callable:
+    """``wrap(fn)``: runs ``fn()`` with the caller's CUDA device and current
+    stream (taken now) where ``tensors`` live on a GPU."""
+    cuda = next((t for t in tensors if getattr(t, "is_cuda", False)), None)
     if cuda is None:
-        return job
+        return _plain
     import torch
 
     device, stream = cuda.device, torch.cuda.current_stream(cuda.device)
 
-    def on_stream():
+    def on_stream(fn):
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            return job()
+            return fn()
 
     return on_stream
+
+
+def _plain(fn):
+    return fn()

@@ -38,11 +38,16 @@ reduction, ``set_backward_passes_per_step``, and default names
 ``allreduce.noname.<group>.<index>``. ``groups`` and ``num_groups`` are
 checked as Horovod checks them and otherwise unused: hpcjobs fuses the
 gradients into buckets by size (:mod:`hpcjobs.training.buckets`), not by
-groups. ``sparse_as_dense=True`` turns a sparse gradient (``nn.Embedding(
-sparse=True)``) dense once it has accumulated, before it is reduced, and it
-stays dense for the update (Horovod makes it sparse again); without it,
-sparse gradients are not reduced. Refused: ``op`` Adasum, Min, Max or
-Product, and process sets other than the global one.
+groups. Sparse gradients (``nn.Embedding(sparse=True)``): with
+``sparse_as_dense=True`` a sparse gradient is reduced dense with the
+others and turns sparse again for the update, as in Horovod; without it, it is reduced as Horovod reduces it,
+by allgathering its indices and values (``hvd.sparse_allreduce_async``) in
+``synchronize()``, and stays sparse (``SparseAdam`` takes it); the dense
+reducer's bucket carries zeros in its slot. ``process_set=``: the
+gradients are reduced among the set's ranks only; on a rank outside the
+set the optimizer reduces nothing, as Horovod's. ``_parameter_names``
+maps each parameter to its name, as Horovod's does. Refused: ``op``
+Adasum, Min, Max or Product.
 """
 
 from __future__ import annotations
@@ -60,7 +65,10 @@ from ..training.distributed import DistributedOptimizer as _Engine
 from ._allreduce import grouped_allreduce_
 from ._collectives import scale
 from ._compression import Compression, _Ours, engine_compressor
-from ._state import Average, Sum, check_process_set, global_process_set, reduce_op, world
+from ._controller import fusion_threshold as _fusion_threshold
+from ._process_sets import ranks_of, resolve
+from ._sparse import sparse_allreduce_async
+from ._state import Average, Sum, global_process_set, reduce_op, world
 
 __all__ = ["DistributedOptimizer"]
 
@@ -70,8 +78,15 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Reduce the gradients now and leave the result in ``.grad``."""
-        if self._hvd_reducer is not None:
-            self._hvd_reducer.synchronize()
+        reducer, sparse = self._hvd_reducer, {}
+        if reducer is not None:
+            reducer.synchronize()
+            sparse = dict(reducer.sparse)
+            reducer.sparse.clear()
+        handles = [(p, sparse_allreduce_async(g, f"sparse.{self._parameter_names[p]}", self.op, self.process_set))
+                   for p, g in sparse.items()]
+        for p, handle in handles:
+            p.grad = handle()
         self._hvd_synchronized = True
 
     @contextlib.contextmanager
@@ -113,25 +128,20 @@ class _DistributedOptimizer:
 
 def fusion_threshold() -> int:
     """The bucket size: ``HOROVOD_FUSION_THRESHOLD`` (bytes) as Horovod
-    reads it, else hpcjobs' default (1 MiB; Horovod's is 64 MiB)."""
-    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if value is None:
-        return DEFAULT_FUSION_BYTES
-    try:
-        threshold = int(value)
-    except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={value!r}: expected a number of bytes") from None
-    if threshold < 0:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={threshold}: expected a number of bytes >= 0")
-    return max(threshold, 1)  # 0 turns fusion off, as in Horovod: a bucket per tensor
+    reads it, else hpcjobs' default (1 MiB; Horovod's is 64 MiB); 0 turns
+    fusion off, as in Horovod: a bucket per tensor."""
+    return max(_fusion_threshold(DEFAULT_FUSION_BYTES), 1)
 
 
 class _EngineReducer(_Engine):
     """hpcjobs' optimizer as a gradient reducer, with scale factors around
     each bucket's average (its ``step`` is never called)."""
 
-    def __init__(self, optimizer, named, comm, compression, backward_passes_per_step, prescale, postscale):
-        self.prescale, self.postscale = prescale, postscale
+    def __init__(self, optimizer, named, comm, compression, backward_passes_per_step, prescale, postscale,
+                 sparse_as_dense):
+        self.prescale, self.postscale, self.sparse_as_dense = prescale, postscale, sparse_as_dense
+        self.held: dict = {}  # parameter -> its sparse gradient, since the last synchronize
+        self.sparse: dict = {}  # parameter -> a sparse gradient the door reduces (module docstring)
         overlap = "auto" if MPI.Query_thread() == MPI.THREAD_MULTIPLE else "none"
         super().__init__(optimizer, named, comm=comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step, overlap=overlap,
@@ -141,6 +151,33 @@ class _EngineReducer(_Engine):
         scale(bucket.buffer, self.prescale)
         super()._reduce(bucket)
         scale(bucket.buffer, self.postscale)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None or not grad.is_sparse:
+            return super()._hook(param)
+        # A sparse gradient: the bucket gets it dense (sparse_as_dense) or zeros (the door
+        # reduces it by allgather); .grad stays sparse, as in Horovod.
+        self.held[param] = grad
+        param.grad = grad.to_dense() if self.sparse_as_dense else torch.zeros_like(param)
+        try:
+            super()._hook(param)
+        finally:
+            param.grad = grad
+
+    def synchronize(self) -> None:
+        held, self.held = self.held, {}
+        for p in held:  # the reduced values land in a dense stand-in
+            p.grad = torch.zeros_like(p)
+        try:
+            super().synchronize()
+        finally:
+            for p, g in held.items():
+                if self.sparse_as_dense:
+                    p.grad = p.grad.to_sparse()
+                else:
+                    p.grad = g
+                    self.sparse[p] = g
 
     @property
     def pending(self) -> bool:
@@ -154,24 +191,34 @@ class _DeviceReducer:
 
     pending = False
 
-    def __init__(self, params: list, compression, op: int, prescale: float, postscale: float):
+    def __init__(self, params: list, compression, op: int, prescale: float, postscale: float,
+                 process_set=global_process_set, sparse_as_dense: bool = False):
         if isinstance(compression, _Ours):
             raise ValueError(f"{compression!r} compresses CPU parameters only (hpcjobs.training.DistributedOptimizer"
                              "); on a GPU use Compression.none, Compression.fp16 or Compression.bf16")
         self.params, self.compression = params, compression
         self.op, self.prescale, self.postscale = op, prescale, postscale
+        self.process_set, self.sparse_as_dense = process_set, sparse_as_dense
+        self.sparse: dict = {}
 
     def synchronize(self) -> None:
         for p in self.params:
             if p.grad is None:  # not computed here, maybe elsewhere: contribute zeros
                 p.grad = torch.zeros_like(p)
-        pairs = [self.compression.compress(p.grad) for p in self.params]
+        densified = [p for p in self.params if p.grad.is_sparse and self.sparse_as_dense]
+        for p in densified:
+            p.grad = p.grad.to_dense()
+        dense = [p for p in self.params if not p.grad.is_sparse]
+        self.sparse.update((p, p.grad) for p in self.params if p.grad.is_sparse)
+        pairs = [self.compression.compress(p.grad) for p in dense]
         reduced = grouped_allreduce_([c for c, _ in pairs], op=self.op, prescale_factor=self.prescale,
-                                     postscale_factor=self.postscale)
-        for p, r, (_, ctx) in zip(self.params, reduced, pairs):
+                                     postscale_factor=self.postscale, process_set=self.process_set)
+        for p, r, (_, ctx) in zip(dense, reduced, pairs):
             out = self.compression.decompress(r, ctx)
             if out is not p.grad:
                 p.grad.copy_(out)
+        for p in densified:
+            p.grad = p.grad.to_sparse()
 
     def close(self) -> None:
         """Nothing to release (the engine's counterpart removes its hooks)."""
@@ -213,25 +260,21 @@ def _check_groups(groups) -> None:
                 seen.add(id(p))
 
 
-def _reducer(optimizer, named: list, compression, backward_passes_per_step: int, op: int, predivide: float):
-    w = world()
-    if w.size == 1:
+def _reducer(optimizer, named: list, compression, backward_passes_per_step: int, op: int, predivide: float,
+             process_set, sparse_as_dense: bool):
+    set_id, comm, ranks = resolve(process_set)
+    if len(ranks) == 1:
         return None
+    base = world().comm if set_id == 0 else comm
     updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    params = [(n, p) for n, p in named if id(p) in updated and p.requires_grad]
+    params = [(n, p) for n, p in named if id(p) in updated]  # the engine skips those without gradients
     if all(p.device.type == "cpu" for _, p in params):
-        prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, float(w.size))
-        return _EngineReducer(optimizer, params, w.comm, engine_compressor(compression), backward_passes_per_step,
-                              prescale, postscale)
+        prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, float(len(ranks)))
+        return _EngineReducer(optimizer, params, base, engine_compressor(compression), backward_passes_per_step,
+                              prescale, postscale, sparse_as_dense)
     prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
-    return _DeviceReducer([p for _, p in params], compression, op, prescale, postscale)
-
-
-def _densify(param: torch.Tensor) -> None:
-    """After accumulation, before the reducer's hook (``sparse_as_dense=True``):
-    a sparse gradient turns dense."""
-    if param.grad.is_sparse:
-        param.grad = param.grad.to_dense()
+    return _DeviceReducer([p for _, p in params if p.requires_grad], compression, op, prescale, postscale,
+                          process_set, sparse_as_dense)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
@@ -242,9 +285,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
     Raises:
         ValueError: Horovod's argument errors; op Adasum, Min, Max or Product.
-        NotImplementedError: a process set other than the global one.
+        ValueError: ``process_set`` is not registered.
     """
-    check_process_set(process_set)
+    ranks_of(process_set)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     op = reduce_op(op, None)
@@ -260,9 +303,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("backward_passes_per_step must be > 0")
     _check_groups(groups)
     named = _named(optimizer, named_parameters)
-    hooks = ([p.register_post_accumulate_grad_hook(_densify) for _, p in named if p.requires_grad]
-             if sparse_as_dense else [])
-    reducer = _reducer(optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    included = world().rank in ranks_of(process_set)
+    reducer = (_reducer(optimizer, named, compression, backward_passes_per_step, op, gradient_predivide_factor,
+                        process_set, sparse_as_dense) if included else None)
 
     cls = type(type(optimizer).__name__, (_DistributedOptimizer, type(optimizer)), {})
     opt = cls.__new__(cls)
@@ -271,13 +314,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     opt.op, opt.gradient_predivide_factor = op, gradient_predivide_factor
     opt.sparse_as_dense, opt.process_set = sparse_as_dense, process_set
     opt._hvd_reducer, opt._hvd_synchronized, opt._hvd_should_synchronize = reducer, False, True
+    opt._parameter_names = {p: n for n, p in sorted(named, key=lambda item: item[0])}
     # The engine's hooks live on the parameters: remove them with the optimizer.
-    weakref.finalize(opt, _release, reducer, hooks)
+    weakref.finalize(opt, _release, reducer)
     return opt
 
 
-def _release(reducer, hooks: list) -> None:
+def _release(reducer) -> None:
     if reducer is not None:
         reducer.close()
-    for h in hooks:
-        h.remove()

@@ -1,45 +1,45 @@
-"""``hvd.init()`` and what it sets up: the communicator, this rank's place
-on the nodes, the reduction ops and the (global) process set.
+"""``hvd.init()`` and what it sets up: the communicators, this rank's
+place on the nodes, the controller, the reduction ops.
 
-``init(comm)`` takes what Horovod's takes -- nothing (COMM_WORLD), an
-mpi4py communicator, or a list of COMM_WORLD ranks -- and builds a
-:class:`World`:
+``init(comm, process_sets)`` takes what Horovod's takes -- nothing
+(COMM_WORLD), an mpi4py communicator, or a list of COMM_WORLD ranks; and
+process sets to register (:mod:`~hpcjobs.horovod._process_sets`) -- and
+builds a :class:`World`:
 
 - ``comm``: Horovod's communicator. ``DistributedOptimizer`` reduces
   gradients on the suite's private duplicate of it
   (:func:`hpcjobs.comm.private`), as :mod:`hpcjobs.training` always does.
-- ``ops``: a second duplicate, on which every ``hvd.*`` collective runs
-  (through the collectives' own private duplicate of it). The optimizer's
-  communication thread and the ``hvd`` worker thread
-  (:mod:`~hpcjobs.horovod._handles`) may be inside a collective at the same
-  time -- SyncBatchNorm's backward during the optimizer's bucket reductions
-  -- and two communicators keep their messages apart; the user's own
-  traffic on COMM_WORLD never meets either.
+- ``ops``: a duplicate on which the global process set's ``hvd.*``
+  collectives run (through the collectives' own private duplicate of it).
+  The optimizer's communication thread and the controller's thread may be
+  inside a collective at the same time -- SyncBatchNorm's backward during
+  the optimizer's bucket reductions -- and separate communicators keep
+  their messages apart; the user's own traffic on COMM_WORLD never meets
+  them.
+- ``controller``: :mod:`~hpcjobs.horovod._controller`, on a duplicate of
+  its own: the ranks agree by name on what runs, in one order.
+- ``admin``: a duplicate on which the calling thread registers process sets.
 - ``topology``: which ranks share a node (:func:`hpcjobs.topology.detect`),
   for ``local_rank``, ``local_size``, ``cross_rank`` and ``cross_size``.
-- ``executor``: the one worker thread the collectives run on, in the order
-  they were called; None where MPI gives less than ``MPI_THREAD_MULTIPLE``
-  (two threads may then not call MPI at once), and the collectives run at
-  once on the calling thread.
-
-Only the global process set exists: ``ProcessSet`` objects may be built,
-but passing one to a collective, or to ``init``, raises NotImplementedError.
 """
 
 from __future__ import annotations
 
 import atexit
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from ..comm import private
 from ..topology import Topology, detect
+from . import _process_sets
+from ._controller import Controller
+from ._process_sets import (ProcessSet, add_process_set, global_process_set, remove_process_set,  # noqa: F401
+                            resolve)
 
 __all__ = ["World", "world", "init", "shutdown", "is_initialized", "NOT_INITIALIZED", "OPS", "Average", "Sum",
            "Adasum", "Min", "Max", "Product", "HorovodInternalError", "ProcessSet", "global_process_set",
-           "add_process_set", "remove_process_set", "check_process_set", "reduce_op"]
+           "add_process_set", "remove_process_set", "resolve", "reduce_op"]
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -49,9 +49,9 @@ OPS = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 
 
 class HorovodInternalError(RuntimeError):
-    """A collective failed for a reason other than its arguments (an MPI
-    error, say); arguments that disagree across ranks raise
-    :class:`~hpcjobs.collectives.agreement.MismatchError` instead."""
+    """A collective failed: Horovod's exception, which its users catch as
+    RuntimeError. Arguments that disagree across ranks raise
+    :class:`HorovodMismatchError`, which is also hpcjobs' MismatchError."""
 
 
 @dataclass
@@ -60,10 +60,11 @@ class World:
 
     comm: MPI.Intracomm
     ops: MPI.Intracomm
+    admin: MPI.Intracomm
     owned: bool  # comm was built here (from a rank list) and is freed at shutdown
     spec: object  # init's argument, to tell a repeated init from a new one
     topology: Topology
-    executor: ThreadPoolExecutor | None
+    controller: Controller
 
     @property
     def size(self) -> int:
@@ -96,31 +97,31 @@ def is_initialized() -> bool:
 def init(comm=None, process_sets=None) -> None:
     """Initialize on ``comm``: None for COMM_WORLD, an mpi4py intracommunicator,
     or a list of COMM_WORLD ranks (collective over those ranks; a rank not
-    in the list raises ValueError). Collective over the communicator.
+    in the list raises ValueError); then register ``process_sets`` (a list
+    of :class:`ProcessSet`). Collective over the communicator.
 
-    Calling it again with the same argument does nothing, as in Horovod;
-    with another, it shuts down and starts over on the new communicator.
+    Calling it again with the same argument (and no process sets) does
+    nothing, as in Horovod; otherwise it shuts down and starts over.
 
     Raises:
-        NotImplementedError: ``process_sets`` other than None or empty.
         ValueError: ``comm`` is neither a communicator nor a list of ranks.
     """
     global _atexit_registered, _world
-    if process_sets:
-        raise NotImplementedError("hpcjobs.horovod supports only the global process set; "
-                                  f"init(process_sets={process_sets!r}) is not implemented")
     spec = _spec(comm)
-    if _world is not None and (_world.spec is spec or (isinstance(spec, list) and _world.spec == spec)):
+    same = _world is not None and (_world.spec is spec or (isinstance(spec, list) and _world.spec == spec))
+    if same and not process_sets:
         return
     base, owned = _communicator(spec)
     shutdown()
-    ops = base.Dup()
+    ops, ctrl, admin = base.Dup(), base.Dup(), base.Dup()
     private(base)  # collective: made here, on the main thread, not first on a thread
     private(ops)
-    executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcjobs-hvd")
-                if MPI.Query_thread() == MPI.THREAD_MULTIPLE else None)
-    _world = World(base, ops, owned, spec, detect(base), executor)
-    global_process_set.ranks = list(range(base.Get_size()))
+    _process_sets.setup(ops, admin)
+    controller = Controller(ctrl, _process_sets.members, _process_sets.comm_of,
+                            threaded=MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    _world = World(base, ops, admin, owned, spec, detect(base), controller)
+    if process_sets:
+        _process_sets.register_at_init(list(process_sets))
     if not _atexit_registered:
         atexit.register(shutdown)  # before MPI finalizes: mpi4py registered its own earlier
         _atexit_registered = True
@@ -163,19 +164,21 @@ def _communicator(spec) -> tuple[MPI.Intracomm, bool]:
 
 
 def shutdown() -> None:
-    """Finish the collectives in flight, then free what ``init`` made.
-    Nothing to do when not initialized."""
+    """Stop the controller (operations not yet run fail with
+    HorovodInternalError), then free what ``init`` made. Nothing to do when
+    not initialized."""
     global _world
     w, _world = _world, None
     if w is None:
         return
-    if w.executor is not None:
-        w.executor.shutdown(wait=True)
+    w.controller.stop()
     from . import _handles
 
     _handles.clear()
+    _process_sets.clear()
     if not MPI.Is_finalized():
-        w.ops.Free()
+        for c in (w.ops, w.controller.comm, w.admin):
+            c.Free()
         if w.owned:
             w.comm.Free()
 
@@ -204,51 +207,3 @@ def reduce_op(op, average) -> int:
     if op not in OPS:
         raise ValueError(f"unknown reduce op {op!r}; use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
     return op
-
-
-class ProcessSet:
-    """Horovod's process set, as an object scripts can build and inspect.
-    Only :data:`global_process_set` can be used."""
-
-    process_set_id = None
-    ranks = None
-    mpi_comm = None
-
-    def __init__(self, ranks_or_comm):
-        if isinstance(ranks_or_comm, MPI.Comm):
-            self.mpi_comm = ranks_or_comm
-        else:
-            self.ranks = sorted(ranks_or_comm)
-
-    def size(self) -> int | None:
-        return world().size if self is global_process_set else None
-
-    def rank(self) -> int | None:
-        return world().rank if self is global_process_set else None
-
-    def included(self) -> bool | None:
-        return None if self.ranks is None else world().rank in self.ranks
-
-    def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
-
-
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
-
-_NO_SETS = ("hpcjobs.horovod runs every collective on the global process set; "
-            "other process sets are not implemented")
-
-
-def check_process_set(process_set) -> None:
-    """Raises NotImplementedError for any process set but the global one."""
-    if process_set is not global_process_set:
-        raise NotImplementedError(f"{_NO_SETS} (got {process_set})")
-
-
-def add_process_set(process_set):
-    raise NotImplementedError(_NO_SETS)
-
-
-def remove_process_set(process_set):
-    raise NotImplementedError(_NO_SETS)

@@ -14,13 +14,17 @@ hpcjobs' collectives, for scripts written for ``horovod.torch``::
 Horovod itself is not used: this is Python on mpi4py, numpy and torch.
 Where each part lives:
 
-- ``init``, ``shutdown``, ``size``/``rank`` and the rest, process sets:
-  :mod:`~hpcjobs.horovod._state`;
+- ``init``, ``shutdown``, ``size``/``rank`` and the rest:
+  :mod:`~hpcjobs.horovod._state`; process sets:
+  :mod:`~hpcjobs.horovod._process_sets`;
 - the collectives: :mod:`~hpcjobs.horovod._allreduce` (allreduce family),
   :mod:`~hpcjobs.horovod._ops` (allgather, broadcast, alltoall,
-  reducescatter, barrier, join), run in call order on one worker thread
+  reducescatter, barrier, join), :mod:`~hpcjobs.horovod._sparse`
+  (``sparse_allreduce_async``): each a request
   (:mod:`~hpcjobs.horovod._handles`: handles, names, ``poll``,
-  ``synchronize``) by :mod:`~hpcjobs.horovod._collectives`;
+  ``synchronize``) that the controller (:mod:`~hpcjobs.horovod._controller`)
+  matches across ranks by name, fuses and runs with
+  :mod:`~hpcjobs.horovod._collectives`;
 - ``broadcast_parameters``, ``broadcast_optimizer_state``,
   ``broadcast_object``, ``allgather_object``:
   :mod:`~hpcjobs.horovod._functions`;
@@ -29,12 +33,11 @@ Where each part lives:
 - ``Compression``: :mod:`~hpcjobs.horovod._compression`;
 - ``SyncBatchNorm``: :mod:`~hpcjobs.horovod._sync_batch_norm`.
 
-What differs from Horovod, all said where it is done: ranks must call the
-collectives in the same order (Horovod negotiates the order by name); a
-name stays in use until its handle is synchronized; ``join`` is a
-collective every rank calls; only the global process set; Adasum, elastic
-training, the timeline and sparse allreduce are not provided (using them
-raises, naming what is missing). The ``*_built()`` functions describe this
+What differs from Horovod, all said where it is done: Adasum, elastic
+training and the timeline are not provided (using them raises, naming what
+is missing); a mismatch across ranks raises :class:`HorovodMismatchError`,
+a ``HorovodInternalError`` (RuntimeError) that is also hpcjobs'
+MismatchError, with hpcjobs' message naming the ranks and their values. The ``*_built()`` functions describe this
 implementation: MPI yes, Gloo, NCCL, DDL, oneCCL and ROCm no, CUDA tensors
 yes when torch has CUDA.
 """
@@ -48,11 +51,12 @@ from ._allreduce import (allreduce, allreduce_, allreduce_async, allreduce_async
                          grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_)
 from ._compression import Compression
 from ._functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from ._handles import poll, synchronize
+from ._handles import HorovodMismatchError, poll, synchronize
 from ._ops import (allgather, allgather_async, alltoall, alltoall_async, barrier, broadcast, broadcast_,
                    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
                    grouped_reducescatter, grouped_reducescatter_async, join, reducescatter, reducescatter_async)
 from ._optimizer import DistributedOptimizer
+from ._sparse import sparse_allreduce_async
 from ._state import (Adasum, Average, HorovodInternalError, Max, Min, ProcessSet, Product, Sum, add_process_set,
                      global_process_set, init, is_initialized, remove_process_set, shutdown, world)
 from ._sync_batch_norm import SyncBatchNorm
@@ -61,13 +65,13 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "HorovodMismatchError",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
     "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall",
     "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
-    "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize",
+    "grouped_reducescatter_async", "barrier", "join", "poll", "synchronize", "sparse_allreduce_async",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "Compression", "SyncBatchNorm",
 ]
@@ -158,8 +162,6 @@ _MISSING = {
     "elastic": "hvd.elastic is not provided by hpcjobs (no elastic training: a job runs on a fixed set of ranks)",
     "start_timeline": "hvd.start_timeline is not provided by hpcjobs (no Horovod timeline)",
     "stop_timeline": "hvd.stop_timeline is not provided by hpcjobs (no Horovod timeline)",
-    "sparse_allreduce_async": "hvd.sparse_allreduce_async is not provided by hpcjobs "
-                              "(DistributedOptimizer(sparse_as_dense=True) reduces sparse gradients as dense)",
 }
 
 

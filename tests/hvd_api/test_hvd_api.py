@@ -68,17 +68,11 @@ def test_what_is_not_implemented_says_so():
     for name in ("elastic", "start_timeline"):
         with pytest.raises(NotImplementedError, match="not provided by hpcjobs"):
             getattr(hvd, name)
-    with pytest.raises(NotImplementedError, match="global process set"):
-        hvd.allreduce(t, process_set=hvd.ProcessSet([0]))
-    with pytest.raises(NotImplementedError, match="global process set"):
-        hvd.add_process_set([0])
-    with pytest.raises(NotImplementedError, match="global process set"):
-        hvd.init(process_sets=[hvd.ProcessSet([0])])
     with pytest.raises(ValueError, match="inside hvd.DistributedOptimizer only"):
         hvd.allreduce(t, compression=hvd.Compression.topk(0.5))
     with pytest.raises(ValueError, match="ratio"):
         hvd.Compression.topk(2.0)
-    with pytest.raises(ValueError, match="only supports AVERAGE and SUM"):
+    with pytest.raises(NotImplementedError, match="only supports AVERAGE and SUM"):
         hvd.reducescatter(t, op=hvd.Max)
     model = torch.nn.Linear(2, 1)
     for kwargs, match in [(dict(op=hvd.Adasum), "Adasum"), (dict(op=hvd.Min), "Average or op=hvd.Sum"),
@@ -158,13 +152,11 @@ def test_in_place_and_grouped_allreduce():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_async_calls_return_handles_and_names_are_unique_in_flight():
+def test_async_calls_return_handles_and_names_are_per_kind():
     size = hvd.size()
     t = torch.ones(5)
     first = hvd.allreduce_async(t, name="grad", op=hvd.Sum)
     other_kind = hvd.allgather_async(t, name="grad")  # names are per kind, as in Horovod
-    with pytest.raises(ValueError, match="same name"):
-        hvd.allreduce_async(t, name="grad")
     assert isinstance(hvd.poll(first), bool)
     assert torch.equal(hvd.synchronize(first), torch.full((5,), float(size)))
     assert hvd.synchronize(other_kind).shape == (5 * size,)
@@ -263,19 +255,19 @@ def test_mismatched_arguments_raise_on_every_rank():
             with checking(True):
                 call()
             raised, message = False, ""
-        except MismatchError as e:
+        except ValueError as e:  # a MismatchError; the rank whose own arguments failed: its ValueError
             raised, message = True, str(e)
         assert every_rank(raised), "some rank did not raise"
         assert all(w in message for w in words), message
 
     raises_everywhere(lambda: hvd.allreduce(torch.ones(3 if rank == 0 else 4)), "shapes differs", "rank 0: (3,)")
     raises_everywhere(lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum if rank == 0 else hvd.Max), "op differs")
-    raises_everywhere(lambda: hvd.allreduce(torch.ones(2), name="a" if rank == 0 else "b"), "name differs")
     raises_everywhere(lambda: hvd.broadcast(torch.ones(2, dtype=torch.float32 if rank else torch.float64), 0),
                       "dtypes differs")
     raises_everywhere(lambda: hvd.allgather(torch.ones(rank + 1, 2 if rank == 0 else 3)), "shapes after dim 0")
     splits = [4 if rank == 0 else 3] + [0] * (hvd.size() - 1)  # rank 0 asks for more rows than it has
-    raises_everywhere(lambda: hvd.alltoall(torch.ones(3), splits=splits), "rank 0: ValueError: splits [4")
+    raises_everywhere(lambda: hvd.alltoall(torch.ones(3), splits=splits),
+                      "splits [4" if rank == 0 else "rank 0: ValueError: splits [4")
     # nothing was sent: the collectives still work
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [hvd.size()] * 2
 
