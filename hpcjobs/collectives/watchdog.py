@@ -60,7 +60,7 @@ from mpi4py import MPI
 from .. import _reaper
 
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "enter", "leave",
-           "attach"]
+           "attach", "env_number"]
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_WARNING = 60.0
@@ -70,21 +70,26 @@ UNCLEAN_GRACE = 10.0  # seconds after a rank's end without MPI_Finalize before i
 _QUERY, _ANSWER = 1, 2  # tags on the watchdog's own communicator
 
 
-def _env_seconds(name: str, default: float) -> float:
+def env_number(name: str, default: float, unit: str = "seconds") -> float:
+    """The environment variable ``name`` as a number >= 0 of ``unit``; ``default`` when unset or empty.
+
+    Raises:
+        ValueError: not a number, or negative (naming the variable and the unit).
+    """
     text = os.environ.get(name)
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={text!r} is not a number of {unit}") from None
     if value < 0:
-        raise ValueError(f"{name} must be >= 0 seconds, got {text}")
+        raise ValueError(f"{name} must be >= 0 {unit}, got {text}")
     return value
 
 
-_timeout = _env_seconds("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
-_warning = _env_seconds("HPCJOBS_STALL_WARNING", DEFAULT_WARNING)
+_timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
+_warning = env_number("HPCJOBS_STALL_WARNING", DEFAULT_WARNING)
 _inflight: dict[int, tuple[str, int, float]] = {}  # thread id -> (collective, call number, start)
 _last: tuple[str, int, float] | None = None  # the collective entered last, in flight or not
 _calls = itertools.count(1)

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from ..collectives.watchdog import guard
+from ..collectives.watchdog import env_number, guard
 from ._coordinator import Coordinator
 
 __all__ = ["Request", "Controller", "fusion_threshold", "ControllerError", "ControllerStopped"]
@@ -65,31 +65,9 @@ _FAST_S, _BURST_S = 5e-5, 5e-3  # within 5 ms of work, the thread polls every 50
 DEFAULT_FUSION_BYTES = 64 << 20  # Horovod 0.28's default HOROVOD_FUSION_THRESHOLD
 
 
-def _env_float(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={text!r} must be >= 0")
-    return value
-
-
 def fusion_threshold(default: int = DEFAULT_FUSION_BYTES) -> int:
     """``HOROVOD_FUSION_THRESHOLD`` in bytes (0 turns fusion off), else ``default``."""
-    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if value is None:
-        return default
-    try:
-        threshold = int(value)
-    except ValueError:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={value!r}: expected a number of bytes") from None
-    if threshold < 0:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={threshold}: expected a number of bytes >= 0")
-    return threshold
+    return int(env_number("HOROVOD_FUSION_THRESHOLD", default, "bytes"))
 
 
 class ControllerError(RuntimeError):
@@ -139,9 +117,9 @@ class Controller:
         self.members, self.comm_of = members, comm_of
         self.join_device = -1  # join()'s device: where a joined rank's zeros live
         self.fusion = fusion_threshold()
-        self.cycle_s = _env_float("HOROVOD_CYCLE_TIME", 1.0) / 1000.0
+        self.cycle_s = env_number("HOROVOD_CYCLE_TIME", 1.0, "milliseconds") / 1000.0
         disabled = os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "0") not in ("", "0")
-        self.stall_s = 0.0 if disabled else _env_float("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
+        self.stall_s = 0.0 if disabled else env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0)
         self._lock = threading.Lock()
         self._new: list[Request] = []  # submitted, not yet sent to the coordinator
         self._mine: dict[tuple, Request] = {}  # (set, key) -> this rank's request, sent, not yet run

@@ -13,23 +13,14 @@ import torch
 from mpi4py import MPI
 
 import hpcjobs.horovod.torch as hvd
+from hvd_common import every_rank, initialized  # noqa: F401 (initialized: the autouse fixture)
 from hpcjobs.collectives import chunk_bounds
 from hpcjobs.collectives.agreement import MismatchError, checking
 from hpcjobs.horovod._optimizer import _DeviceReducer
 from equivalence import flat_params, fresh_model, global_data, rel_diff
 from hpcjobs.training.models import build_model
 
-torch.set_num_threads(1)
 WORLD = MPI.COMM_WORLD
-
-
-@pytest.fixture(autouse=True)
-def initialized():
-    hvd.init()
-
-
-def every_rank(flag: bool) -> bool:
-    return WORLD.allreduce(int(flag), op=MPI.MIN) == 1
 
 
 def same_on_every_rank(t: torch.Tensor) -> bool:
@@ -402,6 +393,6 @@ def test_horovod_fusion_threshold_sets_the_bucket_size(monkeypatch):
         del opt
     assert sizes[None] == sizes[str(1 << 30)] == 1 and sizes["4096"] > 1 and sizes["0"] == 6, sizes
     monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
-    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB': expected a number of bytes"):
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a number of bytes"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters())

@@ -12,19 +12,10 @@ import torch
 from mpi4py import MPI
 
 import hpcjobs.horovod.torch as hvd
+from hvd_common import every_rank, initialized  # noqa: F401 (initialized: the autouse fixture)
 from hpcjobs.collectives.agreement import MismatchError
 
-torch.set_num_threads(1)
 WORLD = MPI.COMM_WORLD
-
-
-@pytest.fixture(autouse=True)
-def initialized():
-    hvd.init()
-
-
-def every_rank(flag: bool) -> bool:
-    return WORLD.allreduce(int(flag), op=MPI.MIN) == 1
 
 
 # -- order: by name, not by submission ----------------------------------------
