@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 from mpi4py import MPI
 
-from ..collectives.watchdog import env_number, guard
+from ..collectives.watchdog import env_number
 from ._coordinator import Coordinator
 
 __all__ = ["Request", "Controller", "fusion_threshold", "ControllerError", "ControllerStopped"]
@@ -165,14 +165,13 @@ class Controller:
     def stop(self, wait_s: float = 10.0) -> None:
         """Shut down with the other ranks: ask the coordinator, go on serving
         until every rank has asked (a rank's operations may still need this
-        one), then stop; every request not yet run fails. Without the others
-        within the watchdog's timeout the job ends, as any stalled call does."""
+        one), then stop; every request not yet run fails. Like
+        ``MPI_Finalize``, it waits for the ranks still at work, however long."""
         if not self._stopping:
             request = Request(0, "shutdown", "shutdown", {}, None)
             try:
                 self.submit(request)
-                with guard("hvd.shutdown"):
-                    self.wait(request.future)
+                self.wait(request.future)
             except Exception:  # the controller failed: nothing to agree with
                 pass
         with self._lock:
