@@ -14,6 +14,7 @@ from mpi4py import MPI
 import hpcjobs.horovod.torch as hvd
 from hvd_common import every_rank, initialized  # noqa: F401 (initialized: the autouse fixture)
 from hpcjobs.collectives.agreement import MismatchError
+from launch import mpirun_script
 
 WORLD = MPI.COMM_WORLD
 
@@ -297,3 +298,33 @@ def test_controller_counts_what_it_ran():
     assert stats["requests"] - before["requests"] == 4
     assert 1 <= stats["responses"] - before["responses"] <= 4  # fused or not, every request ran once
     assert np.isclose(stats["tensors"] - before["tensors"], 4)
+
+
+_SERIALIZED = '''
+import mpi4py
+mpi4py.rc.thread_level = "serialized"   # no MPI_THREAD_MULTIPLE: no controller thread
+import torch
+from mpi4py import MPI
+import hpcjobs.horovod.torch as hvd
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+assert not hvd.mpi_threads_supported() and hvd.world().controller._thread is None
+names = ["x", "y"] if rank == 0 else ["y", "x"]          # submitted in different orders
+handles = {n: hvd.allreduce_async(torch.full((2,), float(rank + (n == "y"))), name=n, op=hvd.Sum) for n in names}
+assert hvd.synchronize(handles["x"]).tolist() == [float(sum(range(size)))] * 2
+assert hvd.synchronize(handles["y"]).tolist() == [float(sum(range(size)) + size)] * 2
+if rank == 0:
+    last = hvd.join()
+else:
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size - 1   # the joined rank adds zeros
+    last = hvd.join()
+assert hvd.allgather_object(last) == [last] * size and last != 0
+hvd.shutdown()
+print("ok", rank)
+'''
+
+
+def test_without_thread_support_the_caller_drives_the_controller():
+    out = mpirun_script(2, _SERIALIZED, timeout=120, env={"HPCJOBS_TIMEOUT": "60"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(out.stdout.split("\n")[:-1]) == ["ok 0", "ok 1"], out.stdout
