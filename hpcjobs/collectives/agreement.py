@@ -51,7 +51,7 @@ from ..comm import signature
 from ._shared import is_single_node
 
 __all__ = ["MismatchError", "SIG_WORDS", "checks_enabled", "set_checks", "checking", "agree_or_raise", "agree_values",
-           "exchange_of"]
+           "exchange_of", "disagreements", "ranks_text"]
 
 SIG_WORDS = 32  # int64s of a signature on oneshot's segment
 
@@ -163,19 +163,28 @@ def agree_values(comm: MPI.Intracomm, what: str, names: tuple, values: tuple,
     # gather the readable signatures and raise the same message.
     fields = dict(zip(names, values))
     everyone = comm.allgather((fields, None if error is None else f"{type(error).__name__}: {error}", what))
-    problems = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(everyone) if err]
-    for k in fields:
-        seen: dict[str, list[int]] = {}
-        for r, (f, err, _) in enumerate(everyone):
-            if not err:
-                seen.setdefault(str(f.get(k)), []).append(r)
-        if len(seen) > 1:
-            problems.append(f"{k} differs: " + "; ".join(f"{_ranks(rs)}: {val}" for val, rs in seen.items()))
+    problems = disagreements({r: (f, err) for r, (f, err, _) in enumerate(everyone)}, fields)
     if not problems:  # a field this rank does not have, or a crc32 collision's reverse
         problems.append("the calls differ: " + "; ".join(f"rank {r}: {sorted(f)}" for r, (f, _, _) in enumerate(everyone)))
     whats = " / ".join(dict.fromkeys(w for _, _, w in everyone))  # the same text on every rank
     raise MismatchError(f"{whats}: the ranks of the communicator disagree or failed, so nothing was sent -- "
                         + " | ".join(problems))
+
+
+def disagreements(calls: dict, names) -> list[str]:
+    """What is wrong with the ranks' calls to one collective: ``calls`` maps
+    a rank to ``(fields, error text or None)``; each rank's error, then each
+    of ``names`` whose value differs among the ranks without an error
+    ("shapes differs: rank 0: (3,); ranks 1,2: (4,)"). Empty when they agree."""
+    problems = [f"rank {r}: {err}" for r, (_, err) in sorted(calls.items()) if err]
+    for k in names:
+        seen: dict[str, list[int]] = {}
+        for r, (f, err) in sorted(calls.items()):
+            if not err:
+                seen.setdefault(str(f.get(k)), []).append(r)
+        if len(seen) > 1:
+            problems.append(f"{k} differs: " + "; ".join(f"{ranks_text(rs)}: {val}" for val, rs in seen.items()))
+    return problems
 
 
 _SEGMENT, _MPI = "segment", "mpi"
@@ -207,5 +216,6 @@ _last: tuple = (None, None)
 _oneshot = None  # the module, imported on first use
 
 
-def _ranks(rs: list[int]) -> str:
+def ranks_text(rs: list[int]) -> str:
+    """``rank 3`` or ``ranks 0,2``."""
     return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))

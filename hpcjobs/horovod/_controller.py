@@ -130,9 +130,8 @@ class Controller:
                              else None)
         self._sends: list = []  # isend requests not yet complete
         # What this rank's controller did: cycles that found work, requests
-        # submitted, responses run (a fused one counts once), tensors they
-        # carried, and the seconds its cycles spent outside the collectives.
-        self.stats = {"cycles": 0, "requests": 0, "responses": 0, "tensors": 0, "overhead_s": 0.0}
+        # submitted, responses run (a fused one counts once), tensors they carried.
+        self.stats = {"cycles": 0, "requests": 0, "responses": 0, "tensors": 0}
         self._wake = threading.Event()
         self._stopping = False
         self._thread = None
@@ -183,12 +182,8 @@ class Controller:
         while self._sends and time.monotonic() < deadline:
             self._sends = [r for r in self._sends if not r.Test()]
             time.sleep(0.001)
-        gone = ControllerStopped("Horovod has been shut down. This was caused by hvd.shutdown() being called "
-                                 "before this operation completed")
-        for r in [*self._new, *self._mine.values(), *([self._join] if self._join else [])]:
-            if not r.future.done():
-                r.future.set_exception(gone)
-        self._new, self._mine, self._join = [], {}, None
+        self._fail_pending(ControllerStopped("Horovod has been shut down. This was caused by hvd.shutdown() "
+                                             "being called before this operation completed"))
 
     # -- the cycle -------------------------------------------------------------
 
@@ -214,18 +209,22 @@ class Controller:
             self._wake.wait(wait)
 
     def _fail_all(self, error: BaseException) -> None:
-        failure = ControllerStopped(f"the Horovod controller failed: {type(error).__name__}: {error}")
         with self._lock:
             self._stopping = True
-            pending = [*self._new, *self._mine.values(), *([self._join] if self._join else [])]
+        self._fail_pending(ControllerStopped(f"the Horovod controller failed: {type(error).__name__}: {error}"))
+
+    def _fail_pending(self, error: ControllerStopped) -> None:
+        """Every request of this rank not yet run fails with ``error``."""
+        with self._lock:
+            pending = [*self._new, *self._mine.values(), *(r for r in (self._join, self._quit) if r)]
+            self._new, self._mine, self._join, self._quit = [], {}, None, None
         for r in pending:
             if not r.future.done():
-                r.future.set_exception(failure)
+                r.future.set_exception(error)
 
     def cycle(self) -> bool:
         """One round: send what is new, negotiate (coordinator), run what is
         ready. Returns whether anything happened."""
-        t0 = time.perf_counter()
         with self._lock:
             new, self._new = self._new, []
         for r in new:
@@ -254,7 +253,6 @@ class Controller:
                 self._send(wires, 0, _REQUEST)
             if self.comm.Iprobe(0, _RESPONSE):
                 responses = self.comm.recv(source=0, tag=_RESPONSE)
-        overhead = time.perf_counter() - t0
         for response in responses or ():
             self._run(response)
         if new or responses:
@@ -264,7 +262,6 @@ class Controller:
             ran = [r for r in responses or () if r[1] not in ("join", "shutdown")]
             st["responses"] += len(ran)
             st["tensors"] += sum(len(r[2]) for r in ran)
-            st["overhead_s"] += overhead
         return bool(new or responses)
 
     def _send(self, obj, dest: int, tag: int) -> None:

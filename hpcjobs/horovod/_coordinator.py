@@ -19,6 +19,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from ..collectives.agreement import disagreements, ranks_text
+
 __all__ = ["Coordinator"]
 
 
@@ -29,22 +31,10 @@ def _fuse_key(set_id: int, kind: str, meta: dict):
     return set_id, meta["dtypes"], meta["devices"], meta["op"], meta["prescale"], meta["postscale"]
 
 
-def _ranks(rs) -> str:
-    rs = list(rs)
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
-
-
 def _mismatch(what: str, entries: dict) -> str | None:
     """The error text for a key's entries (rank -> wire tuple), or None."""
-    problems = [f"rank {r}: {e[4]}" for r, e in sorted(entries.items()) if e[4]]
-    metas = {r: e[3] for r, e in entries.items() if not e[4]}
-    fields = dict.fromkeys(k for m in metas.values() for k in m)
-    for k in fields:
-        seen: dict[str, list[int]] = {}
-        for r in sorted(metas):
-            seen.setdefault(str(metas[r].get(k)), []).append(r)
-        if len(seen) > 1:
-            problems.append(f"{k} differs: " + "; ".join(f"{_ranks(rs)}: {v}" for v, rs in seen.items()))
+    calls = {r: (e[3], e[4]) for r, e in entries.items()}
+    problems = disagreements(calls, dict.fromkeys(k for m, _ in calls.values() for k in m))
     if not problems:
         return None
     return f"{what}: the ranks disagree or failed, so nothing was sent -- " + " | ".join(problems)
@@ -96,7 +86,7 @@ class Coordinator:
             error = _mismatch(f"hvd.{kind} {key!r}", entries)
             absent = sorted(joined & set(members))
             if error is None and absent and kind not in ("allreduce", "barrier"):
-                error = (f"hvd.{kind} {key!r} is not supported with hvd.join(): {_ranks(absent)} "
+                error = (f"hvd.{kind} {key!r} is not supported with hvd.join(): {ranks_text(absent)} "
                          "joined and contribute nothing")
             ready.append([set_id, kind, [key], error, [first[6]], first[5], _fuse_key(set_id, kind, first[3]),
                           first[3]])
