@@ -20,6 +20,20 @@ ends. A target at or below a fit's asymptote is never reached by that fit
 ``hpcjobs train --target-loss L`` prints the prediction with each epoch's
 line once it has :data:`MIN_POINTS` epochs; :func:`fit_metrics` reads a
 ``--metrics`` JSONL file.
+
+The statistical side (McCandlish et al., "An empirical model of large-batch
+training", 2018, App. A.1): the squared norms of gradients over batches of
+two sizes, b (one rank's) and B (the average over P ranks), estimate the
+true gradient's squared norm and the per-sample gradient variance,
+
+    |G|² ≈ (B·|G_B|² − b·|G_b|²) / (B − b),  S ≈ (|G_b|² − |G_B|²) / (1/b − 1/B),
+
+each unbiased, so they are averaged over an epoch's steps before the ratio
+B_noise = S / |G|² (the gradient noise scale, in samples) is taken
+(:func:`noise_scale`; ``train --noise-scale``). From it the samples needed
+for a given progress grow with the batch as E(B) = E_min·(1 + B/B_noise)
+and the steps shrink as S(B) = S_min·(1 + B_noise/B):
+:func:`epochs_factor` is what a batch B costs in epochs against a batch B0.
 """
 
 from __future__ import annotations
@@ -30,7 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MIN_POINTS", "Fit", "Prediction", "fit", "fit_metrics", "predict_epochs", "prediction_fields"]
+__all__ = ["MIN_POINTS", "Fit", "Prediction", "epochs_factor", "fit", "fit_metrics", "noise_scale", "predict_epochs",
+           "prediction_fields"]
 
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
 _GRID = 64  # asymptote values tried in [0, min loss), then again around the best
@@ -178,3 +193,37 @@ def prediction_fields(history: list[dict], target: float, key: str = "loss") -> 
 
     return {"predicted_epoch": finite(p.epochs), "predicted_epoch_low": finite(p.low),
             "predicted_epoch_high": finite(p.high)}
+
+
+def noise_scale(small_sq: float, big_sq: float, small: float, big: float) -> dict:
+    """The gradient noise scale from mean squared gradient norms at two
+    batch sizes: ``small_sq`` over batches of ``small`` samples (one rank's),
+    ``big_sq`` over ``big`` (all ranks'). Returns ``grad_sq`` (|G|²),
+    ``grad_var`` (S, the trace of one sample's gradient covariance) and
+    ``noise_scale`` (S/|G|², samples; None when the estimate of |G|² is not
+    positive, as a few noisy steps can make it).
+
+    Raises:
+        ValueError: ``big`` not larger than ``small``, or a negative norm.
+    """
+    if not big > small > 0:
+        raise ValueError(f"the two batch sizes must be 0 < small < big, got {small} and {big}")
+    if small_sq < 0 or big_sq < 0:
+        raise ValueError("squared norms cannot be negative")
+    g2 = (big * big_sq - small * small_sq) / (big - small)
+    var = (small_sq - big_sq) / (1.0 / small - 1.0 / big)
+    return {"grad_sq": g2, "grad_var": var, "noise_scale": var / g2 if g2 > 0 and var >= 0 else None}
+
+
+def epochs_factor(noise: float | None, base_batch: float, batch: float) -> float:
+    """Epochs to the same progress at global batch ``batch`` over those at
+    ``base_batch``: (1 + B/B_noise) / (1 + B0/B_noise). 1.0 when the noise
+    scale is unknown (None): epochs taken as independent of the batch, as
+    perfect linear scaling assumes."""
+    if not (base_batch > 0 and batch > 0):
+        raise ValueError(f"batches must be positive, got {base_batch} and {batch}")
+    if noise is None:
+        return 1.0
+    if not noise > 0:
+        raise ValueError(f"the noise scale must be positive, got {noise}")
+    return (1.0 + batch / noise) / (1.0 + base_batch / noise)

@@ -106,3 +106,17 @@ def test_a_flat_or_diverged_history_predicts_never_without_raising():
     diverged = flat[:4] + [{"epoch": 5, "loss": float("nan")}]
     assert prediction_fields(diverged, 0.5) == {"predicted_epoch": None, "predicted_epoch_low": None,
                                                 "predicted_epoch_high": None}
+
+
+def test_train_reports_the_noise_scale_each_epoch_and_refuses_it_alone(tmp_path):
+    from launch import mpirun
+
+    metrics = tmp_path / "m.jsonl"
+    out = mpirun(2, "train", "--dataset", "synthetic", "--num-samples", "800", "--width", "16", "-b", "16",
+                 "--epochs", "2", "--noise-scale", "--metrics", str(metrics), "--no-progress")
+    assert out.returncode == 0, out.stderr
+    for r in (json.loads(line) for line in metrics.read_text().splitlines()):
+        assert r["grad_sq"] > 0 and r["grad_var"] > 0, r
+        assert r["noise_scale"] == pytest.approx(r["grad_var"] / r["grad_sq"], rel=1e-5)
+    alone = mpirun(1, "train", "--dataset", "synthetic", "--num-samples", "800", "--noise-scale", "--epochs", "1")
+    assert alone.returncode == 2 and "run 2 or more" in alone.stderr, alone.stderr

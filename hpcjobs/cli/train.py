@@ -138,6 +138,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="from the 4th epoch, each epoch's line predicts the epoch at which the training loss "
                         "reaches L (Optimus's model 1/(b0*k + b1) + b2 fitted to the losses so far, with a "
                         "jackknife interval): predicted_epoch, predicted_epoch_low/high (null: never, by the fit)")
+    g.add_argument("--noise-scale", action="store_true",
+                   help="each epoch's line gains the gradient noise scale (McCandlish et al. 2018) from the ranks' "
+                        "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
     g.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here after every epoch (atomic)")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
@@ -162,6 +165,8 @@ def config_from_args(args, size: int) -> TrainConfig:
         if args.global_batch % (size * passes):
             raise UsageError(f"--global-batch {args.global_batch} does not divide by {size} ranks x {passes} passes")
         values["batch_per_rank"] = args.global_batch // (size * passes)
+    if getattr(args, "noise_scale", False) and size < 2:
+        raise UsageError("--noise-scale compares one rank's gradient with the average over ranks: run 2 or more")
     with usage():
         cfg = TrainConfig(**values)
         cfg.validate()

@@ -87,6 +87,7 @@ class TrainConfig:
     resume: bool = False
     metrics: str | None = None
     target_loss: float | None = None  # predict the epoch the training loss reaches it (hpcjobs.convergence)
+    noise_scale: bool = False  # estimate the gradient noise scale every epoch (hpcjobs.convergence.noise_scale)
     progress: bool = True
     quiet: bool = False
 
@@ -119,6 +120,8 @@ class TrainConfig:
         if make_compressor(self.compression) is None:
             if self.error_feedback:
                 raise ValueError("error feedback needs a compression")
+        elif self.noise_scale:
+            raise ValueError("the noise scale needs uncompressed gradients (the exact average of the ranks')")
         elif self.algorithm != "auto" and self.algorithm not in MESSAGE_ALGORITHMS:
             raise ValueError(f"compressed gradients need a message-passing algorithm (auto or "
                              f"{', '.join(MESSAGE_ALGORITHMS)}), got {self.algorithm!r}")

@@ -115,6 +115,8 @@ class DistributedOptimizer:
             the MPI thread level allows it and this rank may use two or more
             cores; with one core the thread only competes with backward for
             it (``hpcjobs bench train``: "none" was 1.18x faster there).
+        noise_scale: sum squared norms of this rank's gradient and of the average in ``stats`` (for the
+            gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks.
 
     Raises:
         ValueError: bad arguments, parameters the optimizer updates that are
@@ -125,7 +127,7 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, comm: MPI.Comm | None = None,
                  algorithm: str = "auto", compression: Compressor | None = None, error_feedback: bool = False,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, backward_passes_per_step: int = 1,
-                 overlap: str = "auto", nonfinite: str = "ignore"):
+                 overlap: str = "auto", nonfinite: str = "ignore", noise_scale: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if algorithm != "auto" and algorithm not in ALGORITHMS:
@@ -153,7 +155,10 @@ class DistributedOptimizer:
         self._comm = private(self._user_comm)  # collective: done here, never first on the thread
         self.size = self._comm.Get_size()
         self.rank = self._comm.Get_rank()
-        self.algorithm = algorithm
+        if noise_scale and (compression is not None or self.size < 2):
+            raise ValueError("noise_scale needs uncompressed gradients on at least 2 ranks (one rank's batch "
+                             "against the average over all)")
+        self.noise_scale, self.algorithm = bool(noise_scale), algorithm
         self.compression = compression
         self.memory = ErrorFeedback() if error_feedback else None
         self._fused = compression is None or compression.fusable
@@ -259,6 +264,8 @@ class DistributedOptimizer:
     def _reduce(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
         bucket.before_reduce()
+        if self.noise_scale:  # this rank's gradient, before it is averaged (convergence.noise_scale)
+            self.stats["grad_sq_rank"] += float(bucket.buffer.double().square().sum())
         if self.compression is not None:
             single = len(bucket.slots) == 1
             tensor = bucket.buffer.view(bucket.slots[0].param.shape) if single else bucket.buffer
@@ -272,6 +279,8 @@ class DistributedOptimizer:
                 self.stats["sent_bytes"] += counted_allreduce(host, "avg", self.algorithm, self._user_comm)
         else:
             allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
+        if self.noise_scale:
+            self.stats["grad_sq_avg"] += float(bucket.buffer.double().square().sum())
         bucket.after_reduce()
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["allreduces"] += 1
@@ -338,9 +347,10 @@ class DistributedOptimizer:
     def reset_stats(self) -> None:
         """Zero the counters: ``comm_s`` (time in allreduce, on the thread), ``wait_s`` (time ``step()`` spent
         before the optimizer ran), ``steps``, ``skipped_steps`` (non-finite gradients), ``allreduces``,
-        ``sent_bytes`` (bytes this rank sent, counted with compression or a message-passing algorithm, else 0)."""
+        ``sent_bytes`` (bytes this rank sent, counted with compression or a message-passing algorithm, else 0),
+        ``grad_sq_rank``/``grad_sq_avg`` (with ``noise_scale``: squared norms summed over steps)."""
         self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0,
-                      "skipped_steps": 0}
+                      "skipped_steps": 0, "grad_sq_rank": 0.0, "grad_sq_avg": 0.0}
 
     @property
     def counts_bytes(self) -> bool:
@@ -367,23 +377,12 @@ class DistributedOptimizer:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer
-
-    @property
-    def param_groups(self):
-        return self._optimizer.param_groups
-
-    @property
-    def state(self):
-        return self._optimizer.state
-
-    def state_dict(self):
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self._optimizer.load_state_dict(state_dict)
+    # the wrapped optimizer, and its fields as torch code expects of an optimizer
+    optimizer = property(lambda self: self._optimizer)
+    param_groups = property(lambda self: self._optimizer.param_groups)
+    state = property(lambda self: self._optimizer.state)
+    state_dict = property(lambda self: self._optimizer.state_dict)
+    load_state_dict = property(lambda self: self._optimizer.load_state_dict)
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""

@@ -19,17 +19,15 @@ fresh model, or the checkpoint's), then, per epoch:
 3. at the end of the epoch the loss and accuracy sums are reduced, BatchNorm
    running statistics are averaged across ranks (training used per-worker
    statistics; evaluation uses their mean), and the test set -- split into
-   one contiguous shard per rank -- is evaluated;
-4. rank 0 writes one JSON line of metrics and, with ``checkpoint``, an
-   atomic checkpoint (temp file, fsync, rename) that ``resume`` continues
-   from, with the same data order and schedule position.
+   one contiguous shard per rank -- is evaluated (with ``noise_scale``, the
+   gradient noise scale is estimated from the optimizer's squared norms);
+4. rank 0 writes one JSON line of metrics and, with ``checkpoint``, an atomic checkpoint (temp file,
+   fsync, rename) that ``resume`` continues from, with the same data order and schedule position.
 
-Mixed precision (``amp``): the forward pass runs under ``torch.autocast``
-(bfloat16, or float16 with a ``GradScaler``); the gradients stay float32.
-For fp16 the scaler unscales the *averaged* gradients, which are bitwise
-the same on every rank, so every rank skips the same overflowing steps. The
-scaler's scale is checkpointed with the rest, so a resumed run skips what
-the unbroken one would have.
+Mixed precision (``amp``): the forward pass runs under ``torch.autocast`` (bfloat16, or float16 with a
+``GradScaler``); the gradients stay float32. For fp16 the scaler unscales the *averaged* gradients, which
+are bitwise the same on every rank, so every rank skips the same overflowing steps. The scaler's scale is
+checkpointed with the rest, so a resumed run skips what the unbroken one would have.
 
 With ``checkpoint_every=N`` a checkpoint is also written after every N-th
 step inside an epoch, so a job killed mid-epoch loses at most N steps
@@ -50,7 +48,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
-from ..convergence import MIN_POINTS, prediction_fields
+from ..convergence import MIN_POINTS, noise_scale, prediction_fields
 from ..compression import make_compressor
 from ..runtime import autocast, out_of_memory, pick_device
 from . import checkpoint
@@ -290,7 +288,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
                                    compression=make_compressor(cfg.compression, seed=cfg.seed),
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                    backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap,
-                                   nonfinite=cfg.nonfinite)
+                                   nonfinite=cfg.nonfinite, noise_scale=cfg.noise_scale)
     if "compression" in mine:  # this rank's residuals, step count, PowerSGD's Q (read on the CPU)
         run.opt.load_compression_state_dict(_moved(mine["compression"], run.device))
     if run.rank == 0 and not cfg.quiet and run.start_epoch == 0:
@@ -367,8 +365,13 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
         record["skipped_steps"] = opt.stats["skipped_steps"]
     if opt.counts_bytes:  # the busiest rank's bytes sent this epoch
         record["sent_bytes"] = int(times[3])
+    if opt.noise_scale and opt.stats["steps"]:  # this epoch's mean squared norms (convergence.noise_scale)
+        rank_sq = comm.allreduce(opt.stats["grad_sq_rank"]) / (run.size * opt.stats["steps"])
+        record.update(noise_scale(rank_sq, opt.stats["grad_sq_avg"] / opt.stats["steps"],
+                                  run.global_batch // run.size, run.global_batch))
     # plain Python numbers: the checkpoint is loaded with weights_only=True
-    return {k: (int(v) if isinstance(v, (int, np.integer)) else float(v)) for k, v in record.items()}
+    return {k: (v if v is None else int(v) if isinstance(v, (int, np.integer)) else float(v))
+            for k, v in record.items()}
 
 
 def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
@@ -384,10 +387,14 @@ def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
 
 
 def _report(cfg: TrainConfig, record: dict) -> None:
-    line = json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in record.items()})
+    line = json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
     if cfg.metrics:
         Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.metrics, "a") as f:
             f.write(line + "\n")
     if not cfg.quiet:
         print(line, flush=True)
+
+
+def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)
+    return round(v, 6) if abs(v) >= 1e-3 or not math.isfinite(v) else float(f"{v:.6g}")
