@@ -35,8 +35,8 @@ from .collectives.costs import COSTS, across_path, evaluate
 from .collectives.counting import CountingComm
 from .collectives.messages import message_passing
 
-__all__ = ["Machine", "link_gbps", "measure", "measure_links", "predict", "predict_across", "compare", "compare_across",
-           "count_bytes", "formula_bytes", "write", "MODELED"]
+__all__ = ["Machine", "costing", "link_gbps", "measure", "measure_links", "predict", "predict_across", "compare",
+           "compare_across", "count_bytes", "formula_bytes", "write", "MODELED"]
 
 # The algorithms the model predicts (ring_pipelined is the ring's formula).
 MODELED = tuple(name for name in COSTS if name != "ring_pipelined")
@@ -263,6 +263,12 @@ class _Costing:
 
     def reduce(self, n: float) -> float:
         return self.m.reduce(n, self.linear)
+
+
+def costing(m: Machine, link: bool = False, linear: bool = False):
+    """``m``'s costs in the :class:`~hpcjobs.collectives.costs.Costing` shape
+    (``link``: a network's, as :func:`predict_across` costs it)."""
+    return _Costing(m, linear, link)
 
 
 def predict_across(algorithm: str, nbytes: int, size: int, local_size: int, node: Machine, net: Machine,

@@ -69,6 +69,8 @@ COMMANDS = (
     Command("train", "train", "data-parallel training on our allreduce (MNIST-1D, digits, synthetic, MNIST, CIFAR-10)"),
     Command("experiment large-batch", "experiment",
             "Goyal et al.'s large-minibatch table on MNIST-1D: test error vs batch for no/constant/gradual warmup"),
+    Command("plan", "plan", "how many devices, which algorithm: iteration time, efficiency and time to a target "
+            "loss per device count, predicted from measurements", mpi=False),
     Command("soak", "soak", "many random allreduces (sizes, dtypes, ops, algorithms) checked against MPI_Allreduce, "
             "with each rank's memory watched"),
     Command("slurm render", "slurm_render",

@@ -1,0 +1,79 @@
+"""One device's training step, timed in parts for the planner
+(``hpcjobs plan --measure``): forward, backward and the optimizer's update,
+and when, during backward, each parameter's gradient is ready (a
+``post_accumulate_grad`` hook on every parameter), averaged over steps."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..runtime import autocast
+from ..training.config import GPT_MODELS
+from ..training.gpt import lm_loss
+from .workload import Workload, data, model
+
+__all__ = ["profile_step"]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
+    """Time ``steps`` training steps of ``w`` (SGD with momentum, after
+    ``warmup`` untimed ones) and return a :class:`hpcjobs.planner.Workload`:
+    median forward, backward and update seconds, and each gradient's bytes,
+    shape and median ready time as a fraction of backward, in the order they
+    were ready."""
+    from ..planner import Workload as Step
+
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got {steps} and {warmup}")
+    torch.manual_seed(w.seed)
+    net = model(w).to(w.device)
+    x, y = data(w, torch.Generator().manual_seed(w.seed))
+    opt = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
+    params = [p for p in net.parameters() if p.requires_grad]
+    ready: dict[int, float] = {}
+    mark = [0.0]
+
+    def hook(p):
+        _sync(w.device)
+        ready[id(p)] = time.perf_counter() - mark[0]
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    lm = w.model in GPT_MODELS
+    times, fractions = [], {id(p): [] for p in params}
+    try:
+        for i in range(warmup + steps):
+            opt.zero_grad()
+            _sync(w.device)
+            t0 = time.perf_counter()
+            with autocast(w.amp, torch.device(w.device)):
+                out = net(x)
+                loss = lm_loss(out, y) if lm else torch.nn.functional.cross_entropy(out, y)
+            _sync(w.device)
+            t1 = mark[0] = time.perf_counter()
+            loss.backward()
+            _sync(w.device)
+            t2 = time.perf_counter()
+            opt.step()
+            _sync(w.device)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                times.append((t1 - t0, t2 - t1, t3 - t2))
+                for p in params:
+                    fractions[id(p)].append(min(1.0, ready.get(id(p), t2 - t1) / (t2 - t1)))
+            if progress:
+                progress(i + 1, warmup + steps)
+    finally:
+        for h in handles:
+            h.remove()
+    med = [float(torch.tensor(col).median()) for col in zip(*times)]
+    order = sorted(params, key=lambda p: float(torch.tensor(fractions[id(p)]).median()))
+    tensors = tuple((p.numel() * p.element_size(), float(torch.tensor(fractions[id(p)]).median()), tuple(p.shape))
+                    for p in order)
+    return Step(w.batch_size, med[0], med[1], med[2], tensors)

@@ -1,0 +1,312 @@
+"""``hpcjobs plan``: iteration time, samples/s, scaling efficiency and time
+to a target loss at each device count, from measurements, with the fastest
+count and the cheapest within 10% of it (:mod:`hpcjobs.planner`). Runs alone
+(no mpirun)::
+
+    hpcjobs plan --params 25.6M --throughput 400 --batch-per-device 64 --devices-per-node 8 \\
+        --intra-bw 150 --inter-bw 100 --devices 1,8,64,256
+    hpcjobs plan --model mlp --width 2048 --measure --cost-model model.json --devices 1-4 \\
+        --metrics run.jsonl --target-loss 0.3 --json plan.json --plot plan.png
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from .args import UsageError, nonnegative_float, parse_bytes, positive_float, positive_int, usage
+from .train import compression_spec
+
+MODEL_NAMES = ("mlp", "cnn1d", "resnet18", "resnet50", "gpt-mini", "gpt2-small")  # training.config's, no torch
+
+
+class Counts(list):
+    """Device counts as given; ``ranged`` those that came from a range."""
+
+    ranged: frozenset = frozenset()
+
+
+def device_counts(text: str) -> Counts:
+    """'1,8,64', '1-16' or '8-64:8' (low-high[:step]) -> sorted distinct
+    counts (argparse type). Above one node a range keeps whole nodes only
+    (:func:`whole_nodes`); a count listed alone is kept as given."""
+    import argparse
+
+    listed, ranged = set(), set()
+    try:
+        for part in text.split(","):
+            span, _, step = part.strip().partition(":")
+            lo, dash, hi = span.partition("-")
+            lo_i, hi_i, step_i = int(lo), int(hi or lo), int(step or 1)
+            if lo_i < 1 or hi_i < lo_i or step_i < 1 or (hi_i - lo_i) // step_i > 100_000:
+                raise ValueError
+            (ranged if dash else listed).update(range(lo_i, hi_i + 1, step_i))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,8,64 or 1-16 or 8-64:8 (positive, low-high), "
+                                         f"got {text!r}") from None
+    out = Counts(sorted(listed | ranged))
+    out.ranged = frozenset(ranged - listed)
+    return out
+
+
+def whole_nodes(counts: Counts, per_node: int) -> list[int]:
+    """``counts`` less the ranged ones that would leave a node part-filled."""
+    return [p for p in counts if p not in counts.ranged or p <= per_node or p % per_node == 0]
+
+
+def params_count(text: str) -> int:
+    """'25.6M', '138e6', '1000' -> parameters (argparse type)."""
+    import argparse
+
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        value = -1
+    if not 1 <= value < 1e13:
+        raise argparse.ArgumentTypeError(f"expected a parameter count like 25.6M or 1000000, got {text!r}")
+    return int(round(value))
+
+
+def configure(p) -> None:
+    from ..collectives.costs import COSTS
+
+    g = p.add_argument_group("the model")
+    m = g.add_mutually_exclusive_group(required=True)
+    m.add_argument("--model", choices=MODEL_NAMES, help="one of ours: its real tensors (and --measure)")
+    m.add_argument("--params", type=params_count, metavar="N", help="parameters (25.6M, 138e6, ...)")
+    g.add_argument("--width", type=positive_int, default=1024, help="mlp/cnn1d width (default 1024)")
+    g.add_argument("--image-size", type=positive_int, default=224, help="ResNet input side (default 224)")
+    g.add_argument("--bytes-per-param", type=positive_int, default=4, help="gradient bytes per parameter (4; 2: fp16)")
+    g = p.add_argument_group("one device")
+    t = g.add_mutually_exclusive_group(required=True)
+    t.add_argument("--throughput", type=positive_float, metavar="X",
+                   help="samples/s of one device at --batch-per-device (its whole step)")
+    t.add_argument("--measure", action="store_true",
+                   help="time --model's step here (forward, backward, update, when each gradient is ready)")
+    g.add_argument("--batch-per-device", type=positive_int, default=64, metavar="B", help="default %(default)s")
+    g.add_argument("--backward-share", type=positive_float, default=2 / 3,
+                   help="with --throughput: backward's share of the step, over which gradients arrive (2/3)")
+    g.add_argument("--measure-steps", type=positive_int, default=10, help="timed steps for --measure (10)")
+    g.add_argument("--threads", type=positive_int, help="torch threads for --measure")
+    g = p.add_argument_group("the machines (or --cost-model)")
+    g.add_argument("--devices-per-node", type=positive_int, default=1, metavar="G", help="default %(default)s")
+    g.add_argument("--intra-bw", type=positive_float, metavar="GB/s", help="between devices of a node, one way")
+    g.add_argument("--intra-latency", type=nonnegative_float, default=5.0, metavar="us", help="default 5")
+    g.add_argument("--inter-bw", type=positive_float, metavar="Gbit/s", help="each node's network link")
+    g.add_argument("--inter-latency", type=nonnegative_float, default=20.0, metavar="us", help="default 20")
+    g.add_argument("--reduce-bw", type=positive_float, metavar="GB/s",
+                   help="bytes reduced per second (default: free, as on GPUs)")
+    g.add_argument("--cost-model", metavar="PATH",
+                   help="model.json from `hpcjobs model` (measured across nodes: both links) instead")
+    g = p.add_argument_group("the job")
+    g.add_argument("--devices", type=device_counts, default=device_counts("1,2,4,8,16,32,64,128,256"),
+                   help="device counts: 1,8,64,256 or 1-16 or 8-64:8; above one node a range keeps whole nodes "
+                        "(default 1,2,4,...,256)")
+    g.add_argument("--algorithm", choices=("auto",) + tuple(n for n in COSTS if n != "ring_pipelined"),
+                   default="auto", help="auto: the cheapest with a formula for the layout (default)")
+    g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
+    g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]", help="e.g. fp16, topk:0.01")
+    g.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="bucket size (default 1M, train's)")
+    g.add_argument("--metrics", metavar="RUN.jsonl", help="a train --metrics file: the loss curve to fit")
+    g.add_argument("--target-loss", type=positive_float, metavar="L", help="with --metrics: time to this loss")
+    g.add_argument("--noise-scale", type=positive_float, metavar="SAMPLES",
+                   help="gradient noise scale (default: the metrics' noise_scale, from train --noise-scale)")
+    g.add_argument("--runs", metavar="A.jsonl,B.jsonl",
+                   help="train --metrics files at different device counts: the black-box fit, side by side")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the recommendation as JSON")
+    p.add_argument("--plot", metavar="PATH", help="throughput and time to target against devices (png)")
+
+
+def _network(args):
+    from ..planner import Linear, Network
+
+    gamma = 1e-9 / args.reduce_bw if args.reduce_bw else 0.0
+    if args.cost_model:
+        from ..perfmodel import Machine, costing
+
+        try:
+            with open(args.cost_model) as f:
+                data = json.load(f)
+            net = Machine(**data["machine"])
+            node = Machine(**data["node_machine"]) if "node_machine" in data else None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--cost-model {args.cost_model}: not a model.json of `hpcjobs model` ({e})")
+        if node is None:  # measured inside one node: the network from the flags, if any
+            inter = Linear(args.inter_latency * 1e-6, 8e-9 / args.inter_bw, gamma) if args.inter_bw else None
+            return Network(args.devices_per_node, costing(net), inter)
+        return Network(args.devices_per_node, costing(node), costing(net, link=True))
+    if args.devices_per_node > 1 and not args.intra_bw:
+        raise UsageError("give --intra-bw GB/s for devices that share a node (or --cost-model)")
+    node = Linear(args.intra_latency * 1e-6, 1e-9 / args.intra_bw if args.intra_bw else 0.0, gamma)
+    inter = Linear(args.inter_latency * 1e-6, 8e-9 / args.inter_bw, gamma) if args.inter_bw else None
+    return Network(args.devices_per_node, node, inter)
+
+
+def _workload(args):
+    from ..planner import Workload, flat_shapes
+
+    if not args.model:
+        return Workload.from_throughput(flat_shapes(args.params), args.throughput, args.batch_per_device,
+                                        args.bytes_per_param, args.backward_share), f"{args.params} parameters"
+    from ..bench.workload import Workload as Bench, model
+
+    w = Bench(model=args.model, width=args.width, batch_norm=False, input_size=40, image_size=args.image_size,
+              num_classes=10 if args.model in ("mlp", "cnn1d") else 1000, batch_size=args.batch_per_device,
+              fusion_bytes=args.fusion_bytes, lr=0.01, seed=0)
+    if args.measure:
+        from ..bench.profile import profile_step
+        from ..runtime import set_threads
+
+        if args.threads:
+            set_threads(args.threads, None)
+        print(f"# plan: measuring {args.model} at batch {args.batch_per_device} here ({args.measure_steps} steps)",
+              file=sys.stderr, flush=True)
+        step = profile_step(w, args.measure_steps)
+        return step, f"{args.model}, {sum(t[0] for t in step.tensors) // args.bytes_per_param} parameters, measured"
+    shapes = [tuple(q.shape) for q in reversed(list(model(w).parameters())) if q.requires_grad]
+    return (Workload.from_throughput(shapes, args.throughput, args.batch_per_device, args.bytes_per_param,
+                                     args.backward_share), f"{args.model}, {sum(map(math.prod, shapes))} parameters")
+
+
+def _payload(spec: str | None):
+    if not spec:
+        return None
+    import torch
+
+    from ..compression import make_compressor
+
+    comp, cache = make_compressor(spec, seed=0), {}
+
+    def nbytes(n: int, shape: tuple) -> int:
+        if (n, shape) not in cache:
+            payload, _ = comp.compress(torch.randn(*shape), name="plan", step=0)
+            parts = payload if isinstance(payload, tuple) else (payload,)
+            cache[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
+        return cache[(n, shape)]
+
+    return nbytes, comp.summable, comp.fusable
+
+
+def _target(args):
+    from ..convergence import fit_metrics, predict_epochs
+    from ..planner import Target
+
+    if not args.metrics:
+        return None
+    epochs, losses = fit_metrics(args.metrics)
+    p = predict_epochs(epochs, losses, args.target_loss)
+    with open(args.metrics) as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    if "global_batch" not in last or "step" not in last:
+        raise ValueError(f"{args.metrics}: the last line needs global_batch and step (a train --metrics file)")
+    noise = args.noise_scale
+    if noise is None:
+        seen = [r.get("noise_scale") for r in _lines(args.metrics) if r.get("noise_scale")]
+        noise = sorted(seen)[len(seen) // 2] if seen else None
+    return Target(args.target_loss, p.epochs, p.low, p.high, int(last["global_batch"]),
+                  int(last["step"] // last["epoch"] * last["global_batch"]), noise)
+
+
+def _lines(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _fit(args):
+    from ..planner import fit_runs
+
+    if not args.runs:
+        return None, []
+    points = []
+    for path in [s for s in args.runs.split(",") if s]:
+        recs = _lines(path)
+        recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
+        if not recs or any(k not in recs[0] for k in ("ranks", "epoch_s", "step", "epoch")):
+            raise ValueError(f"{path}: not a train --metrics file (ranks, epoch_s, step, epoch)")
+        per = sorted(r["epoch_s"] / (r["step"] / r["epoch"]) for r in recs)
+        points.append((int(recs[0]["ranks"]), per[len(per) // 2]))
+    _, predict = fit_runs(points)
+    return predict, points
+
+
+def run(args) -> int:
+    from ..planner import allreduce_s, plan, recommend
+
+    if args.measure and not args.model:
+        raise UsageError("--measure times one of our models: give --model")
+    if bool(args.metrics) != bool(args.target_loss):
+        raise UsageError("--metrics and --target-loss go together")
+    with usage(ValueError):
+        net = _network(args)
+        devices = whole_nodes(args.devices, args.devices_per_node)
+        for P in devices:  # every layout costed before anything is measured
+            allreduce_s(1, P, net, args.algorithm)
+        workload, what = _workload(args)
+        target = _target(args)
+        fitted, points = _fit(args)
+        rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
+                    _payload(args.compression), target, fitted)
+    best = recommend(rows)
+    print(f"# plan: {what}, batch {workload.batch}/device, one device {workload.batch / workload.step_s:.4g} samples/s "
+          f"(forward {workload.forward_s * 1e3:.3g} ms, backward {workload.backward_s * 1e3:.3g} ms, update "
+          f"{workload.update_s * 1e3:.3g} ms), {workload.grad_bytes / 2**20:.1f} MiB of gradients, "
+          f"{net.devices_per_node} device(s)/node, overlap {'off' if args.no_overlap else 'on'}"
+          + (f", compression {args.compression}" if args.compression else ""))
+    if points:
+        print("# black-box fit from runs at (devices, s/iteration): "
+              + ", ".join(f"({p}, {t:.4g})" for p, t in points))
+    if target:
+        print(f"# target loss {target.loss}: {target.epochs:.3g} epochs [{target.low:.3g}, {target.high:.3g}] at "
+              f"batch {target.base_batch} (Optimus fit of {args.metrics}); noise scale "
+              + (f"{target.noise_scale:.4g} samples" if target.noise_scale else "unknown: epochs taken as batch-free"))
+    print(table(rows))
+    print(f"# fastest: {best['fastest']} devices; cheapest within 10% of it: {best['cheapest']} devices "
+          f"(by {best['by']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
+                                  and isinstance(v, (int, float, str, bool, list, type(None)))},
+                       "rows": rows, "recommendation": best, "runs": points}, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot, what)
+    return 0
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("devices", "devices", "{}"), ("algorithm", "algorithm", "{}"), ("iteration_s", "iter ms", "{:.4g}"),
+            ("fit_iteration_s", "fit ms", "{:.4g}"), ("exposed_s", "exposed ms", "{:.3g}"),
+            ("samples_per_s", "samples/s", "{:.4g}"), ("efficiency", "efficiency", "{:.3f}"),
+            ("epochs", "epochs", "{:.3g}"), ("time_to_target_s", "to target s", "{:.4g}"),
+            ("device_hours", "device-h", "{:.3g}")]
+    cols = [c for c in cols if c[0] in rows[0]]
+    ms = {"iteration_s", "fit_iteration_s", "exposed_s"}
+    cells = [[c[1] for c in cols]] + [[c[2].format(r[c[0]] * (1e3 if c[0] in ms else 1)) for c in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells)
+
+
+def _plot(rows: list[dict], path: str, what: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# plot: matplotlib is not installed (pip install -e '.[report]')", file=sys.stderr)
+        return
+    P = [r["devices"] for r in rows]
+    fig, axes = plt.subplots(1, 2 if "time_to_target_s" in rows[0] else 1, figsize=(10, 4), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(P, [r["samples_per_s"] for r in rows], "o-", label="predicted")
+    ax.plot(P, [r["samples_per_s"] / r["efficiency"] for r in rows], "--", label="linear (efficiency 1)")
+    ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples/s", title=what)
+    ax.legend()
+    if "time_to_target_s" in rows[0]:
+        ax = axes[0][1]
+        ax.plot(P, [r["time_to_target_s"] / 3600 for r in rows], "o-")
+        ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="hours to target loss")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

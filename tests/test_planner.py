@@ -1,0 +1,221 @@
+"""The planner (hpcjobs/planner.py, ``hpcjobs plan``): the system model
+against its closed forms (the α-β formulas of costs.py, the overlap
+schedule worked by hand), the black-box fit, time to a target, the
+recommendation, and the command's output and errors."""
+
+import json
+import math
+
+import pytest
+
+from hpcjobs.collectives.costs import ACROSS, COSTS, evaluate
+from hpcjobs.planner import (Linear, Network, Target, Workload, allreduce_s, bucket_sizes, fit_runs, flat_shapes,
+                             iteration, plan, recommend)
+from launch import hpcjobs
+
+NODE = Linear(alpha=5e-6, beta=1e-10, gamma=2e-11)  # 10 GB/s inside a node
+NET = Linear(alpha=30e-6, beta=8e-10)  # 10 Gbit/s between nodes
+MB = 1 << 20
+
+
+def step(f=1.0, b=2.0, u=0.5, tensors=((MB, 0.5, (MB // 4,)), (MB, 1.0, (MB // 4,))), batch=32):
+    return Workload(batch, f, b, u, tensors)
+
+
+def ring(N, P, c=NODE):
+    return evaluate(COSTS["ring"].formula, P=P, N=N, alpha=c.alpha, beta=c.beta, gamma=c.gamma)
+
+
+def test_without_overlap_a_step_is_compute_plus_every_buckets_allreduce():
+    r = iteration(step(), 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB)
+    assert r["buckets"] == 2
+    assert r["iteration_s"] == pytest.approx(3.5 + 2 * ring(MB, 4), rel=1e-12)
+    assert r["comm_s"] == pytest.approx(2 * ring(MB, 4), rel=1e-12)
+
+
+def test_with_overlap_a_bucket_starts_when_ready_and_after_the_one_before():
+    # buckets ready at forward + 0.5 and 1.0 of backward; each allreduce costs c
+    slow = Linear(alpha=0.0, beta=1.5 / MB)  # c = 2(P-1)/P * MB * beta = 2.25 s at P = 4
+    c = ring(MB, 4, slow)
+    r = iteration(step(), 4, Network(4, slow), "ring", fusion_bytes=MB)
+    first = 1.0 + 1.0 + c  # starts at 2.0
+    second = max(first, 3.0) + c  # backward ends at 3.0; the first bucket is still going
+    assert r["iteration_s"] == pytest.approx(max(3.0, second) + 0.5, rel=1e-12)
+    assert r["exposed_s"] == pytest.approx(r["iteration_s"] - 3.5, rel=1e-12)
+    fused = iteration(step(), 4, Network(4, slow), "ring", fusion_bytes=2 * MB)  # one bucket, ready at the end
+    assert fused["buckets"] == 1
+    assert fused["iteration_s"] == pytest.approx(3.0 + ring(2 * MB, 4, slow) + 0.5, rel=1e-12)
+
+
+def test_fast_links_hide_behind_backward_and_one_device_sends_nothing():
+    r = iteration(step(), 4, Network(4, NODE), "ring", fusion_bytes=MB)
+    assert r["iteration_s"] == pytest.approx(3.5 + ring(MB, 4), rel=1e-12)  # only the last bucket shows
+    one = iteration(step(), 1, Network(4, NODE))
+    assert one["iteration_s"] == 3.5 and one["comm_s"] == 0 and one["algorithm"] == "none"
+
+
+def test_across_nodes_the_two_level_formula_is_used():
+    N, P, L = 8 * MB, 16, 4
+    t, name = allreduce_s(N, P, Network(L, NODE, NET), "hierarchical")
+    want = evaluate(ACROSS["hierarchical"].formula, P=P, L=L, N=N, alpha=NODE.alpha, beta=NODE.beta,
+                    gamma=NODE.gamma, net_alpha=NET.alpha, net_beta=NET.beta)
+    assert name == "hierarchical" and t == pytest.approx(want, rel=1e-12)
+    t_ring, _ = allreduce_s(N, P, Network(L, NODE, NET), "ring")
+    assert t_ring == pytest.approx(evaluate(ACROSS["ring"].formula, P=P, L=L, N=N, gamma=NODE.gamma,
+                                            net_alpha=NET.alpha, net_beta=NET.beta), rel=1e-12)
+    best, chosen = allreduce_s(N, P, Network(L, NODE, NET))
+    assert best == min(t, t_ring) and chosen in ("hierarchical", "ring", "recursive_doubling", "rabenseifner")
+
+
+@pytest.mark.parametrize("P,net,algorithm,words", [
+    (6, Network(4, NODE, NET), "ring", "do not fill nodes"),
+    (8, Network(4, NODE), "ring", "no network between nodes"),
+    (4, Network(4, NODE), "bogus", "unknown algorithm"),
+    (12, Network(4, NODE, NET), "recursive_doubling", "no two-level formula"),
+])
+def test_layouts_without_a_formula_are_refused_with_the_reason(P, net, algorithm, words):
+    with pytest.raises(ValueError, match=words):
+        allreduce_s(MB, P, net, algorithm)
+
+
+def test_buckets_close_as_the_optimizer_closes_them():
+    w = Workload.from_throughput([(100,), (300,), (50,)], throughput=10.0, batch=10)
+    assert [b[0] for b in bucket_sizes(w, 1600)] == [1600, 200]  # 400 + 1200 reaches 1600; the rest
+    assert [b[1] for b in bucket_sizes(w, 1600)] == pytest.approx([1600 / 1800, 1.0])
+    assert [b[0] for b in bucket_sizes(w, 1, fused=False)] == [400, 1200, 200]
+    assert w.step_s == pytest.approx(1.0) and w.backward_s == pytest.approx(2 / 3)
+    assert sum(s[0] for s in flat_shapes(1_000_001, chunk=1000)) == 1_000_001
+
+
+def test_a_summable_compressor_reduces_its_payload_and_the_others_gather_it():
+    w = step(tensors=((MB, 1.0, (MB // 4,)),))
+    half = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
+                     payload=(lambda n, shape: n // 2, True, True))
+    assert half["comm_s"] == pytest.approx(ring(MB // 2, 4), rel=1e-12)
+    gathered = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
+                         payload=(lambda n, shape: 1000, False, False))
+    assert gathered["comm_s"] == pytest.approx(3 * (NODE.alpha + 1000 * NODE.beta), rel=1e-12)
+    assert gathered["algorithm"] == "allgather"
+
+
+def test_the_black_box_fit_recovers_its_terms_and_stays_non_negative():
+    truth = (0.2, 0.05, 0.001)
+    runs = [(p, truth[0] + truth[1] * 2 * (p - 1) / p + truth[2] * (p - 1)) for p in (1, 2, 4, 8)]
+    theta, predict = fit_runs(runs)
+    assert theta == pytest.approx(list(truth), rel=1e-9)
+    assert predict(16) == pytest.approx(truth[0] + truth[1] * 30 / 16 + truth[2] * 15, rel=1e-9)
+    theta, predict = fit_runs([(1, 0.2), (2, 0.3)])  # two counts: two terms
+    assert theta == pytest.approx([0.2, 0.1, 0.0]) and predict(4) == pytest.approx(0.2 + 0.1 * 1.5)
+    theta, _ = fit_runs([(1, 0.3), (2, 0.2)])  # faster at 2 would need a negative term: clamped
+    assert min(theta) >= 0
+    with pytest.raises(ValueError, match="devices >= 1"):
+        fit_runs([])
+
+
+def test_time_to_target_scales_epochs_by_the_noise_scale_and_recommends():
+    w = step()  # 32 samples in 3.5 s on one device
+    target = Target(loss=0.5, epochs=10.0, low=9.0, high=11.0, base_batch=32, samples_per_epoch=3200,
+                    noise_scale=64.0)
+    rows = plan(w, [1, 2, 4], Network(4, NODE), "ring", fusion_bytes=MB, target=target)
+    for r in rows:
+        factor = (1 + 32 * r["devices"] / 64) / (1 + 32 / 64)
+        assert r["epochs"] == pytest.approx(10 * factor) and r["epochs_low"] == pytest.approx(9 * factor)
+        assert r["time_to_target_s"] == pytest.approx(r["epochs"] * 3200 / r["samples_per_s"])
+        assert r["device_hours"] == pytest.approx(r["time_to_target_s"] * r["devices"] / 3600)
+    assert rows[0]["efficiency"] == 1.0
+    best = recommend(rows)
+    fastest = min(rows, key=lambda r: r["time_to_target_s"])
+    assert best["fastest"] == fastest["devices"] and best["by"] == "time to target"
+    near = [r for r in rows if r["time_to_target_s"] <= 1.1 * fastest["time_to_target_s"]]
+    assert best["cheapest"] == min(near, key=lambda r: r["device_hours"])["devices"]
+    no_target = recommend([{"devices": 1, "samples_per_s": 100.0}, {"devices": 2, "samples_per_s": 195.0},
+                           {"devices": 4, "samples_per_s": 210.0}])
+    assert no_target == {"fastest": 4, "cheapest_within": 0.1, "cheapest": 2, "by": "samples/s"}
+
+
+def test_plan_prints_the_table_and_writes_the_json_rows(tmp_path):
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "25.6M", "--throughput", "400", "--batch-per-device", "64",
+                "--devices-per-node", "8", "--intra-bw", "100", "--inter-bw", "100", "--devices", "1,8,16-32",
+                "--algorithm", "ring", "--fusion-bytes", "64M", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert [row["devices"] for row in data["rows"]] == [1, 8, 16, 24, 32]
+    w = Workload.from_throughput(flat_shapes(25_600_000), 400.0, 64)
+    for row in data["rows"]:
+        want = iteration(w, row["devices"], Network(8, Linear(5e-6, 1e-11), Linear(20e-6, 8e-11)), "ring",
+                         fusion_bytes=64 << 20)
+        assert row["iteration_s"] == pytest.approx(want["iteration_s"], rel=1e-9)
+        assert row["efficiency"] == pytest.approx(64 / want["iteration_s"] / 400, rel=1e-9)
+        assert row["samples_per_s"] == pytest.approx(row["devices"] * 64 / want["iteration_s"], rel=1e-9)
+    assert "| devices |" in r.stdout and "# fastest:" in r.stdout
+    assert data["recommendation"]["fastest"] in (1, 8, 16, 24, 32)
+
+
+def test_plan_predicts_time_to_target_from_a_metrics_file(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    b0, b1, b2 = 0.5, 1.0, 0.1  # Optimus's curve: loss 0.2 at (1/0.1 - 1)/0.5 = 18 epochs
+    metrics.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "global_batch": 64, "noise_scale": 128.0,
+                                           "loss": 1 / (b0 * k + b1) + b2}) + "\n" for k in range(1, 9)))
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--batch-per-device", "64", "--devices", "1,2",
+                "--intra-bw", "10", "--devices-per-node", "2", "--metrics", str(metrics), "--target-loss", "0.2",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["epochs"] == pytest.approx(18, rel=2e-3)
+    assert rows[1]["epochs"] == pytest.approx(18 * (1 + 128 / 128) / (1 + 64 / 128), rel=2e-3)
+    assert rows[0]["time_to_target_s"] == pytest.approx(rows[0]["epochs"] * 640 / 640, rel=1e-9)
+
+
+def test_plan_measures_one_of_our_models_here(tmp_path):
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--model", "mlp", "--width", "64", "--measure", "--measure-steps", "2",
+                "--batch-per-device", "8", "--devices", "1,2", "--threads", "1", "--inter-bw", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["devices"] == 2
+    # mlp 40 -> 64 -> 64 -> 10: every parameter's gradient is counted once
+    assert "measured" in r.stdout and f"{(40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)} parameters" in r.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--params", "1M", "--throughput", "10", "--devices-per-node", "4"], "--intra-bw"),
+    (["--params", "1M", "--measure"], "give --model"),
+    (["--params", "1M", "--throughput", "10", "--devices", "0-4"], "expected counts"),
+    (["--params", "lots", "--throughput", "10"], "parameter count"),
+    (["--params", "1M", "--throughput", "10", "--devices", "1,2", "--intra-bw", "1", "--devices-per-node", "1"],
+     "no network between nodes"),
+    (["--params", "1M", "--throughput", "10", "--target-loss", "0.1"], "go together"),
+    (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
+])
+def test_plan_refuses_bad_input_with_the_rule(args, words):
+    r = hpcjobs("plan", *args)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
+    from hpcjobs.perfmodel import Machine
+
+    sizes = [1024, MB // 2, MB, 16 * MB]  # the sizes costed below, so no interpolation comes in
+    node = Machine(1e-6, 1e-10, 1e-10, 1e-11, "float32", sizes, [1e-6 + n * 1e-10 for n in sizes],
+                   [1e-6 + n * 1e-10 for n in sizes], [n * 1e-11 for n in sizes])
+    net = Machine(5e-5, 1e-8, 8e-9, 1e-11, "float32", sizes, [5e-5 + n * 1e-8 for n in sizes],
+                  [5e-5 + n * 8e-9 for n in sizes], [n * 1e-11 for n in sizes])
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"ranks": 4, "machine": net.to_dict(), "node_machine": node.to_dict(), "rows": []}))
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "524288", "--throughput", "100", "--batch-per-device", "10", "--devices", "2,4",
+                "--devices-per-node", "2", "--cost-model", str(model), "--algorithm", "ring", "--no-overlap",
+                "--fusion-bytes", "64M", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    N = 2 * MB
+    inside = evaluate(COSTS["ring"].formula, P=2, N=N, alpha=1e-6, beta=1e-10, gamma=1e-11)
+    assert rows[0]["comm_s"] == pytest.approx(inside, rel=1e-6)
+    # between nodes: one direction's cost (the smallest message's one-way time + n x the largest's per byte)
+    per_byte = (5e-5 + 16 * MB * 8e-9) / (16 * MB)
+    across = 2 * 3 * (5e-5 + 1024 * 8e-9 + N / 4 * per_byte) + 3 * (N / 4) * 1e-11
+    assert rows[1]["comm_s"] == pytest.approx(across, rel=1e-6)
+    assert math.isclose(rows[1]["iteration_s"], 0.1 + across, rel_tol=1e-6)
