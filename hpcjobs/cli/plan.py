@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 
 from .args import UsageError, nonnegative_float, parse_bytes, positive_float, positive_int, usage
@@ -225,8 +226,8 @@ def _fit(args):
         recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
         if not recs or any(k not in recs[0] for k in ("ranks", "epoch_s", "step", "epoch")):
             raise ValueError(f"{path}: not a train --metrics file (ranks, epoch_s, step, epoch)")
-        per = sorted(r["epoch_s"] / (r["step"] / r["epoch"]) for r in recs)
-        points.append((int(recs[0]["ranks"]), per[len(per) // 2]))
+        per_step = [r["epoch_s"] / (r["step"] / r["epoch"]) for r in recs]
+        points.append((int(recs[0]["ranks"]), statistics.median(per_step)))
     _, predict = fit_runs(points)
     return predict, points
 
@@ -268,6 +269,9 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
                                   and isinstance(v, (int, float, str, bool, list, type(None)))},
+                       "one_device": {"batch": workload.batch, "forward_s": workload.forward_s,
+                                      "backward_s": workload.backward_s, "update_s": workload.update_s,
+                                      "grad_bytes": workload.grad_bytes},
                        "rows": rows, "recommendation": best, "runs": points}, f, indent=1)
     if args.plot:
         _plot(rows, args.plot, what)
@@ -303,6 +307,9 @@ def _plot(rows: list[dict], path: str, what: str) -> None:
     ax.plot(P, [r["samples_per_s"] / r["efficiency"] for r in rows], "--", label="linear (efficiency 1)")
     ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples/s", title=what)
     ax.legend()
+    for a in axes[0]:
+        a.set_xticks(P, [str(p) for p in P], minor=False)
+        a.minorticks_off()
     if "time_to_target_s" in rows[0]:
         ax = axes[0][1]
         ax.plot(P, [r["time_to_target_s"] / 3600 for r in rows], "o-")
