@@ -108,7 +108,7 @@ def configure(p) -> None:
     g.add_argument("--algorithm", choices=("auto",) + tuple(n for n in COSTS if n != "ring_pipelined"),
                    default="auto", help="auto: the cheapest with a formula for the layout (default)")
     g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
-    g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]", help="e.g. fp16, topk:0.01")
+    g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]", help="e.g. fp16, topk:0.01: its payload's bytes (compressing's own time is not charged)")
     g.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="bucket size (default 1M, train's)")
     g.add_argument("--metrics", metavar="RUN.jsonl", help="a train --metrics file: the loss curve to fit")
     g.add_argument("--target-loss", type=positive_float, metavar="L", help="with --metrics: time to this loss")
