@@ -188,6 +188,7 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
      "no network between nodes"),
     (["--params", "1M", "--throughput", "10", "--target-loss", "0.1"], "go together"),
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
+    (["--params", "1M", "--throughput", "10", "--json", "/nonexistent/plan.json"], "cannot write"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
     r = hpcjobs("plan", *args)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -108,7 +109,8 @@ def configure(p) -> None:
     g.add_argument("--algorithm", choices=("auto",) + tuple(n for n in COSTS if n != "ring_pipelined"),
                    default="auto", help="auto: the cheapest with a formula for the layout (default)")
     g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
-    g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]", help="e.g. fp16, topk:0.01: its payload's bytes (compressing's own time is not charged)")
+    g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]",
+                   help="e.g. fp16, topk:0.01: its payload's bytes (compressing's own time is not charged)")
     g.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="bucket size (default 1M, train's)")
     g.add_argument("--metrics", metavar="RUN.jsonl", help="a train --metrics file: the loss curve to fit")
     g.add_argument("--target-loss", type=positive_float, metavar="L", help="with --metrics: time to this loss")
@@ -165,7 +167,7 @@ def _workload(args):
         print(f"# plan: measuring {args.model} at batch {args.batch_per_device} here ({args.measure_steps} steps)",
               file=sys.stderr, flush=True)
         step = profile_step(w, args.measure_steps)
-        return step, f"{args.model}, {sum(t[0] for t in step.tensors) // args.bytes_per_param} parameters, measured"
+        return step, f"{args.model}, {sum(math.prod(t[2]) for t in step.tensors)} parameters, measured"
     shapes = [tuple(q.shape) for q in reversed(list(model(w).parameters())) if q.requires_grad]
     return (Workload.from_throughput(shapes, args.throughput, args.batch_per_device, args.bytes_per_param,
                                      args.backward_share), f"{args.model}, {sum(map(math.prod, shapes))} parameters")
@@ -205,7 +207,7 @@ def _target(args):
     noise = args.noise_scale
     if noise is None:
         seen = [r.get("noise_scale") for r in _lines(args.metrics) if r.get("noise_scale")]
-        noise = sorted(seen)[len(seen) // 2] if seen else None
+        noise = statistics.median(seen) if seen else None
     return Target(args.target_loss, p.epochs, p.low, p.high, int(last["global_batch"]),
                   int(last["step"] // last["epoch"] * last["global_batch"]), noise)
 
@@ -239,6 +241,10 @@ def run(args) -> int:
         raise UsageError("--measure times one of our models: give --model")
     if bool(args.metrics) != bool(args.target_loss):
         raise UsageError("--metrics and --target-loss go together")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise UsageError(f"{flag} {path}: cannot write into {folder}")
     with usage(ValueError):
         net = _network(args)
         devices = whole_nodes(args.devices, args.devices_per_node)
@@ -272,7 +278,9 @@ def run(args) -> int:
                        "one_device": {"batch": workload.batch, "forward_s": workload.forward_s,
                                       "backward_s": workload.backward_s, "update_s": workload.update_s,
                                       "grad_bytes": workload.grad_bytes},
-                       "rows": rows, "recommendation": best, "runs": points}, f, indent=1)
+                       "rows": [{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()}
+                                for r in rows],  # never reached: null
+                       "recommendation": best, "runs": points}, f, indent=1)
     if args.plot:
         _plot(rows, args.plot, what)
     return 0
