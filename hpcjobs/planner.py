@@ -23,8 +23,11 @@ the step (2/3 by default: backward costs about twice forward).
 
 Compression changes the bytes: a summable compressor's payload goes through
 the allreduce, the others' through a ring allgather of every rank's payload
-((P - 1) messages of one payload). Compressing costs compute time this model
-leaves out.
+((P - 1) messages of one payload). A :class:`Payload` may also charge each
+bucket its compress-and-decompress time and its own cost per byte reduced
+(``hpcjobs plan --compression --measure`` times both here: numpy adds
+float16 30-100 times slower per byte than float32). Other
+compute time this model leaves out.
 
 The **black-box cross-check** (:func:`fit_runs`, after Optimus's resource-speed
 model): iteration time fitted to runs at a few device counts as
@@ -50,8 +53,8 @@ import numpy as np
 
 from .collectives.costs import COSTS, across_path
 
-__all__ = ["ALGORITHMS", "Linear", "Network", "Target", "Workload", "allgather_s", "allreduce_s", "bucket_sizes",
-           "fit_runs", "flat_shapes", "iteration", "plan", "recommend"]
+__all__ = ["ALGORITHMS", "Linear", "Network", "Payload", "Target", "Workload", "allgather_s", "allreduce_s",
+           "bucket_sizes", "fit_runs", "flat_shapes", "iteration", "plan", "recommend"]
 
 # What the planner can cost: every modeled algorithm (the pipelined ring costs as the ring).
 ALGORITHMS = tuple(name for name in COSTS if name != "ring_pipelined")
@@ -75,6 +78,37 @@ class Linear:
 
     def reduce(self, n: float) -> float:
         return n * self.gamma
+
+
+@dataclass(frozen=True)
+class Payload:
+    """What a compressor sends for a bucket: ``nbytes(bytes, shape)`` per
+    device, through an allreduce (``summable``) or an allgather; ``fusable``:
+    buckets may hold several tensors; ``codec_s(bytes, shape)``: seconds to
+    compress and decompress it; ``reduce_s_per_byte``: seconds to reduce a
+    byte of the payload's dtype (None: the links' γ)."""
+
+    nbytes: object
+    summable: bool
+    fusable: bool
+    codec_s: object = None
+    reduce_s_per_byte: float | None = None
+
+
+class _Reducing:
+    """A Costing whose reductions cost ``per_byte`` seconds a byte."""
+
+    def __init__(self, base, per_byte: float):
+        self.base, self.per_byte = base, per_byte
+
+    def message(self, n: float) -> float:
+        return self.base.message(n)
+
+    def oneway(self, n: float) -> float:
+        return self.base.oneway(n)
+
+    def reduce(self, n: float) -> float:
+        return n * self.per_byte
 
 
 @dataclass(frozen=True)
@@ -198,19 +232,23 @@ def allgather_s(nbytes: float, P: int, net: Network) -> float:
 
 
 def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto", overlap: bool = True,
-              fusion_bytes: int = 1 << 20, payload=None) -> dict:
-    """The system model (module docstring) at ``P`` devices. ``payload``:
-    None, or ``(fn, summable, fusable)`` where ``fn(bytes, shape)`` is the
-    bytes one device sends for a bucket compressed. Returns ``iteration_s``,
+              fusion_bytes: int = 1 << 20, payload: Payload | None = None) -> dict:
+    """The system model (module docstring) at ``P`` devices, uncompressed or
+    with a compressor's :class:`Payload`. Returns ``iteration_s``,
     ``compute_s``, ``comm_s`` (the buckets' allreduce time, summed),
     ``exposed_s`` (what did not hide), ``algorithm`` and ``buckets``."""
-    buckets = bucket_sizes(workload, fusion_bytes, fused=payload is None or payload[2])
+    buckets = bucket_sizes(workload, fusion_bytes, fused=payload is None or payload.fusable)
+    if payload is not None and payload.reduce_s_per_byte is not None:
+        net = Network(net.devices_per_node, _Reducing(net.node, payload.reduce_s_per_byte),
+                      net.net and _Reducing(net.net, payload.reduce_s_per_byte))
     costs, used = [], "none"
     for nbytes, _, shape in buckets:
-        if payload is None or payload[1]:
-            t, used = allreduce_s(payload[0](nbytes, shape) if payload else nbytes, P, net, algorithm)
+        if payload is None or payload.summable:
+            t, used = allreduce_s(payload.nbytes(nbytes, shape) if payload else nbytes, P, net, algorithm)
         else:
-            t, used = allgather_s(payload[0](nbytes, shape), P, net), "allgather"
+            t, used = allgather_s(payload.nbytes(nbytes, shape), P, net), "allgather"
+        if payload is not None and payload.codec_s is not None and P > 1:
+            t += payload.codec_s(nbytes, shape)
         costs.append(t)
     f, b, u = workload.forward_s, workload.backward_s, workload.update_s
     if P == 1 and payload is None:
@@ -274,7 +312,8 @@ class Target:
 
 
 def plan(workload: Workload, devices: list[int], net: Network, algorithm: str = "auto", overlap: bool = True,
-         fusion_bytes: int = 1 << 20, payload=None, target: Target | None = None, fitted=None) -> list[dict]:
+         fusion_bytes: int = 1 << 20, payload: Payload | None = None, target: Target | None = None,
+         fitted=None) -> list[dict]:
     """One row per device count: the system model's iteration, samples/s,
     efficiency (samples/s over devices × one device's), the black-box fit's
     iteration (``fitted``: :func:`fit_runs`'s predictor), and with a

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from hpcjobs.collectives.costs import ACROSS, COSTS, evaluate
-from hpcjobs.planner import (Linear, Network, Target, Workload, allreduce_s, bucket_sizes, fit_runs, flat_shapes,
-                             iteration, plan, recommend)
+from hpcjobs.planner import (Linear, Network, Payload, Target, Workload, allreduce_s, bucket_sizes, fit_runs,
+                             flat_shapes, iteration, plan, recommend)
 from launch import hpcjobs
 
 NODE = Linear(alpha=5e-6, beta=1e-10, gamma=2e-11)  # 10 GB/s inside a node
@@ -90,12 +90,17 @@ def test_buckets_close_as_the_optimizer_closes_them():
 def test_a_summable_compressor_reduces_its_payload_and_the_others_gather_it():
     w = step(tensors=((MB, 1.0, (MB // 4,)),))
     half = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
-                     payload=(lambda n, shape: n // 2, True, True))
+                     payload=Payload(lambda n, shape: n // 2, True, True))
     assert half["comm_s"] == pytest.approx(ring(MB // 2, 4), rel=1e-12)
     gathered = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
-                         payload=(lambda n, shape: 1000, False, False))
+                         payload=Payload(lambda n, shape: 1000, False, False))
     assert gathered["comm_s"] == pytest.approx(3 * (NODE.alpha + 1000 * NODE.beta), rel=1e-12)
     assert gathered["algorithm"] == "allgather"
+    # a measured codec time per bucket, and the payload's own cost per byte reduced
+    slow = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
+                     payload=Payload(lambda n, shape: n // 2, True, True, lambda n, shape: 0.25, 5e-9))
+    want = evaluate(COSTS["ring"].formula, P=4, N=MB // 2, alpha=NODE.alpha, beta=NODE.beta, gamma=5e-9)
+    assert slow["comm_s"] == pytest.approx(want + 0.25, rel=1e-12)
 
 
 def test_the_black_box_fit_recovers_its_terms_and_stays_non_negative():
@@ -176,7 +181,15 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["efficiency"] == 1.0 and rows[1]["devices"] == 2
     # mlp 40 -> 64 -> 64 -> 10: every parameter's gradient is counted once
-    assert "measured" in r.stdout and f"{(40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)} parameters" in r.stdout
+    assert "measured" in r.stdout and f"{40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10} parameters" in r.stdout
+    fp16 = hpcjobs("plan", "--model", "mlp", "--width", "64", "--measure", "--measure-steps", "2",
+                   "--batch-per-device", "8", "--devices", "1,2", "--threads", "1", "--inter-bw", "1",
+                   "--compression", "fp16", "--json", str(out))
+    assert fp16.returncode == 0, fp16.stderr
+    # the ring of half the bytes on a 1 Gbit/s link (one bucket), plus a measured codec time above nothing
+    params = 40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    wire = 2 * (20e-6 + 2 * params / 2 * 8e-9)
+    assert wire < json.loads(out.read_text())["rows"][1]["comm_s"] < wire + 1.0
 
 
 @pytest.mark.parametrize("args,words", [

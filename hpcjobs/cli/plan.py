@@ -16,6 +16,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 from .args import UsageError, nonnegative_float, parse_bytes, positive_float, positive_int, usage
 from .train import compression_spec
@@ -110,7 +111,8 @@ def configure(p) -> None:
                    default="auto", help="auto: the cheapest with a formula for the layout (default)")
     g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
     g.add_argument("--compression", type=compression_spec, metavar="NAME[:PARAM]",
-                   help="e.g. fp16, topk:0.01: its payload's bytes (compressing's own time is not charged)")
+                   help="e.g. fp16, topk:0.01: its payload's bytes; with --measure also its codec time and "
+                        "its dtype's reduction cost, timed here")
     g.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="bucket size (default 1M, train's)")
     g.add_argument("--metrics", metavar="RUN.jsonl", help="a train --metrics file: the loss curve to fit")
     g.add_argument("--target-loss", type=positive_float, metavar="L", help="with --metrics: time to this loss")
@@ -173,23 +175,53 @@ def _workload(args):
                                      args.backward_share), f"{args.model}, {sum(map(math.prod, shapes))} parameters")
 
 
-def _payload(spec: str | None):
+def _payload(spec: str | None, measure: bool):
+    """The compressor's payload bytes (from compressing a tensor of each
+    bucket's shape); with ``measure``, also its codec time and its cost per
+    byte reduced, timed here."""
     if not spec:
         return None
+    import numpy as np
     import torch
 
     from ..compression import make_compressor
+    from ..planner import Payload
 
-    comp, cache = make_compressor(spec, seed=0), {}
+    comp, sizes, times = make_compressor(spec, seed=0), {}, {}
+
+    def compressed(n: int, shape: tuple):
+        x = torch.randn(*shape)
+        payload, ctx = comp.compress(x, name="plan", step=0)
+        return payload, ctx
 
     def nbytes(n: int, shape: tuple) -> int:
-        if (n, shape) not in cache:
-            payload, _ = comp.compress(torch.randn(*shape), name="plan", step=0)
+        if (n, shape) not in sizes:
+            payload, _ = compressed(n, shape)
             parts = payload if isinstance(payload, tuple) else (payload,)
-            cache[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
-        return cache[(n, shape)]
+            sizes[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
+        return sizes[(n, shape)]
 
-    return nbytes, comp.summable, comp.fusable
+    def codec_s(n: int, shape: tuple) -> float:
+        if (n, shape) not in times:
+            x, spent = torch.randn(*shape), []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                comp.decompress(*comp.compress(x, name="plan", step=0))
+                spent.append(time.perf_counter() - t0)
+            times[(n, shape)] = statistics.median(spent)
+        return times[(n, shape)]
+
+    per_byte = None
+    if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
+        payload, _ = compressed(1 << 18, (1 << 18,))
+        dtype = (payload[0] if isinstance(payload, tuple) else payload).numpy().dtype
+        a, b, spent = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            np.add(a, b, out=a)
+            spent.append(time.perf_counter() - t0)
+        per_byte = statistics.median(spent) / a.nbytes
+    return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte)
 
 
 def _target(args):
@@ -254,7 +286,7 @@ def run(args) -> int:
         target = _target(args)
         fitted, points = _fit(args)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
-                    _payload(args.compression), target, fitted)
+                    _payload(args.compression, args.measure), target, fitted)
     best = recommend(rows)
     print(f"# plan: {what}, batch {workload.batch}/device, one device {workload.batch / workload.step_s:.4g} samples/s "
           f"(forward {workload.forward_s * 1e3:.3g} ms, backward {workload.backward_s * 1e3:.3g} ms, update "
