@@ -300,6 +300,10 @@ def run(args) -> int:
         print(f"# target loss {target.loss}: {target.epochs:.3g} epochs [{target.low:.3g}, {target.high:.3g}] at "
               f"batch {target.base_batch} (Optimus fit of {args.metrics}); noise scale "
               + (f"{target.noise_scale:.4g} samples" if target.noise_scale else "unknown: epochs taken as batch-free"))
+    if target and target.noise_scale:
+        print(f"# the noise scale is the critical batch (McCandlish et al.): {target.noise_scale:.4g} samples = "
+              f"{target.noise_scale / workload.batch:.3g} devices at {workload.batch}/device; beyond it each doubling "
+              "cuts the steps by a quarter or less and adds half or more to the samples")
     print(table(rows))
     print(f"# fastest: {best['fastest']} devices; cheapest within 10% of it: {best['cheapest']} devices "
           f"(by {best['by']})")
