@@ -189,14 +189,12 @@ def _payload(spec: str | None, measure: bool):
 
     comp, sizes, times = make_compressor(spec, seed=0), {}, {}
 
-    def compressed(n: int, shape: tuple):
-        x = torch.randn(*shape)
-        payload, ctx = comp.compress(x, name="plan", step=0)
-        return payload, ctx
+    def compressed(shape: tuple):
+        return comp.compress(torch.randn(*shape), name="plan", step=0)
 
     def nbytes(n: int, shape: tuple) -> int:
         if (n, shape) not in sizes:
-            payload, _ = compressed(n, shape)
+            payload, _ = compressed(shape)
             parts = payload if isinstance(payload, tuple) else (payload,)
             sizes[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
         return sizes[(n, shape)]
@@ -213,7 +211,7 @@ def _payload(spec: str | None, measure: bool):
 
     per_byte = None
     if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
-        payload, _ = compressed(1 << 18, (1 << 18,))
+        payload, _ = compressed((1 << 18,))
         dtype = (payload[0] if isinstance(payload, tuple) else payload).numpy().dtype
         a, b, spent = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), []
         for _ in range(5):
@@ -230,15 +228,15 @@ def _target(args):
 
     if not args.metrics:
         return None
-    epochs, losses = fit_metrics(args.metrics)
+    epochs, losses = fit_metrics(args.metrics)  # checks the file: JSON lines with epoch and loss
     p = predict_epochs(epochs, losses, args.target_loss)
-    with open(args.metrics) as f:
-        last = [json.loads(line) for line in f if line.strip()][-1]
+    records = _lines(args.metrics)
+    last = records[-1]
     if "global_batch" not in last or "step" not in last:
         raise ValueError(f"{args.metrics}: the last line needs global_batch and step (a train --metrics file)")
     noise = args.noise_scale
     if noise is None:
-        seen = [r.get("noise_scale") for r in _lines(args.metrics) if r.get("noise_scale")]
+        seen = [r["noise_scale"] for r in records if r.get("noise_scale")]
         noise = statistics.median(seen) if seen else None
     return Target(args.target_loss, p.epochs, p.low, p.high, int(last["global_batch"]),
                   int(last["step"] // last["epoch"] * last["global_batch"]), noise)
