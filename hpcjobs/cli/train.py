@@ -16,7 +16,8 @@ import sys
 
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
-from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MODELS, NONFINITE, OPTIMIZERS, OVERLAPS, TrainConfig
+from ..training.config import (AMP, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS, OVERLAPS,
+                               TrainConfig, parse_straggler)
 from ..runtime import DEVICES
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
@@ -118,6 +119,44 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
                    help="micro-batches accumulated locally per step (default %(default)s)")
 
 
+def _straggler(text: str) -> str:
+    try:
+        parse_straggler(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_mode_arguments(p: argparse.ArgumentParser) -> None:
+    """``--mode`` and its knobs (docs/algorithms.md, "Asynchronous and local SGD"); shared with experiment async."""
+    g = p.add_argument_group("SGD without lockstep (--mode)")
+    g.add_argument("--mode", choices=MODES, default=DEFAULTS.mode,
+                   help="sync: allreduce every step; async: parameter server (the first --servers ranks serve); "
+                        "local: local SGD; easgd: elastic averaging; hogwild: lock-free shared memory, one node "
+                        "(default: %(default)s)")
+    g.add_argument("--servers", type=positive_int, default=DEFAULTS.servers,
+                   help="async: server ranks, each owning an equal shard (default %(default)s)")
+    g.add_argument("--staleness-bound", type=nonnegative_int, metavar="S",
+                   help="async: a worker more than S pushes ahead of the slowest waits (0: lockstep; default none)")
+    g.add_argument("--staleness-lr", action="store_true",
+                   help="async: divide the rate by each gradient's staleness (Zhang et al. 2016)")
+    g.add_argument("--fixed-delay", type=nonnegative_int, metavar="K",
+                   help="async, deterministic: gradient i is computed on version i-K and applied in order")
+    g.add_argument("--local-steps", type=positive_int, default=DEFAULTS.local_steps, metavar="H",
+                   help="local: steps between averages; easgd: between elastic moves (default %(default)s)")
+    g.add_argument("--post-local-epochs", type=nonnegative_int, default=DEFAULTS.post_local_epochs,
+                   metavar="E", help="local: average after every step for the first E epochs (post-local SGD)")
+    g.add_argument("--elastic-alpha", type=positive_float, metavar="A",
+                   help="easgd: moving rate, in (0, 1) (default 0.9 / ranks)")
+    g.add_argument("--hogwild-lock", action="store_true", help="hogwild: lock each update (the baseline)")
+    g.add_argument("--straggler", type=_straggler, metavar="RANK:FACTOR",
+                   help="that rank's steps take FACTOR times as long (it sleeps after each), in every mode")
+    g.add_argument("--peer-timeout", type=positive_float, default=DEFAULTS.peer_timeout, metavar="SEC",
+                   help="async: a worker silent this long is lost and the run goes on (needs mpirun "
+                        "--enable-recovery); a server silent this long ends every rank with an error "
+                        "(default %(default)s)")
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     add_model_data_arguments(p)
     g = p.add_argument_group("batch")
@@ -128,6 +167,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="samples per step over all ranks; must divide by ranks x passes")
     add_optim_arguments(p)
     add_comm_arguments(p)
+    add_mode_arguments(p)
     g = p.add_argument_group("run")
     g.add_argument("--epochs", type=positive_int, default=DEFAULTS.epochs, help="default: %(default)s")
     g.add_argument("--seed", type=nonnegative_int, default=DEFAULTS.seed,
@@ -160,6 +200,8 @@ def config_from_args(args, size: int) -> TrainConfig:
             TrainConfig refuses.
     """
     values = dataclass_values(TrainConfig, args)
+    if getattr(args, "global_batch", None) and values.get("mode", "sync") != "sync":
+        raise UsageError("--global-batch is for --mode sync; give --batch-per-rank (each worker's batch)")
     if getattr(args, "global_batch", None):
         passes = values.get("backward_passes_per_step", DEFAULTS.backward_passes_per_step)
         if args.global_batch % (size * passes):
@@ -197,7 +239,11 @@ def run(args) -> int:
         if comm.Get_rank() == 0:
             print(f"hpcjobs train: error: {e}", file=sys.stderr, flush=True)
         return 1
-    if comm.Get_rank() == 0 and history and not cfg.quiet:
+    if comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
+        last = history[-1]
+        print(f"# train: mode {cfg.mode}, final test accuracy {last['test_acc']:.4f} (error "
+              f"{100 * (1 - last['test_acc']):.2f}%), {last['wall_s']:.1f} s", flush=True)
+    elif comm.Get_rank() == 0 and history and not cfg.quiet:
         last = history[-1]
         print(f"# train: final test accuracy {last['test_acc']:.4f} (error {100 * (1 - last['test_acc']):.2f}%), "
               f"{last['samples_per_s']:.0f} samples/s, communication {100 * last['comm_share']:.1f}% of epoch time",

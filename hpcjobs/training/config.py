@@ -16,9 +16,13 @@ from ..compression.names import make_compressor
 from ..runtime import DEVICES
 from . import schedule
 
-__all__ = ["TrainConfig", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE",
+__all__ = ["TrainConfig", "MODES", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE",
            "DEFAULT_FUSION_BYTES"]
 
+# sync: allreduce every step (the loop); the others are hpcjobs.training.paramserver (async) and
+# hpcjobs.training.averaging (local, easgd, hogwild): docs/algorithms.md, "Asynchronous and local SGD"
+MODES = ("sync", "async", "local", "easgd", "hogwild")
+ASYNC_OPTIMIZERS = ("sgd", "adagrad")  # what a parameter server applies per shard (Downpour: Adagrad)
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
 # torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
 # bench train measures them on random images, as Horovod's synthetic benchmark does
@@ -90,6 +94,18 @@ class TrainConfig:
     noise_scale: bool = False  # estimate the gradient noise scale every epoch (hpcjobs.convergence.noise_scale)
     progress: bool = True
     quiet: bool = False
+    # SGD without lockstep (mode != "sync")
+    mode: str = "sync"
+    servers: int = 1  # async: the first S ranks serve a shard of the parameters each
+    staleness_bound: int | None = None  # async: a worker more than s pushes ahead of the slowest waits
+    staleness_lr: bool = False  # async: divide the rate by each gradient's staleness (Zhang et al. 2016)
+    fixed_delay: int | None = None  # async: gradient i is computed on version i - k, applied in order i
+    local_steps: int = 8  # local: steps between averages; easgd: between elastic moves
+    post_local_epochs: int = 0  # local: average every step for this many epochs first (Lin et al. 2020)
+    elastic_alpha: float | None = None  # easgd: the moving rate (default 0.9 / workers)
+    hogwild_lock: bool = False  # hogwild: a lock around each update (the baseline Hogwild! drops)
+    straggler: str | None = None  # "RANK:FACTOR": that rank's steps take FACTOR times as long
+    peer_timeout: float = 60.0  # async: seconds of silence before a worker is lost / a server presumed dead
 
     def global_batch(self, size: int) -> int:
         return self.batch_per_rank * self.backward_passes_per_step * size
@@ -135,3 +151,52 @@ class TrainConfig:
         if self.checkpoint_every and not self.checkpoint:
             raise ValueError("checkpoint_every needs a checkpoint path")
         self.schedule(1)  # validates the schedule fields
+        self._validate_mode()
+
+    def _validate_mode(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
+        if self.straggler is not None:
+            parse_straggler(self.straggler)
+        knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"), "local": ("post_local_epochs",),
+                 "easgd": ("elastic_alpha",), "hogwild": ("hogwild_lock",)}
+        for mode, names in knobs.items():
+            for name in names:
+                if self.mode != mode and getattr(self, name) not in (None, False, 0):
+                    raise ValueError(f"{name} is a knob of mode {mode}, not {self.mode}")
+        if self.mode == "sync":
+            return
+        refused = [(self.compression != "none", "compression"), (self.backward_passes_per_step != 1,
+                   "backward_passes_per_step"), (bool(self.checkpoint), "checkpoint"), (self.noise_scale,
+                   "noise_scale"), (self.amp != "none", "amp"), (self.device == "cuda", "device cuda"),
+                   (self.batch_norm, "batch_norm"), (self.model not in MODELS, f"model {self.model}")]
+        for bad, name in refused:
+            if bad:
+                raise ValueError(f"mode {self.mode} trains {' or '.join(MODELS)} without BatchNorm, uncompressed, "
+                                 f"one pass per step, on CPUs, without checkpoints: {name} is for mode sync")
+        if self.mode in ("async", "hogwild") and self.optimizer not in ASYNC_OPTIMIZERS[:1 + (self.mode == "async")]:
+            raise ValueError(f"mode {self.mode} applies {' or '.join(ASYNC_OPTIMIZERS[:1 + (self.mode == 'async')])}"
+                             f" updates itself, not {self.optimizer}")
+        for name, low in (("servers", 1), ("local_steps", 1), ("post_local_epochs", 0), ("staleness_bound", 0),
+                          ("fixed_delay", 0)):
+            v = getattr(self, name)
+            if v is not None and v < low:
+                raise ValueError(f"{name} must be >= {low}, got {v}")
+        if self.fixed_delay is not None and (self.staleness_bound is not None or self.staleness_lr):
+            raise ValueError("fixed_delay fixes every gradient's staleness: no staleness_bound or staleness_lr")
+        if self.elastic_alpha is not None and not 0 < self.elastic_alpha < 1:
+            raise ValueError(f"elastic_alpha must be in (0, 1), got {self.elastic_alpha}")
+        if not self.peer_timeout > 0:
+            raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
+
+
+def parse_straggler(spec: str) -> tuple[int, float]:
+    """``"RANK:FACTOR"`` as (rank, factor): that rank's steps take FACTOR (>= 1) times as long."""
+    try:
+        rank, factor = spec.split(":")
+        rank, factor = int(rank), float(factor)
+    except ValueError:
+        raise ValueError(f"straggler is RANK:FACTOR, e.g. 1:3, got {spec!r}") from None
+    if rank < 0 or not factor >= 1:
+        raise ValueError(f"straggler {spec!r}: RANK must be >= 0 and FACTOR >= 1")
+    return rank, factor

@@ -25,9 +25,9 @@ fresh model, or the checkpoint's), then, per epoch:
    fsync, rename) that ``resume`` continues from, with the same data order and schedule position.
 
 Mixed precision (``amp``): the forward pass runs under ``torch.autocast`` (bfloat16, or float16 with a
-``GradScaler``); the gradients stay float32. For fp16 the scaler unscales the *averaged* gradients, which
-are bitwise the same on every rank, so every rank skips the same overflowing steps. The scaler's scale is
-checkpointed with the rest, so a resumed run skips what the unbroken one would have.
+``GradScaler``); the gradients stay float32. For fp16 the scaler unscales the *averaged* gradients, bitwise
+the same on every rank, so all skip the same overflowing steps; its scale is checkpointed with the rest.
+The other modes (``--mode async|local|easgd|hogwild``) are :mod:`hpcjobs.training.modes`.
 
 With ``checkpoint_every=N`` a checkpoint is also written after every N-th
 step inside an epoch, so a job killed mid-epoch loses at most N steps
@@ -60,6 +60,7 @@ from .data import Dataset, eval_shard, load_dataset, rank_batches, steps_per_epo
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
+from .stepping import Progress, Straggler
 
 __all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -79,27 +80,6 @@ def _make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     if cfg.optimizer == "rmsprop":
         return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum)
     return LARS(groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
-
-
-# --- progress ---------------------------------------------------------------
-
-class _Progress:
-    """A one-line bar on rank 0's terminal; nothing when stderr is not a tty
-    (batch logs get the per-epoch lines instead)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and sys.stderr.isatty()
-
-    def update(self, epoch: int, epochs: int, step: int, steps: int, loss: float) -> None:
-        if not self.enabled or (step % max(1, steps // 50) and step != steps):
-            return
-        width = 30
-        done = int(width * step / steps)
-        sys.stderr.write(f"\repoch {epoch + 1}/{epochs} [{'#' * done}{'.' * (width - done)}] "
-                         f"{step}/{steps} loss {loss:.4f}")
-        if step == steps:
-            sys.stderr.write("\r" + " " * 80 + "\r")
-        sys.stderr.flush()
 
 
 # --- the loop -----------------------------------------------------------------
@@ -160,6 +140,7 @@ class _Run:
     partial: dict | None = None  # this rank's share of a half-done epoch, from a mid-epoch checkpoint
     scaler: torch.amp.GradScaler | None = None  # amp="fp16"
     device: torch.device = torch.device("cpu")
+    straggler: Straggler | None = None
 
     @property
     def rank(self) -> int:
@@ -181,9 +162,12 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     """
     cfg.validate()
     user_comm = comm if comm is not None else MPI.COMM_WORLD
+    if cfg.mode != "sync":  # hpcjobs.training.paramserver, hpcjobs.training.averaging
+        from .modes import train_mode
+        return train_mode(cfg, private(user_comm), on_epoch)
     run = _setup(cfg, private(user_comm))
     _start(run, user_comm)
-    progress = _Progress(cfg.progress and run.rank == 0 and not cfg.quiet)
+    progress = Progress(cfg.progress and run.rank == 0 and not cfg.quiet)
     try:
         for epoch in range(run.start_epoch, cfg.epochs):
             try:
@@ -225,7 +209,8 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
                         tokens=ds.tokens, layers=cfg.layers, heads=cfg.heads, embed=cfg.embed)
     return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
                 steps_per_epoch(len(ds.train), global_batch), global_batch,
-                scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device)
+                scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device,
+                straggler=Straggler(cfg.straggler, comm.Get_rank(), comm.Get_size()))
 
 
 def _out_of_memory(run: _Run, error: BaseException, end_job: bool) -> MemoryError:
@@ -301,7 +286,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
               + (f", autocast to {cfg.amp}" if cfg.amp != "none" else "") + f", on {run.device}", flush=True)
 
 
-def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, float]:
+def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float]:
     """Steps 1-2 of the module docstring: this rank's shard of the epoch, a
     step per global batch. Returns this rank's (loss, correct, samples)
     sums and the epoch's seconds, a resumed epoch's share included."""
@@ -324,12 +309,14 @@ def _epoch(run: _Run, epoch: int, progress: _Progress) -> tuple[np.ndarray, floa
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
         opt.zero_grad()
         for k in range(passes):
+            t_pass = time.perf_counter()
             with autocast(cfg.amp, run.device):
                 out = run.model(xs[s, k].to(run.device, non_blocking=True))
             losses, correct = _losses(out, ys[s, k].to(run.device, non_blocking=True))
             loss = losses.mean()
             (run.scaler.scale(loss / passes) if run.scaler else loss / passes).backward()
             sums += [float(loss.detach()) * micro, correct, micro]
+            run.straggler(time.perf_counter() - t_pass)
         if run.scaler is None:
             opt.step()
         else:  # the scaler unscales the averages, identical on every rank: all skip alike

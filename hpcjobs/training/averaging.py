@@ -1,0 +1,184 @@
+"""Averaging models instead of gradients, and Hogwild!: ``hpcjobs train
+--mode local|easgd|hogwild``.
+
+- **local** (local SGD; Lin et al. 2020, "Don't use large mini-batches, use
+  local SGD"): every rank takes ``local_steps`` (H) SGD steps on its own
+  batches with its own momentum, then the parameters are averaged with our
+  allreduce. H = 1 is synchronous SGD (averaging the parameters after one
+  step averages the step); ``post_local_epochs`` E averages after every
+  step for the first E epochs, then every H (post-local SGD).
+- **easgd** (elastic averaging SGD, synchronous form; Zhang, Choromanska,
+  LeCun 2015): each rank keeps a copy of a center variable x~; every
+  ``local_steps`` steps, with the sum of the ranks' parameters from one
+  allreduce, x_i <- x_i - a (x_i - x~) and x~ <- x~ + a (sum_i x_i - W x~).
+  The moving rate a defaults to 0.9 / W (their beta = W a = 0.9). The
+  center is what is tested.
+- **hogwild** (Niu et al. 2011): the parameters live once, in rank 0's
+  segment of an MPI shared-memory window that every rank maps (so one
+  node; the suite's symmetric buffers give each rank its own); each
+  rank computes gradients on them as they are and subtracts its (momentum)
+  step in place without a lock; ``hogwild_lock`` takes an exclusive MPI
+  window lock around each update instead, the baseline Hogwild! drops.
+
+The rate: local and easgd steps follow the synchronous schedule for the
+global batch W x b (so H = 1 reproduces it); Hogwild! applies W updates of
+b samples where synchronous SGD applies one of W x b, so its rate is the
+schedule's for b samples (as for the parameter server).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import schedule as sched
+from ..collectives.counting import counted_allreduce
+from .config import TrainConfig
+from .data import load_dataset, rank_batches, steps_per_epoch
+from .models import build_model
+from .stepping import Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
+
+__all__ = ["train_averaging"]
+
+
+def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
+    """Run ``cfg`` (mode local, easgd or hogwild) on every rank of ``comm``;
+    returns the per-epoch records (the same list on every rank)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    straggler = Straggler(cfg.straggler, rank, size)
+    ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
+                      seed=cfg.data_seed, seq_len=cfg.seq_len)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
+    spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * size)
+    if cfg.mode == "hogwild":
+        return _hogwild(cfg, comm, ds, model, spe, straggler)
+    flat = flatten(model)
+    comm.Bcast(flat.numpy(), root=0)
+    return _Averaging(cfg, comm, ds, model, flat, spe, straggler).run()
+
+
+def _hogwild(cfg, comm, ds, model, spe, straggler) -> list[dict]:
+    """One copy of the parameters, in rank 0's segment of a shared window that every rank maps."""
+    from ..collectives._shared import is_single_node
+
+    if not is_single_node(comm):
+        raise ValueError("mode hogwild shares the parameters in one node's memory: run every rank on one node")
+    n = sum(p.numel() for p in model.parameters())
+    win = MPI.Win.Allocate_shared(4 * n if comm.Get_rank() == 0 else 0, 4, comm=comm)
+    try:
+        win.Lock_all(MPI.MODE_NOCHECK)
+        mem, _ = win.Shared_query(0)
+        shared = torch.from_numpy(np.frombuffer(mem, dtype=np.float32, count=n))
+        flatten(model, into=shared, fill=comm.Get_rank() == 0)
+        win.Sync()
+        comm.Barrier()
+        return _Averaging(cfg, comm, ds, model, shared, spe, straggler, win).run()
+    finally:
+        del model  # its parameters are views of the window
+        win.Unlock_all()
+        win.Free()
+
+
+class _Averaging:
+    def __init__(self, cfg, comm, ds, model, flat, spe, straggler, win=None):
+        from .loop import _make_optimizer
+
+        self.cfg, self.comm, self.ds, self.model, self.flat, self.spe = cfg, comm, ds, model, flat, spe
+        self.straggler, self.W = straggler, comm.Get_size()
+        self.hogwild, self.win = cfg.mode == "hogwild", win
+        self.schedule = cfg.schedule(1 if self.hogwild else self.W)
+        self.opt = None if self.hogwild else _make_optimizer(cfg, model)
+        self.alpha = cfg.elastic_alpha or 0.9 / self.W
+        self.center = flat.clone() if cfg.mode == "easgd" else None
+        self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, comm=comm) if cfg.hogwild_lock else None
+        self.grad = np.empty(flat.numel(), np.float32)
+        self.momentum = np.zeros(flat.numel(), np.float32)
+
+    def run(self) -> list[dict]:
+        cfg, comm = self.cfg, self.comm
+        history, step, since = [], 0, 0
+        comm.Barrier()
+        t0 = time.monotonic()
+        try:
+            for epoch in range(cfg.epochs):
+                idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
+                sums, sent, t_epoch = np.zeros(3), 0, time.monotonic()
+                for t in range(self.spe):
+                    loss, correct, n, secs = compute_step(self.model, self.ds, idx[t])
+                    self.straggler(secs)
+                    sums += loss, correct, n
+                    self._step(step)
+                    step, since = step + 1, since + 1
+                    period = 1 if epoch < cfg.post_local_epochs else cfg.local_steps
+                    if not self.hogwild and since >= period:
+                        sent += self._average()
+                        since = 0
+                history.append(self._record(epoch, step, sums, sent, time.monotonic() - t_epoch,
+                                            time.monotonic() - t0))
+        finally:
+            if self.lock is not None:
+                self.lock.Free()
+        return history
+
+    def _step(self, step: int) -> None:
+        if not self.hogwild:
+            sched.set_lr(self.opt, sched.lr_at(step, self.spe, self.schedule),
+                         momentum_correction=self.cfg.momentum_correction)
+            self.opt.step()
+            return
+        lr = sched.lr_at(step * self.W, self.spe * self.W, self.schedule)
+        g = grad_vector(self.model, self.grad)
+        if self.cfg.weight_decay:
+            g += np.float32(self.cfg.weight_decay) * self.flat.numpy()
+        self.momentum *= np.float32(self.cfg.momentum)
+        self.momentum += g
+        if self.lock is not None:
+            self.lock.Lock(0, MPI.LOCK_EXCLUSIVE)
+        self.flat.sub_(torch.from_numpy(self.momentum), alpha=lr)  # in place on the shared vector
+        if self.lock is not None:
+            self.lock.Unlock(0)
+
+    def _average(self) -> int:
+        """Local SGD's average, or EASGD's elastic move; the bytes this rank sent."""
+        flat = self.flat
+        if self.center is None:
+            return counted_allreduce(flat.numpy(), "avg", self.cfg.algorithm, self.comm)
+        total = flat.clone()
+        sent = counted_allreduce(total.numpy(), "sum", self.cfg.algorithm, self.comm)
+        flat.sub_(flat - self.center, alpha=self.alpha)
+        self.center.add_(total - self.W * self.center, alpha=self.alpha)
+        return sent
+
+    def _record(self, epoch: int, step: int, sums: np.ndarray, sent: int, epoch_s: float, wall_s: float) -> dict:
+        """The epoch's line. Tested: the center (easgd), the ranks' average
+        (local: what one more average would give), the shared vector (hogwild)."""
+        comm, flat = self.comm, self.flat
+        maxes = np.array([epoch_s, wall_s, sent], np.float64)
+        comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        if self.hogwild:
+            self.win.Sync()
+            comm.Barrier()  # every rank's last update is in
+            test_loss, test_acc = evaluate(self.model, self.ds, comm)
+        else:
+            own = flat.clone()
+            if self.center is not None:
+                flat.copy_(self.center)
+            else:
+                comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+                flat.div_(self.W)
+            test_loss, test_acc = evaluate(self.model, self.ds, comm)
+            flat.copy_(own)
+        lr_step = step * self.W - 1 if self.hogwild else step - 1
+        lr = sched.lr_at(lr_step, self.spe * (self.W if self.hogwild else 1), self.schedule)
+        record = finish_record(self.cfg, {
+            "epoch": epoch + 1, "step": step, "lr": lr, "loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
+            "test_loss": test_loss, "test_acc": test_acc, "epoch_s": maxes[0], "wall_s": maxes[1],
+            "samples": sums[2], "sent_bytes": maxes[2]}, self.W)
+        if comm.Get_rank() == 0:
+            report(self.cfg, record)
+        return record

@@ -1,0 +1,161 @@
+"""What the modes without lockstep share (:mod:`hpcjobs.training.paramserver`,
+:mod:`hpcjobs.training.averaging`): a model whose parameters are views of
+one flat vector, one worker's local step, the straggler, and the epoch's
+record in the same fields as the synchronous loop's.
+
+A flat vector is what a parameter server shards, what local SGD averages
+and what Hogwild! shares: :func:`flatten` makes every parameter of a model
+a view into one float32 tensor (its own, or a given shared one), so that
+writing the vector writes the model and the optimizers update it in place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .config import TrainConfig, parse_straggler
+from .data import Dataset, eval_shard
+
+__all__ = ["Progress", "flatten", "grad_vector", "Straggler", "compute_step", "evaluate_local", "evaluate",
+           "finish_record", "report"]
+
+
+def flatten(model: torch.nn.Module, into: torch.Tensor | None = None, fill: bool = True) -> torch.Tensor:
+    """Make the parameters of ``model`` views of one flat float32 vector and
+    return it: ``into`` (e.g. shared memory; the model's values are copied
+    in only where ``fill``) or a new tensor holding their values."""
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    if into is None:
+        into = torch.empty(n, dtype=torch.float32)
+    elif into.numel() != n:
+        raise ValueError(f"a flat vector of {into.numel()} values for {n} parameters")
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            view = into[off:off + p.numel()].view_as(p)
+            if fill:
+                view.copy_(p.detach())
+            p.data = view
+            off += p.numel()
+    return into
+
+
+def grad_vector(model: torch.nn.Module, out: np.ndarray) -> np.ndarray:
+    """The parameters' gradients, in :func:`flatten`'s order, into ``out`` (float32)."""
+    off = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.grad is None:
+            out[off:off + n] = 0
+        else:
+            out[off:off + n] = p.grad.reshape(-1).numpy()
+        off += n
+    return out
+
+
+class Straggler:
+    """``--straggler RANK:FACTOR``: on that rank every step's compute is
+    followed by a sleep of (FACTOR - 1) times its own duration, so its steps
+    take FACTOR times as long, whatever the machine, and the cores it leaves
+    idle stay idle (as a slower device would leave them)."""
+
+    def __init__(self, spec: str | None, rank: int, size: int):
+        self.factor = 1.0
+        if spec:
+            who, factor = parse_straggler(spec)
+            if who >= size:
+                raise ValueError(f"straggler rank {who} is not one of the {size} ranks")
+            if who == rank:
+                self.factor = factor
+        self.slept_s = 0.0
+
+    def __call__(self, compute_s: float) -> None:
+        if self.factor > 1:
+            pause = (self.factor - 1) * compute_s
+            time.sleep(pause)
+            self.slept_s += pause
+
+
+def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    return (torch.nn.functional.cross_entropy(out.float(), y, reduction="none"), float((out.argmax(1) == y).sum()))
+
+
+def compute_step(model: torch.nn.Module, ds: Dataset, idx: np.ndarray) -> tuple[float, float, int, float]:
+    """Forward and backward on the training samples ``idx`` (gradients left
+    in ``p.grad``); returns (loss sum, right, samples, seconds)."""
+    t0 = time.perf_counter()
+    for p in model.parameters():
+        p.grad = None
+    x, y = ds.batch(ds.train, idx)
+    losses, correct = _losses(model(torch.from_numpy(x)), torch.from_numpy(y))
+    losses.mean().backward()
+    return float(losses.detach().sum()), correct, len(idx), time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None = None) -> np.ndarray:
+    """(loss sum, right, samples) of ``model`` on the test samples ``idx`` (all when None), in this process."""
+    model.eval()
+    idx = np.arange(len(ds.test)) if idx is None else idx
+    sums = np.zeros(3)
+    for lo in range(0, len(idx), 256):
+        x, y = ds.batch(ds.test, idx[lo:lo + 256])
+        loss, correct = _losses(model(torch.from_numpy(x)), torch.from_numpy(y))
+        sums += [float(loss.sum()), correct, len(y)]
+    model.train()
+    return sums
+
+
+def evaluate(model: torch.nn.Module, ds: Dataset, comm: MPI.Comm) -> tuple[float, float]:
+    """Test loss and accuracy, each rank of ``comm`` taking a shard (collective)."""
+    sums = evaluate_local(model, ds, eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size()))
+    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    return sums[0] / sums[2], sums[1] / sums[2]
+
+
+def finish_record(cfg: TrainConfig, record: dict, workers: int) -> dict:
+    """The fields every mode's epoch line has, as plain Python numbers."""
+    record = {"epoch": record.pop("epoch"), "mode": cfg.mode, **record, "workers": workers}
+    record["samples_per_s"] = record["samples"] / record["epoch_s"] if record["epoch_s"] > 0 else 0.0
+    return {k: (v if v is None or isinstance(v, str) else int(v) if isinstance(v, (int, np.integer)) else float(v))
+            for k, v in record.items()}
+
+
+def report(cfg: TrainConfig, record: dict) -> None:
+    """One JSON line on stdout and in ``cfg.metrics`` (the caller is the rank that reports)."""
+    line = json.dumps({k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+                       for k, v in record.items()})
+    if cfg.metrics:
+        Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.metrics, "a") as f:
+            f.write(line + "\n")
+    if not cfg.quiet:
+        print(line, flush=True)
+
+
+class Progress:
+    """A one-line bar on rank 0's terminal; nothing when stderr is not a tty
+    (batch logs get the per-epoch lines instead)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def update(self, epoch: int, epochs: int, step: int, steps: int, loss: float) -> None:
+        if not self.enabled or (step % max(1, steps // 50) and step != steps):
+            return
+        width = 30
+        done = int(width * step / steps)
+        sys.stderr.write(f"\repoch {epoch + 1}/{epochs} [{'#' * done}{'.' * (width - done)}] "
+                         f"{step}/{steps} loss {loss:.4f}")
+        if step == steps:
+            sys.stderr.write("\r" + " " * 80 + "\r")
+        sys.stderr.flush()

@@ -1,0 +1,179 @@
+"""SGD without lockstep (hpcjobs.training.paramserver, .averaging): the
+server's update rules against torch's, fixed-delay async against a
+single-process reference, the staleness bound as an invariant, local SGD
+with H = 1 against synchronous SGD, local SGD and EASGD against a
+one-process simulation of their workers, Hogwild! alone against SGD."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.comm import private
+from hpcjobs.training import schedule as sched
+from hpcjobs.training.config import TrainConfig
+from hpcjobs.training.data import load_dataset, rank_batches, steps_per_epoch
+from hpcjobs.training.loop import train
+from hpcjobs.training.models import build_model
+from hpcjobs.training.paramserver import ShardUpdate, reference_fixed_delay, run_async, shard_bounds
+from hpcjobs.training.stepping import compute_step, evaluate_local, flatten
+
+torch.set_num_threads(1)
+
+TINY = dict(model="mlp", width=16, dataset="mnist1d", num_samples=500, batch_per_rank=8, lr=0.05, warmup="none",
+            progress=False, quiet=True)
+
+
+def test_shards_cover_the_vector_in_equal_parts():
+    assert shard_bounds(10, 3) == [0, 3, 6, 10]
+    assert shard_bounds(7, 1) == [0, 7]
+    with pytest.raises(ValueError, match="at most one server per parameter"):
+        shard_bounds(2, 3)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_the_servers_update_is_torchs(optimizer):
+    rng = np.random.default_rng(0)
+    p0 = rng.standard_normal(50).astype(np.float32)
+    grads = [rng.standard_normal(50).astype(np.float32) for _ in range(4)]
+    cfg = TrainConfig(optimizer=optimizer, momentum=0.9, weight_decay=0.01)
+    shard = p0.copy()
+    ours = ShardUpdate(cfg, shard)
+    t = torch.tensor(p0.copy(), requires_grad=True)
+    theirs = (torch.optim.SGD([t], lr=0.1, momentum=0.9, weight_decay=0.01) if optimizer == "sgd"
+              else torch.optim.Adagrad([t], lr=0.1, weight_decay=0.01))
+    for g, lr in zip(grads, (0.1, 0.1, 0.05, 0.05)):
+        ours.apply(g, lr)
+        theirs.param_groups[0]["lr"] = lr
+        t.grad = torch.from_numpy(g)
+        theirs.step()
+    np.testing.assert_allclose(shard, t.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_flatten_makes_the_parameters_views_of_one_vector():
+    torch.manual_seed(0)
+    model = build_model("mlp", (40,), 10, width=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = flatten(model)
+    assert torch.equal(flat, torch.cat([b.reshape(-1) for b in before]))
+    flat.zero_()
+    assert all(float(p.detach().abs().sum()) == 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(mode="pipeline"), "unknown mode 'pipeline'"),
+    (dict(mode="local", staleness_lr=True), "staleness_lr is a knob of mode async, not local"),
+    (dict(fixed_delay=1), "fixed_delay is a knob of mode async, not sync"),
+    (dict(mode="async", optimizer="adam"), "applies sgd or adagrad updates itself, not adam"),
+    (dict(mode="hogwild", optimizer="adagrad"), "applies sgd updates itself"),
+    (dict(mode="async", compression="fp16"), "compression is for mode sync"),
+    (dict(mode="local", model="resnet18"), "model resnet18 is for mode sync"),
+    (dict(mode="async", fixed_delay=1, staleness_lr=True), "no staleness_bound or staleness_lr"),
+    (dict(mode="easgd", elastic_alpha=1.5), "elastic_alpha must be in (0, 1)"),
+    (dict(straggler="1"), "RANK:FACTOR"),
+    (dict(straggler="1:0.5"), "FACTOR >= 1"),
+])
+def test_bad_mode_settings_are_refused(kw, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        TrainConfig(**kw).validate()
+
+
+def _layout(size):
+    servers = 2 if size >= 4 else 1
+    return servers, size - servers
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fixed_delay_async_is_the_single_process_reference():
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    cfg = TrainConfig(**TINY, mode="async", servers=servers, fixed_delay=2, epochs=1)
+    history, flat = run_async(cfg, private(comm))
+    assert history[-1]["staleness_max_run"] == 2  # gradient i on version i - 2, from the third on
+    if comm.Get_rank() == 0:  # server 0 holds every shard, as last tested: the final parameters
+        np.testing.assert_allclose(flat, reference_fixed_delay(cfg, workers), rtol=0, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("bound", [0, 1])
+def test_a_staleness_bound_bounds_the_staleness_and_no_push_is_lost(bound):
+    comm = MPI.COMM_WORLD
+    workers = comm.Get_size() - 1
+    cfg = TrainConfig(**TINY, mode="async", staleness_bound=bound, epochs=1, straggler="1:2")
+    last = train(cfg)[-1]
+    # a worker pulls at most s ahead of the slowest; the others push at most 2s + 1 times before its push
+    assert last["staleness_max_run"] <= (workers - 1) * (2 * bound + 1)
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    assert last["pushes_applied"] == last["pushes_reported"] == spe * workers
+    assert last["audit_max_diff"] <= 1e-12
+
+
+@pytest.mark.mpi(min_size=2)
+def test_local_sgd_averaging_every_step_is_synchronous_sgd():
+    common = dict(TINY, epochs=2, algorithm="ring", momentum=0.9)
+    sync = train(TrainConfig(**common))
+    local = train(TrainConfig(**common, mode="local", local_steps=1))
+    for s, lo in zip(sync, local):
+        assert lo["test_loss"] == pytest.approx(s["test_loss"], rel=1e-5)
+        assert lo["loss"] == pytest.approx(s["loss"], rel=1e-5)
+        assert lo["sent_bytes"] == s["sent_bytes"]  # one vector of the same size per step, on the same ring
+
+
+def _simulate(cfg: TrainConfig, workers: int) -> float:
+    """Every worker of local SGD or EASGD in this process; the test loss
+    of what is tested (the average of the workers, or the center)."""
+    from hpcjobs.training.loop import _make_optimizer
+
+    ds = load_dataset(cfg.dataset, num_samples=cfg.num_samples, seed=cfg.data_seed)
+    models, flats, opts = [], [], []
+    for _ in range(workers):
+        torch.manual_seed(cfg.seed)
+        models.append(build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width))
+        flats.append(flatten(models[-1]))
+        opts.append(_make_optimizer(cfg, models[-1]))
+    center, alpha = flats[0].clone(), cfg.elastic_alpha or 0.9 / workers
+    spe, schedule, step = steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers), cfg.schedule(workers), 0
+    for epoch in range(cfg.epochs):
+        batches = [rank_batches(len(ds.train), cfg.batch_per_rank, w, workers, epoch, cfg.seed)
+                   for w in range(workers)]
+        for t in range(spe):
+            for w in range(workers):
+                compute_step(models[w], ds, batches[w][t])
+                sched.set_lr(opts[w], sched.lr_at(step, spe, schedule))
+                opts[w].step()
+            step += 1
+            if step % cfg.local_steps == 0:
+                total = sum(f.clone() for f in flats)
+                for f in flats:
+                    if cfg.mode == "local":
+                        f.copy_(total / workers)
+                    else:
+                        f.sub_(f - center, alpha=alpha)
+                if cfg.mode == "easgd":
+                    center.add_(total - workers * center, alpha=alpha)
+    flats[0].copy_(center if cfg.mode == "easgd" else sum(f.clone() for f in flats) / workers)
+    sums = evaluate_local(models[0], ds)
+    return sums[0] / sums[2]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["local", "easgd"])
+def test_local_sgd_and_easgd_are_their_one_process_simulation(mode):
+    comm = MPI.COMM_WORLD
+    cfg = TrainConfig(**TINY, epochs=1, mode=mode, local_steps=3)
+    last = train(cfg)[-1]
+    if comm.Get_rank() == 0:
+        assert last["test_loss"] == pytest.approx(_simulate(cfg, comm.Get_size()), rel=1e-5)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hogwild_alone_is_sgd_and_together_it_learns():
+    comm = MPI.COMM_WORLD
+    alone = comm.Split(comm.Get_rank())
+    common = dict(TINY, epochs=1, momentum=0.9)
+    hogwild = train(TrainConfig(**common, mode="hogwild"), comm=alone)
+    sgd = train(TrainConfig(**common, mode="local", local_steps=1), comm=alone)
+    alone.Free()
+    assert hogwild[0]["test_loss"] == pytest.approx(sgd[0]["test_loss"], rel=1e-6)
+    together = train(TrainConfig(**dict(common, epochs=2), mode="hogwild", hogwild_lock=True))
+    assert together[-1]["loss"] < together[0]["loss"] < np.log(10)  # below chance, and lower again
