@@ -69,6 +69,9 @@ COMMANDS = (
     Command("train", "train", "data-parallel training on our allreduce (MNIST-1D, digits, synthetic, MNIST, CIFAR-10)"),
     Command("experiment large-batch", "experiment",
             "Goyal et al.'s large-minibatch table on MNIST-1D: test error vs batch for no/constant/gradual warmup"),
+    Command("experiment async", "experiment_async",
+            "sync SGD against async parameter servers, bounded staleness, Hogwild!, local SGD and EASGD, with and "
+            "without a straggler: error, time to target, bytes, staleness"),
     Command("plan", "plan", "how many devices, which algorithm: iteration time, efficiency and time to a target "
             "loss per device count, predicted from measurements", mpi=False),
     Command("soak", "soak", "many random allreduces (sizes, dtypes, ops, algorithms) checked against MPI_Allreduce, "

@@ -345,7 +345,8 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
     record = {
         "epoch": epoch + 1, "step": (epoch + 1) * spe, "lr": sched.lr_at((epoch + 1) * spe - 1, spe, run.schedule),
         "loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2], "test_loss": test_loss, "test_acc": test_acc,
-        "samples_per_s": spe * run.global_batch / times[0], "epoch_s": times[0], "comm_s": times[1],
+        "samples_per_s": spe * run.global_batch / times[0], "epoch_s": times[0],
+        "wall_s": times[0] + sum(h["epoch_s"] for h in run.history), "comm_s": times[1],
         "wait_s": times[2], "comm_share": times[1] / times[0], "ranks": run.size, "global_batch": run.global_batch,
     }
     if opt.stats["skipped_steps"]:

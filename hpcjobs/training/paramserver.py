@@ -14,7 +14,12 @@ Downpour). A worker loops, with no barrier:
 2. **compute** a gradient on its next batch (its share of the epoch's
    permutation, as a synchronous rank would have it);
 3. **push**: sends each server its slice of the gradient, tagged with the
-   version it pulled.
+   version it pulled;
+
+until a server answers a pull with "stop": it has applied the run's
+``epochs x (samples / b)`` gradients, from whichever workers made them (a
+fast worker goes on into its next epoch's batches while a slow one is
+still in its first: an epoch counts samples, not each worker's shard).
 
 A server answers pulls and applies each pushed gradient the moment it
 arrives (point-to-point messages and a progress loop: the design doc says
@@ -25,7 +30,9 @@ knobs:
 - ``staleness_bound`` s: a pull from a worker more than s pushes ahead of
   the slowest live worker waits for it (s = 0: every worker pulls only
   once all have pushed the same number of gradients);
-- ``staleness_lr``: each gradient is applied with lr / max(1, staleness);
+- ``staleness_lr``: each gradient is applied with lr / max(1, staleness),
+  lr being the schedule's rate for b samples (with the synchronous rate
+  for W x b samples in its place, the fresh gradients' steps diverged);
 - ``fixed_delay`` k: gradient i (worker w's t-th, i = t * W + w) is
   computed on version max(0, i - k) and applied as update i, in order,
   whatever the timing: :func:`reference_fixed_delay` reproduces it in one
@@ -127,6 +134,10 @@ class _Ctx:
     def lr(self, version: int) -> float:  # the schedule counts pushes: an epoch is spe * W of them
         return sched.lr_at(version, self.spe * self.workers, self.schedule)
 
+    @property
+    def total(self) -> int:  # the pushes of the run: the epochs' samples, from whichever workers
+        return self.cfg.epochs * self.spe * self.workers
+
 
 def _die_if_told(rank: int, count: int) -> None:
     spec = os.environ.get(FAULT_ENV)
@@ -214,6 +225,7 @@ class _Server:
         while not self.stopped:
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
+                self._heartbeat(time.monotonic())  # busy or not: a held pull's worker must hear from us
                 continue
             now = time.monotonic()
             self._heartbeat(now)
@@ -235,7 +247,8 @@ class _Server:
         while not req.Test():  # a large message flows only while its sender lives
             if time.monotonic() > deadline:
                 self.inbuf = np.empty_like(self.inbuf)  # the stuck receive keeps the old one
-                self.heard[src - self.S] = 0.0 if src >= self.S else self.heard[0]
+                if src >= self.S:
+                    self.heard[src - self.S] = 0.0  # lost at the next look
                 return
             time.sleep(IDLE_S)
         hdr = self.inbuf[:HDR].view(np.float64)
@@ -292,10 +305,12 @@ class _Server:
             self.kept[self.version] = self.shard.copy()
             self.kept.pop(self.version - self.cfg.fixed_delay - 1, None)
         _die_if_told(self.comm.Get_rank(), self.version)
-        if self.k == 0 and self.version % (self.ctx.spe * self.W) == 0:
+        if self.k == 0 and self.version % (self.ctx.spe * self.W) == 0 and self.version < self.ctx.total:
             self._record(self.version // (self.ctx.spe * self.W))
 
     def _ready(self, w: int, clock: int, wanted: int) -> bool:
+        if self.version >= self.ctx.total:
+            return True  # answered with "stop"
         if self.kept is not None:
             return self.version >= wanted
         if self.cfg.staleness_bound is None:
@@ -313,7 +328,8 @@ class _Server:
                 continue
             self.outreq[w].Wait()  # the last reply to this worker (it asked again, so it has it)
             buf = self.outbuf[w]
-            buf[:HDR].view(np.float64)[0] = wanted if self.kept is not None else self.version
+            buf[:HDR].view(np.float64)[:2] = (wanted if self.kept is not None else self.version,
+                                              self.version >= self.ctx.total)
             buf[HDR:].view(np.float32)[:] = self.kept[wanted] if self.kept is not None else self.shard
             self.outreq[w] = self.comm.Isend(buf, dest=self.S + w, tag=TAG_PARAMS)
             self.ep.bytes_out += buf.nbytes
@@ -329,8 +345,9 @@ class _Server:
         self.alive_reqs += [self.comm.Isend(self.alive_buf, dest=d, tag=TAG_ALIVE) for d in dests]
 
     def _find_lost(self, now: float) -> None:
+        waiting = {w for w, _, _ in self.deferred}  # silent because this server holds their pull
         for w in range(self.W):
-            if w in self.done or w in self.lost or now - self.heard[w] <= self.cfg.peer_timeout:
+            if w in self.done or w in self.lost or w in waiting or now - self.heard[w] <= self.cfg.peer_timeout:
                 continue
             if self.kept is not None:
                 raise PeerLost(f"worker rank {self.S + w} sent nothing for {self.cfg.peer_timeout:g} s; "
@@ -352,9 +369,9 @@ class _Server:
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
 
     def _record(self, epoch: float) -> None:
+        now, ep = time.monotonic(), self.ep  # the times leave out the test (the workers go on meanwhile)
         self._snapshot()
         test = evaluate_local(self.ctx.model, self.ctx.ds)
-        now, ep = time.monotonic(), self.ep
         live = self.W - len(self.lost)
         record = {"epoch": epoch, "step": self.version, "lr": self.ctx.lr(max(0, self.version - 1)),
                   "loss": ep.sums[0] / max(1, ep.sums[2]), "train_acc": ep.sums[1] / max(1, ep.sums[2]),
@@ -367,6 +384,7 @@ class _Server:
         record = finish_record(self.cfg, record, live)
         self.history.append(record)
         report(self.cfg, record)
+        self.t0 += time.monotonic() - now  # the test's seconds are not the run's
         self.ep, self.t_epoch = _Epoch(), time.monotonic()
 
     def _audit(self) -> dict:
@@ -382,8 +400,9 @@ class _Server:
     def _finish(self) -> None:
         """Server 0, once every worker is done or lost: the last (partial)
         epoch's line, the audit of every shard, then the history to all."""
-        if self.ep.pushes:
-            self._record(round(self.version / (self.ctx.spe * self.W), 3))
+        if self.ep.pushes:  # the last epoch, with the pushes in flight at the stop; or where a loss ended it
+            done = self.version >= self.ctx.total
+            self._record(self.cfg.epochs if done else round(self.version / (self.ctx.spe * self.W), 3))
         audits = [self._audit()]
         for k in range(1, self.S):
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_STOP)
@@ -462,11 +481,12 @@ class _Worker:
     def run(self) -> list[dict]:
         ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
         flat = ctx.flat.numpy()
-        pushes = 0
-        for epoch in range(cfg.epochs):
+        pushes, clock, epoch, stop = 0, 0, 0, False
+        # Until a server says stop (it has applied the run's pushes, from whichever workers: a fast worker
+        # goes on into its next epoch's batches); in fixed-delay mode, exactly this worker's share.
+        while not stop and (cfg.fixed_delay is None or epoch < cfg.epochs):
             batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
             for t in range(ctx.spe):
-                clock = epoch * ctx.spe + t
                 index = clock * self.W + self.w
                 wanted = max(0, index - cfg.fixed_delay) if cfg.fixed_delay is not None else -1
                 reqs = [comm.Irecv(self.inbuf[k], source=k, tag=TAG_PARAMS) for k in range(S)]
@@ -474,7 +494,10 @@ class _Worker:
                 for k in range(S):
                     comm.Send(self.ask, dest=k, tag=TAG_PULL)
                 _await(comm, reqs, list(range(S)), cfg.peer_timeout, self.heard)
-                pulled = [self.inbuf[k][:HDR].view(np.float64)[0] for k in range(S)]
+                heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
+                if any(h[1] for h in heads):
+                    stop = True
+                    break
                 for k in range(S):
                     flat[ctx.shard(k)] = self.inbuf[k][HDR:].view(np.float32)
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
@@ -484,11 +507,12 @@ class _Worker:
                 _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
                 for k in range(S):
                     buf = self.outbuf[k]
-                    buf[:HDR].view(np.float64)[:6] = pulled[k], epoch, index, loss, correct, samples
+                    buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, loss, correct, samples
                     buf[HDR:].view(np.float32)[:] = self.grad[ctx.shard(k)]
                     self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_PUSH)
-                pushes += 1
+                pushes, clock = pushes + 1, clock + 1
                 _die_if_told(comm.Get_rank(), pushes)
+            epoch += 1
         _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
         done = []
         for k in range(S):

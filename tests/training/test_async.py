@@ -104,7 +104,8 @@ def test_a_staleness_bound_bounds_the_staleness_and_no_push_is_lost(bound):
     # a worker pulls at most s ahead of the slowest; the others push at most 2s + 1 times before its push
     assert last["staleness_max_run"] <= (workers - 1) * (2 * bound + 1)
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
-    assert last["pushes_applied"] == last["pushes_reported"] == spe * workers
+    # the run's pushes, and those in flight when the server said stop (one per other worker at most)
+    assert spe * workers <= last["pushes_applied"] == last["pushes_reported"] < (spe + 1) * workers
     assert last["audit_max_diff"] <= 1e-12
 
 

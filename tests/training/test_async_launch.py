@@ -39,11 +39,15 @@ def test_a_killed_worker_is_named_and_the_run_completes_without_it(tmp_path):
     metrics = tmp_path / "m.jsonl"
     out, _ = _train(4, *SMALL, "--epochs", "3", "--peer-timeout", "2", "--metrics", str(metrics), fault="2:20")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "worker rank 2 lost (silent for 2 s after 20 pushes); going on with the others" in out.stdout
+    # killed after its 20th push was sent: that one may not have arrived
+    assert re.search(r"worker rank 2 lost \(silent for 2 s after (19|20) pushes\); going on with the others",
+                     out.stdout), out.stdout[-2000:]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert records[-1]["lost_workers"] == "2" and records[-1]["workers"] == 2
-    # 3 epochs of 800 samples / 32 per push: the two others made all theirs, the lost one 20 (or 19 arrived)
-    assert sum(r["pushes"] for r in records) in (2 * 3 * 8 + 20, 2 * 3 * 8 + 19)
+    # 3 epochs of 800 samples / (3 x 32) x 3 pushes: the two others made up what the lost one did not push
+    # (and at most one each was in flight at the stop)
+    assert 3 * 24 <= sum(r["pushes"] for r in records) <= 3 * 24 + 2
+    assert [r["epoch"] for r in records] == [1, 2, 3]
 
 
 def test_a_killed_server_ends_every_worker_with_an_error():

@@ -1,0 +1,95 @@
+"""``hpcjobs experiment async``: synchronous SGD against the modes without
+lockstep, with and without a straggler (:mod:`hpcjobs.training.async_experiment`).
+
+    mpirun -n 5 hpcjobs experiment async --out results/async      # 1 server + 4 workers
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
+                   positive_int, usage)
+from .train import add_model_data_arguments
+
+
+def configure(p) -> None:
+    from ..training.async_experiment import row_names
+
+    add_model_data_arguments(p)
+    # Tuned here (docs/results/async.md): the large-batch experiment's rate per 32 samples, a cosine decay so the
+    # last epochs settle, 10,000 samples
+    p.set_defaults(num_samples=10000, model="cnn1d")
+    g = p.add_argument_group("runs")
+    g.add_argument("--rows", type=comma_list, default=row_names(),
+                   help=f"comma-separated subset of: {', '.join(row_names())} (default: all)")
+    g.add_argument("--seeds", type=positive_int, default=3, help="seeds per row (default 3)")
+    g.add_argument("--epochs", type=positive_int, default=12, help="every run trains this long (default 12)")
+    g.add_argument("--batch-per-rank", "-b", type=positive_int, default=32,
+                   help="samples per worker per step (default 32)")
+    g.add_argument("--lr", type=positive_float, default=0.02,
+                   help="rate per --base-batch samples, scaled to each mode's batch per update (default 0.02)")
+    g.add_argument("--base-batch", type=positive_int, default=32, help="default: %(default)s")
+    g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
+    g.add_argument("--warmup-epochs", type=nonnegative_float, default=2.0, help="gradual (default %(default)s)")
+    g.add_argument("--decay", choices=("none", "cosine"), default="cosine", help="default: %(default)s")
+    g.add_argument("--straggler-factor", type=positive_float, default=3.0, metavar="F",
+                   help="the second half of the runs: worker 0's steps F times as long (1: none; default 3)")
+    g.add_argument("--algorithm", default="ring",
+                   help="allreduce of sync, local and easgd (default ring, whose bytes are counted)")
+    g.add_argument("--peer-timeout", type=positive_float, default=60.0, help="async (default %(default)s s)")
+    g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
+    g.add_argument("--out", "-O", default="results/async", metavar="DIR",
+                   help="runs.jsonl, table.md and error_vs_time.png go here (default: %(default)s)")
+
+
+def run(args) -> int:
+    import dataclasses
+
+    from mpi4py import MPI
+
+    from ..collectives._shared import is_single_node
+    from ..comm import print0
+    from ..runtime import set_threads
+    from ..training.async_experiment import ROWS, markdown_table, plot, row_names, run_rows, summarize
+    from ..training.config import TrainConfig
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        raise UsageError("run 1 server + W workers, e.g. mpirun -n 5 (4 workers)")
+    unknown = set(args.rows) - set(row_names())
+    if unknown or not args.rows:
+        raise UsageError(f"--rows takes a subset of {', '.join(row_names())}; unknown: {', '.join(sorted(unknown))}")
+    rows = list(args.rows)
+    workers = comm.Get_size() - 1
+    sub = comm.Split(0 if comm.Get_rank() else MPI.UNDEFINED, comm.Get_rank())
+    one_node = comm.allreduce(is_single_node(sub) if sub != MPI.COMM_NULL else True, op=MPI.LAND)
+    if sub != MPI.COMM_NULL:
+        sub.Free()
+    if not one_node and any(r.startswith("hogwild") for r in rows):
+        rows = [r for r in rows if not r.startswith("hogwild")]
+        print0("# experiment async: the workers span nodes: the hogwild rows (one node) are left out")
+    with usage():
+        template = TrainConfig(**{**dataclass_values(TrainConfig, args), "warmup": "gradual", "optimizer": "sgd"})
+        for name, mode, over in ROWS:
+            if name in rows:
+                dataclasses.replace(template, mode=mode, **{k: (1 if isinstance(v, str) else v)
+                                                            for k, v in over.items()}).validate()
+    check_outputs(comm, [("--out", args.out, True)])
+    set_threads(args.threads, comm)
+    print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples} samples), 1 server + {workers} "
+           f"workers, {args.seeds} seed(s), {args.epochs} epochs, batch {args.batch_per_rank} per worker step, lr "
+           f"{args.lr} per {args.base_batch} samples ({args.decay} decay), straggler {args.straggler_factor:g}x; "
+           f"rows: {', '.join(rows)}")
+    with usage(ValueError):
+        results = run_rows(template, rows, args.seeds, args.straggler_factor, args.out, comm, log=print0)
+    if comm.Get_rank() == 0:
+        out = Path(args.out)
+        table = markdown_table(summarize(results))
+        (out / "table.md").write_text(
+            f"# SGD with and without lockstep on {args.dataset} (1 server + {workers} workers)\n\n"
+            f"`{' '.join(['hpcjobs', 'experiment', 'async'] + sys.argv[3:])}`\n\n{table}\n")
+        print(table, flush=True)
+        print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {plot(results, out)}", flush=True)
+    return 0
