@@ -15,7 +15,7 @@ from .train import add_model_data_arguments
 
 
 def configure(p) -> None:
-    from ..training.async_experiment import row_names
+    from ..training.config import async_row_names as row_names
 
     add_model_data_arguments(p)
     # Tuned here (docs/results/async.md): the large-batch experiment's rate per 32 samples, a cosine decay so the
@@ -52,8 +52,9 @@ def run(args) -> int:
     from ..collectives._shared import is_single_node
     from ..comm import print0
     from ..runtime import set_threads
-    from ..training.async_experiment import ROWS, markdown_table, plot, row_names, run_rows, summarize
-    from ..training.config import TrainConfig
+    from ..training.async_experiment import markdown_table, plot, run_rows, summarize
+    from ..training.config import ASYNC_ROWS as ROWS
+    from ..training.config import TrainConfig, async_row_names as row_names
 
     comm = MPI.COMM_WORLD
     if comm.Get_size() < 2:

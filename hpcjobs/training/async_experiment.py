@@ -25,34 +25,11 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from .config import TrainConfig
+from .config import ASYNC_ROWS as ROWS
+from .config import TrainConfig, async_row_names as row_names
 from .loop import train
 
 __all__ = ["ROWS", "row_names", "run_rows", "summarize", "markdown_table", "plot"]
-
-# (name, mode, overrides); "post-local" averages every step for the first quarter of the epochs; the "2x epochs"
-# rows train twice as long (their schedule stretched alike), to see whether and when they reach the target
-ROWS = (
-    ("sync", "sync", {}),
-    ("async", "async", {}),
-    ("async + staleness lr", "async", {"staleness_lr": True}),
-    ("async 2x epochs", "async", {"epochs": "double"}),
-    ("async + staleness lr 2x epochs", "async", {"staleness_lr": True, "epochs": "double"}),
-    ("async bound s=2", "async", {"staleness_bound": 2}),
-    ("async bound s=8", "async", {"staleness_bound": 8}),
-    ("hogwild", "hogwild", {}),
-    ("hogwild + lock", "hogwild", {"hogwild_lock": True}),
-    ("local H=4", "local", {"local_steps": 4}),
-    ("local H=8", "local", {"local_steps": 8}),
-    ("local H=16", "local", {"local_steps": 16}),
-    ("post-local H=8", "local", {"local_steps": 8, "post_local_epochs": "quarter"}),
-    ("easgd tau=4", "easgd", {"local_steps": 4}),
-)
-
-
-def row_names() -> list[str]:
-    return [name for name, _, _ in ROWS]
-
 
 def _wait_politely(comm: MPI.Intracomm) -> None:
     """A barrier that sleeps: the idle rank leaves the cores to the others."""

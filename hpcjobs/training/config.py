@@ -23,6 +23,31 @@ __all__ = ["TrainConfig", "MODES", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP"
 # hpcjobs.training.averaging (local, easgd, hogwild): docs/algorithms.md, "Asynchronous and local SGD"
 MODES = ("sync", "async", "local", "easgd", "hogwild")
 ASYNC_OPTIMIZERS = ("sgd", "adagrad")  # what a parameter server applies per shard (Downpour: Adagrad)
+# experiment async's rows (hpcjobs.training.async_experiment): (name, mode, overrides). "post-local" averages
+# every step for the first quarter of the epochs; the "2x epochs" rows train twice as long (their schedule
+# stretched alike), to see whether and when they reach the target
+ASYNC_ROWS = (
+    ("sync", "sync", {}),
+    ("async", "async", {}),
+    ("async + staleness lr", "async", {"staleness_lr": True}),
+    ("async 2x epochs", "async", {"epochs": "double"}),
+    ("async + staleness lr 2x epochs", "async", {"staleness_lr": True, "epochs": "double"}),
+    ("async bound s=2", "async", {"staleness_bound": 2}),
+    ("async bound s=8", "async", {"staleness_bound": 8}),
+    ("hogwild", "hogwild", {}),
+    ("hogwild + lock", "hogwild", {"hogwild_lock": True}),
+    ("local H=4", "local", {"local_steps": 4}),
+    ("local H=8", "local", {"local_steps": 8}),
+    ("local H=16", "local", {"local_steps": 16}),
+    ("post-local H=8", "local", {"local_steps": 8, "post_local_epochs": "quarter"}),
+    ("easgd tau=4", "easgd", {"local_steps": 4}),
+)
+
+
+def async_row_names() -> list[str]:
+    return [name for name, _, _ in ASYNC_ROWS]
+
+
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
 # torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
 # bench train measures them on random images, as Horovod's synthetic benchmark does

@@ -67,7 +67,7 @@ from . import schedule as sched
 from .config import TrainConfig
 from .data import Dataset, load_dataset, rank_batches, steps_per_epoch
 from .models import build_model
-from .stepping import (Straggler, compute_step, evaluate_local, finish_record, flatten, grad_vector, report)
+from .stepping import Straggler, compute_step, flatten, grad_vector
 
 __all__ = ["train_async", "run_async", "reference_fixed_delay", "shard_bounds", "ShardUpdate", "PeerLost"]
 
@@ -184,7 +184,11 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
               + (", staleness-aware rate" if cfg.staleness_lr else ""), flush=True)
     comm.Barrier()
     try:
-        history = _Server(ctx).run() if ctx.rank < ctx.servers else _Worker(ctx).run()
+        if ctx.rank < ctx.servers:
+            from .ps_server import Server as role
+        else:
+            from .ps_worker import Worker as role
+        history = role(ctx).run()
         return history, ctx.flat.numpy()
     except PeerLost as e:
         print(f"hpcjobs train: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
@@ -192,244 +196,7 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
         os._exit(3)  # MPI_Finalize would wait for the lost rank
 
 
-# --- the server ----------------------------------------------------------------
-
-class _Epoch:
-    def __init__(self):
-        self.sums, self.stale_sum, self.stale_max, self.pushes = np.zeros(3), 0, 0, 0
-        self.bytes_in, self.bytes_out = 0, 0
-
-
-class _Server:
-    def __init__(self, ctx: _Ctx):
-        self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
-        self.k, self.S, self.W = ctx.rank, ctx.servers, ctx.workers
-        self.shard = ctx.flat[ctx.shard(self.k)].numpy()
-        self.update = ShardUpdate(ctx.cfg, self.shard)
-        m = self.shard.size
-        self.inbuf = np.empty(HDR + 8 * m, np.uint8)
-        self.outbuf = [np.empty(HDR + 4 * m, np.uint8) for _ in range(self.W)]
-        self.outreq = [MPI.REQUEST_NULL] * self.W
-        self.version, self.clocks = 0, np.zeros(self.W, np.int64)
-        self.done, self.lost, self.heard = {}, set(), np.full(self.W, time.monotonic())
-        self.deferred, self.pending = [], {}
-        self.kept = {0: self.shard.copy()} if ctx.cfg.fixed_delay is not None else None
-        self.applied_by, self.applied_sum = np.zeros(self.W, np.int64), np.zeros(m, np.float64)
-        self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
-        self.alive_reqs, self.alive_buf, self.next_alive = [], np.zeros(8), 0.0
-        self.t0 = self.t_epoch = time.monotonic()
-        self.stale_all = [0, 0, 0]  # sum, count, max over the run
-
-    def run(self) -> list[dict]:
-        status = MPI.Status()
-        while not self.stopped:
-            if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
-                self._heartbeat(time.monotonic())  # busy or not: a held pull's worker must hear from us
-                continue
-            now = time.monotonic()
-            self._heartbeat(now)
-            self._find_lost(now)
-            if self.k == 0 and self._all_in() and not self.pending:
-                self._finish()
-                break
-            if self.k and now - self.heard0 > self.cfg.peer_timeout:
-                raise PeerLost(f"server rank 0 sent nothing for {self.cfg.peer_timeout:g} s: presumed lost")
-            time.sleep(IDLE_S)
-        return self._final_history()
-
-    def _all_in(self) -> bool:
-        return len(self.done) + len(self.lost - set(self.done)) == self.W
-
-    def _handle(self, src: int, tag: int, count: int) -> None:
-        req = self.comm.Irecv([self.inbuf, count, MPI.BYTE], source=src, tag=tag)
-        deadline = time.monotonic() + self.cfg.peer_timeout
-        while not req.Test():  # a large message flows only while its sender lives
-            if time.monotonic() > deadline:
-                self.inbuf = np.empty_like(self.inbuf)  # the stuck receive keeps the old one
-                if src >= self.S:
-                    self.heard[src - self.S] = 0.0  # lost at the next look
-                return
-            time.sleep(IDLE_S)
-        hdr = self.inbuf[:HDR].view(np.float64)
-        if src == 0 and self.k:
-            self.heard0 = time.monotonic()
-        if tag == TAG_ALIVE:
-            return
-        if tag == TAG_SNAP:
-            out = np.empty(HDR + 4 * self.shard.size, np.uint8)
-            out[:HDR].view(np.float64)[0] = self.version
-            out[HDR:].view(np.float32)[:] = self.shard
-            self.comm.Send(out, dest=0, tag=TAG_SHARD)
-            return
-        if tag == TAG_STOP:
-            self.stopped = True
-            self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
-            return
-        w = src - self.S
-        if w in self.lost:
-            return  # a worker declared lost that speaks again: its messages are dropped
-        self.heard[w] = time.monotonic()
-        self.ep.bytes_in += count
-        if tag == TAG_PULL:
-            self.deferred.append((w, int(hdr[0]), int(hdr[1])))
-        elif tag == TAG_PUSH:
-            grad = self.inbuf[HDR:HDR + 4 * self.shard.size].view(np.float32)
-            if self.kept is not None and int(hdr[2]) != self.version:
-                self.pending[int(hdr[2])] = (w, hdr.copy(), grad.copy())
-            else:
-                self._apply(w, hdr, grad)
-            while self.version in self.pending:
-                self._apply(*self.pending.pop(self.version))
-        elif tag == TAG_DONE:
-            self.done[w] = (int(hdr[0]), self.inbuf[HDR:HDR + 8 * self.shard.size].view(np.float64).copy())
-        self._answer_deferred()
-
-    def _apply(self, w: int, hdr: np.ndarray, grad: np.ndarray) -> None:
-        staleness = self.version - int(hdr[0])
-        lr = self.ctx.lr(self.version)
-        if self.cfg.staleness_lr:
-            lr /= max(1, staleness)
-        self.update.apply(grad, lr)
-        self.applied_sum += grad
-        self.applied_by[w] += 1
-        self.clocks[w] += 1
-        self.version += 1
-        ep = self.ep
-        ep.sums += hdr[3:6]
-        ep.stale_sum += staleness
-        ep.stale_max = max(ep.stale_max, staleness)
-        ep.pushes += 1
-        self.stale_all = [self.stale_all[0] + staleness, self.stale_all[1] + 1, max(self.stale_all[2], staleness)]
-        if self.kept is not None:
-            self.kept[self.version] = self.shard.copy()
-            self.kept.pop(self.version - self.cfg.fixed_delay - 1, None)
-        _die_if_told(self.comm.Get_rank(), self.version)
-        if self.k == 0 and self.version % (self.ctx.spe * self.W) == 0 and self.version < self.ctx.total:
-            self._record(self.version // (self.ctx.spe * self.W))
-
-    def _ready(self, w: int, clock: int, wanted: int) -> bool:
-        if self.version >= self.ctx.total:
-            return True  # answered with "stop"
-        if self.kept is not None:
-            return self.version >= wanted
-        if self.cfg.staleness_bound is None:
-            return True
-        live = [self.clocks[j] for j in range(self.W) if j not in self.done and j not in self.lost and j != w]
-        return not live or clock - min(live) <= self.cfg.staleness_bound
-
-    def _answer_deferred(self) -> None:
-        still = []
-        for w, clock, wanted in self.deferred:
-            if w in self.lost:
-                continue
-            if not self._ready(w, clock, wanted):
-                still.append((w, clock, wanted))
-                continue
-            self.outreq[w].Wait()  # the last reply to this worker (it asked again, so it has it)
-            buf = self.outbuf[w]
-            buf[:HDR].view(np.float64)[:2] = (wanted if self.kept is not None else self.version,
-                                              self.version >= self.ctx.total)
-            buf[HDR:].view(np.float32)[:] = self.kept[wanted] if self.kept is not None else self.shard
-            self.outreq[w] = self.comm.Isend(buf, dest=self.S + w, tag=TAG_PARAMS)
-            self.ep.bytes_out += buf.nbytes
-        self.deferred = still
-
-    def _heartbeat(self, now: float) -> None:
-        if now < self.next_alive:
-            return
-        self.next_alive = now + self.cfg.peer_timeout / 4
-        self.alive_reqs = [r for r in self.alive_reqs if not r.Test()]
-        dests = [self.S + w for w in range(self.W) if w not in self.lost]
-        dests += list(range(1, self.S)) if self.k == 0 else []
-        self.alive_reqs += [self.comm.Isend(self.alive_buf, dest=d, tag=TAG_ALIVE) for d in dests]
-
-    def _find_lost(self, now: float) -> None:
-        waiting = {w for w, _, _ in self.deferred}  # silent because this server holds their pull
-        for w in range(self.W):
-            if w in self.done or w in self.lost or w in waiting or now - self.heard[w] <= self.cfg.peer_timeout:
-                continue
-            if self.kept is not None:
-                raise PeerLost(f"worker rank {self.S + w} sent nothing for {self.cfg.peer_timeout:g} s; "
-                               "fixed-delay mode applies gradients in order and cannot go on without it")
-            self.lost.add(w)
-            if self.k == 0 and not self.cfg.quiet:
-                print(f"# train: worker rank {self.S + w} lost (silent for {self.cfg.peer_timeout:g} s after "
-                      f"{self.applied_by[w]} pushes); going on with the others", flush=True)
-            self._answer_deferred()
-
-    def _snapshot(self) -> None:
-        """Server 0: the other servers' shards into the model, for testing."""
-        for k in range(1, self.S):
-            sl = self.ctx.shard(k)
-            buf = np.empty(HDR + 4 * (sl.stop - sl.start), np.uint8)
-            req = self.comm.Irecv(buf, source=k, tag=TAG_SHARD)
-            self.comm.Send(self.alive_buf, dest=k, tag=TAG_SNAP)
-            _await(self.comm, [req], [k], self.cfg.peer_timeout, {k: time.monotonic()})
-            self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
-
-    def _record(self, epoch: float) -> None:
-        now, ep = time.monotonic(), self.ep  # the times leave out the test (the workers go on meanwhile)
-        self._snapshot()
-        test = evaluate_local(self.ctx.model, self.ctx.ds)
-        live = self.W - len(self.lost)
-        record = {"epoch": epoch, "step": self.version, "lr": self.ctx.lr(max(0, self.version - 1)),
-                  "loss": ep.sums[0] / max(1, ep.sums[2]), "train_acc": ep.sums[1] / max(1, ep.sums[2]),
-                  "test_loss": test[0] / test[2], "test_acc": test[1] / test[2], "epoch_s": now - self.t_epoch,
-                  "wall_s": now - self.t0, "samples": ep.sums[2], "pushes": ep.pushes,
-                  "staleness_mean": ep.stale_sum / max(1, ep.pushes), "staleness_max": ep.stale_max,
-                  "sent_bytes": ep.bytes_in / max(1, live), "received_bytes": ep.bytes_out / max(1, live)}
-        if self.lost:
-            record["lost_workers"] = ",".join(str(self.S + w) for w in sorted(self.lost))
-        record = finish_record(self.cfg, record, live)
-        self.history.append(record)
-        report(self.cfg, record)
-        self.t0 += time.monotonic() - now  # the test's seconds are not the run's
-        self.ep, self.t_epoch = _Epoch(), time.monotonic()
-
-    def _audit(self) -> dict:
-        """What this server applied against what the finished workers say they pushed."""
-        reported = sum((s for _, s in self.done.values()), np.zeros_like(self.applied_sum))
-        counts_ok = all(self.applied_by[w] == pushes for w, (pushes, _) in self.done.items())
-        diff = float(np.max(np.abs(reported - self.applied_sum), initial=0.0)) if not self.lost else None
-        scale = float(np.max(np.abs(self.applied_sum), initial=1.0))
-        ok = counts_ok and (diff is None or diff <= 1e-9 * max(1.0, scale))
-        return {"ok": ok, "applied": int(self.applied_by.sum()), "diff": diff,
-                "pushed": sum(p for p, _ in self.done.values())}
-
-    def _finish(self) -> None:
-        """Server 0, once every worker is done or lost: the last (partial)
-        epoch's line, the audit of every shard, then the history to all."""
-        if self.ep.pushes:  # the last epoch, with the pushes in flight at the stop; or where a loss ended it
-            done = self.version >= self.ctx.total
-            self._record(self.cfg.epochs if done else round(self.version / (self.ctx.spe * self.W), 3))
-        audits = [self._audit()]
-        for k in range(1, self.S):
-            self.comm.Send(self.alive_buf, dest=k, tag=TAG_STOP)
-            audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout))
-        last = self.history[-1]
-        diffs = [a["diff"] for a in audits if a["diff"] is not None]
-        last.update({"pushes_applied": audits[0]["applied"], "pushes_reported": audits[0]["pushed"],
-                     "audit_max_diff": max(diffs) if diffs else None,
-                     "staleness_mean_run": self.stale_all[0] / max(1, self.stale_all[1]),
-                     "staleness_max_run": self.stale_all[2]})
-        if not self.cfg.quiet:
-            print(f"# train: {last['pushes_applied']} pushes applied, {last['pushes_reported']} reported pushed by "
-                  f"the workers that finished, largest difference {last['audit_max_diff']}; staleness over the run "
-                  f"mean {last['staleness_mean_run']:.2f}, max {last['staleness_max_run']}", flush=True)
-        if not all(a["ok"] for a in audits):
-            raise RuntimeError(f"lost update: the servers applied other gradients than the workers pushed {audits}")
-        for d in [*range(1, self.S), *(self.S + w for w in range(self.W) if w not in self.lost)]:
-            self.comm.send(self.history, dest=d, tag=TAG_FINAL)
-        self.stopped = True
-
-    def _final_history(self) -> list[dict]:
-        if self.k == 0:
-            return self.history
-        return _recv_object(self.comm, 0, TAG_FINAL, self.cfg.peer_timeout)
-
-
-# --- the worker ------------------------------------------------------------------
+# --- waiting on a peer ------------------------------------------------------------------
 
 def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict) -> None:
     """Wait for ``reqs`` (``reqs[i]`` from ``peers[i]``), taking heartbeats;
@@ -462,68 +229,6 @@ def _recv_object(comm: MPI.Intracomm, source: int, tag: int, timeout: float):
         else:
             time.sleep(IDLE_S)
     return comm.recv(source=source, tag=tag)
-
-
-class _Worker:
-    def __init__(self, ctx: _Ctx):
-        self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
-        self.w, self.S, self.W = ctx.rank - ctx.servers, ctx.servers, ctx.workers
-        sizes = [ctx.bounds[k + 1] - ctx.bounds[k] for k in range(self.S)]
-        self.inbuf = [np.empty(HDR + 4 * m, np.uint8) for m in sizes]
-        self.outbuf = [np.empty(HDR + 4 * m, np.uint8) for m in sizes]
-        self.outreq = [MPI.REQUEST_NULL] * self.S
-        self.ask = np.zeros(8)
-        self.grad = np.empty(ctx.flat.numel(), np.float32)
-        self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
-        self.heard = {}
-        self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
-
-    def run(self) -> list[dict]:
-        ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
-        flat = ctx.flat.numpy()
-        pushes, clock, epoch, stop = 0, 0, 0, False
-        # Until a server says stop (it has applied the run's pushes, from whichever workers: a fast worker
-        # goes on into its next epoch's batches); in fixed-delay mode, exactly this worker's share.
-        while not stop and (cfg.fixed_delay is None or epoch < cfg.epochs):
-            batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
-            for t in range(ctx.spe):
-                index = clock * self.W + self.w
-                wanted = max(0, index - cfg.fixed_delay) if cfg.fixed_delay is not None else -1
-                reqs = [comm.Irecv(self.inbuf[k], source=k, tag=TAG_PARAMS) for k in range(S)]
-                self.ask[:2] = clock, wanted
-                for k in range(S):
-                    comm.Send(self.ask, dest=k, tag=TAG_PULL)
-                _await(comm, reqs, list(range(S)), cfg.peer_timeout, self.heard)
-                heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
-                if any(h[1] for h in heads):
-                    stop = True
-                    break
-                for k in range(S):
-                    flat[ctx.shard(k)] = self.inbuf[k][HDR:].view(np.float32)
-                loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
-                self.straggler(secs)
-                grad_vector(ctx.model, self.grad)
-                self.pushed_sum += self.grad
-                _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
-                for k in range(S):
-                    buf = self.outbuf[k]
-                    buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, loss, correct, samples
-                    buf[HDR:].view(np.float32)[:] = self.grad[ctx.shard(k)]
-                    self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_PUSH)
-                pushes, clock = pushes + 1, clock + 1
-                _die_if_told(comm.Get_rank(), pushes)
-            epoch += 1
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
-        done = []
-        for k in range(S):
-            sl = ctx.shard(k)
-            buf = np.empty(HDR + 8 * (sl.stop - sl.start), np.uint8)
-            buf[:HDR].view(np.float64)[0] = pushes
-            buf[HDR:].view(np.float64)[:] = self.pushed_sum[sl]
-            done.append(buf)
-            self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_DONE)
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
-        return _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
 
 
 # --- the single-process reference ---------------------------------------------------

@@ -27,12 +27,13 @@ def test_ten_thousand_pushes_and_none_is_lost(tmp_path):
     out, _ = _train(3, *SMALL, "--num-samples", "5000", "-b", "4", "--epochs", "10", "--metrics", str(metrics))
     assert out.returncode == 0, out.stderr[-3000:]
     last = json.loads(metrics.read_text().splitlines()[-1])
-    assert last["epoch"] == 10 and last["step"] == 10000
     found = re.search(r"(\d+) pushes applied, (\d+) reported pushed by the workers that finished, largest "
                       r"difference (\S+);", out.stdout)
     assert found, out.stdout[-2000:]
+    # the run's 10,000 and the one the other worker had in flight at the stop, if it had one
+    assert last["epoch"] == 10 and 10000 <= last["step"] == int(found[1]) <= 10001
     # every gradient applied once: the float64 sums differ only by the order they were added in
-    assert found[1] == found[2] == "10000" and float(found[3]) < 1e-9
+    assert found[1] == found[2] and float(found[3]) < 1e-9
 
 
 def test_a_killed_worker_is_named_and_the_run_completes_without_it(tmp_path):

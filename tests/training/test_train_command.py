@@ -22,6 +22,9 @@ from launch import mpirun_script
     (["--compression", "sign:3"], "takes no parameter"),
     (["--error-feedback"], "error feedback needs a compression"),
     (["--compression", "qsgd", "--algorithm", "shm"], "need a message-passing algorithm"),
+    (["--mode", "async", "--global-batch", "64"], "--global-batch is for --mode sync"),
+    (["--mode", "async", "--servers", "2"], "mode async needs workers: 2 ranks and 2 server(s)"),
+    (["--mode", "local", "--straggler", "2:3"], "straggler rank 2 is not one of the 2 ranks"),
 ])
 def test_bad_train_arguments_exit_2_on_every_rank(args, words):
     out = _mpirun(2, "train", "--epochs", "1", *args)

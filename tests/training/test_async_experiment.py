@@ -1,0 +1,52 @@
+"""``hpcjobs experiment async``: what its table computes from the runs
+(time to the target, the ratios), and the command end to end on 3 ranks."""
+
+import json
+
+import pytest
+
+from hpcjobs.training.async_experiment import markdown_table, summarize
+from launch import mpirun
+
+
+def _run(row, seed, slow, errors, walls, **extra):
+    return {"row": row, "mode": row.split()[0], "seed": seed, "straggler": slow, "workers": 4,
+            "history": [{"test_acc": 1 - e, "wall_s": w, "sent_bytes": 100.0, **extra} for e, w in zip(errors, walls)]}
+
+
+def test_the_target_is_syncs_final_error_plus_a_point_and_time_is_when_a_run_first_reaches_it():
+    results = [_run("sync", 0, 3.0, [0.30, 0.10], [10, 20]), _run("sync", 1, 3.0, [0.30, 0.115], [10, 22]),
+               _run("async", 0, 3.0, [0.20, 0.115, 0.05], [3, 6, 9], staleness_mean=2.0, staleness_max=7),
+               _run("async", 1, 3.0, [0.50, 0.40, 0.30], [3, 6, 9], staleness_mean=3.0, staleness_max=5)]
+    s = summarize(results)
+    sync, async_ = s[(3.0, "sync")], s[(3.0, "async")]
+    assert sync["target"] == pytest.approx(0.1175)  # mean final error 0.1075, plus one point
+    assert sync["sync_wall_s"] == pytest.approx(21)
+    assert sync["time_to_target_s"] == pytest.approx(21) and sync["reached"] == 2  # 0.10 at 20 s, 0.115 at 22
+    assert async_["time_to_target_s"] == 6 and async_["reached"] == 1  # seed 1 never gets there
+    assert async_["error"][0] == pytest.approx(0.175)
+    assert async_["staleness_mean"] == pytest.approx(2.5) and async_["staleness_max"] == 7
+    table = markdown_table(s)
+    assert "| async | 17.50 ± 17.68 | 9.0 | 6.0 (1/2 seeds) | 0.29 | 0.000 | 1.00 | 2.50 / 7 |" in table
+    assert "target: sync's final error + 1 point = 11.75%" in table
+
+
+def test_the_command_runs_sync_and_async_side_by_side(tmp_path):
+    out = mpirun(3, "experiment", "async", "--rows", "sync,async,local H=4", "--seeds", "1", "--epochs", "2",
+                 "--num-samples", "1000", "--straggler-factor", "2", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["straggler"]) for r in runs] == [("sync", 1.0), ("async", 1.0), ("local H=4", 1.0),
+                                                           ("sync", 2.0), ("async", 2.0), ("local H=4", 2.0)]
+    assert all(len(r["history"]) == 2 for r in runs)
+    table = (tmp_path / "table.md").read_text()
+    assert "**worker 0 2x slower**" in table and (tmp_path / "error_vs_time.png").stat().st_size > 0
+    # local SGD with H = 4 sends one vector per 4 steps where sync sends one per step, on the same ring
+    local = [r for r in runs if r["row"] == "local H=4"][0]["history"][0]["sent_bytes"]
+    sync = [r for r in runs if r["row"] == "sync"][0]["history"][0]["sent_bytes"]
+    assert sync / local == pytest.approx(4, rel=0.3)
+
+
+def test_rows_it_does_not_know_are_a_usage_error():
+    out = mpirun(2, "experiment", "async", "--rows", "sync,gossip")
+    assert out.returncode == 2 and "unknown: gossip" in out.stderr
