@@ -36,12 +36,10 @@ step inside an epoch, so a job killed mid-epoch loses at most N steps
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,7 +58,7 @@ from .data import Dataset, eval_shard, load_dataset, rank_batches, steps_per_epo
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
-from .stepping import Progress, Straggler
+from .stepping import Progress, Straggler, report
 
 __all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -368,21 +366,7 @@ def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
     if run.cfg.target_loss and len(run.history) >= MIN_POINTS:
         record.update(prediction_fields(run.history, run.cfg.target_loss))
     if run.rank == 0:
-        _report(run.cfg, record)
+        report(run.cfg, record)
     if run.cfg.checkpoint:
         checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt, run.history, epoch + 1, 0, None,
                          run.scaler)
-
-
-def _report(cfg: TrainConfig, record: dict) -> None:
-    line = json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
-    if cfg.metrics:
-        Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
-        with open(cfg.metrics, "a") as f:
-            f.write(line + "\n")
-    if not cfg.quiet:
-        print(line, flush=True)
-
-
-def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)
-    return round(v, 6) if abs(v) >= 1e-3 or not math.isfinite(v) else float(f"{v:.6g}")

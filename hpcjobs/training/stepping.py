@@ -131,15 +131,18 @@ def finish_record(cfg: TrainConfig, record: dict, workers: int) -> dict:
 
 
 def report(cfg: TrainConfig, record: dict) -> None:
-    """One JSON line on stdout and in ``cfg.metrics`` (the caller is the rank that reports)."""
-    line = json.dumps({k: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
-                       for k, v in record.items()})
+    """One JSON line on stdout and in ``cfg.metrics`` (the caller is the rank that reports); every mode's."""
+    line = json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
     if cfg.metrics:
         Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.metrics, "a") as f:
             f.write(line + "\n")
     if not cfg.quiet:
         print(line, flush=True)
+
+
+def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)
+    return round(v, 6) if abs(v) >= 1e-3 or not math.isfinite(v) else float(f"{v:.6g}")
 
 
 class Progress:

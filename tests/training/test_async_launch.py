@@ -4,7 +4,10 @@ it), a server killed (every worker exits non-zero, saying why)."""
 
 import json
 import re
+import subprocess
 import time
+
+import pytest
 
 from launch import _mpirun_prefix, launch_env, run
 
@@ -17,7 +20,11 @@ def _train(n, *args, fault=None, timeout=120):
     extra = ["--enable-recovery", "-x", "HPCJOBS_FAULT_KILL"] if fault else []
     with launch_env({"HPCJOBS_FAULT_KILL": fault} if fault else None) as env:
         t0 = time.monotonic()
-        out = run([exe, *extra, *rest, "-m", "hpcjobs", "train", "--mode", "async", *args], timeout, env)
+        try:
+            out = run([exe, *extra, *rest, "-m", "hpcjobs", "train", "--mode", "async", *args], timeout, env)
+        except subprocess.TimeoutExpired as e:  # say where it stood
+            pytest.fail(f"no end within {timeout} s; stdout:\n{(e.stdout or '')[-3000:]}\nstderr:\n"
+                        f"{(e.stderr or '')[-3000:]}")
         return out, time.monotonic() - t0
 
 
