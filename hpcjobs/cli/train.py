@@ -244,15 +244,15 @@ def run(args) -> int:
         last = history[-1]
         print(f"# train: mode {cfg.mode}, final test accuracy {last['test_acc']:.4f} (error "
               f"{100 * (1 - last['test_acc']):.2f}%), {last['wall_s']:.1f} s", flush=True)
+    elif comm.Get_rank() == 0 and history and not cfg.quiet:
+        last = history[-1]
+        print(f"# train: final test accuracy {last['test_acc']:.4f} (error {100 * (1 - last['test_acc']):.2f}%), "
+              f"{last['samples_per_s']:.0f} samples/s, communication {100 * last['comm_share']:.1f}% of epoch time",
+              flush=True)
     if history and history[-1].get("lost_workers"):
         # MPI defines nothing once a process of the job has died; MPI_Finalize may wait for it. The run is
         # done and reported: the survivors leave without it.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    elif comm.Get_rank() == 0 and history and not cfg.quiet:
-        last = history[-1]
-        print(f"# train: final test accuracy {last['test_acc']:.4f} (error {100 * (1 - last['test_acc']):.2f}%), "
-              f"{last['samples_per_s']:.0f} samples/s, communication {100 * last['comm_share']:.1f}% of epoch time",
-              flush=True)
     return 0
