@@ -35,13 +35,19 @@ def _milestones(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"milestones are comma-separated epochs, got {text!r}") from None
 
 
-def compression_spec(spec: str) -> str:
-    """``spec`` if it names a compressor (an argparse type: the error says why not)."""
-    try:
-        make_compressor(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+def _checked_by(check):
+    """An argparse type: the text itself, if ``check(text)`` raises no ValueError (its message is the error)."""
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+    return parse
+
+
+compression_spec = _checked_by(make_compressor)  # ``spec`` if it names a compressor
+_straggler = _checked_by(parse_straggler)
 
 
 def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,14 +124,6 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
                         "the parameters (default: %(default)s; a NaN loss still ends the run after its epoch)")
     g.add_argument("--backward-passes-per-step", type=positive_int, default=DEFAULTS.backward_passes_per_step,
                    help="micro-batches accumulated locally per step (default %(default)s)")
-
-
-def _straggler(text: str) -> str:
-    try:
-        parse_straggler(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
 
 
 def add_mode_arguments(p: argparse.ArgumentParser) -> None:

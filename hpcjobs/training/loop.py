@@ -58,7 +58,7 @@ from .data import Dataset, eval_shard, load_dataset, rank_batches, steps_per_epo
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
-from .stepping import Progress, Straggler, report
+from .stepping import Progress, Straggler, losses_of, report
 
 __all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -91,17 +91,6 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
                 t.copy_(host).div_(comm.Get_size())
 
 
-def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """Per-sample cross-entropy and the number of samples right. A language
-    model's sample is a sequence: its loss is the mean over its positions,
-    and it counts as the fraction of its next tokens predicted right."""
-    if y.ndim == 2:  # (N, T) targets, (N, T, V) logits
-        loss = torch.nn.functional.cross_entropy(out.transpose(1, 2).float(), y, reduction="none").mean(1)
-        return loss, float((out.argmax(-1) == y).float().mean(1).sum())
-    return (torch.nn.functional.cross_entropy(out.float(), y, reduction="none"),
-            float((out.argmax(1) == y).sum()))
-
-
 @torch.no_grad()
 def _evaluate(model, ds, comm, amp: str = "none",
               device: torch.device = torch.device("cpu")) -> tuple[float, float]:
@@ -112,7 +101,7 @@ def _evaluate(model, ds, comm, amp: str = "none",
         x, y = ds.batch(ds.test, idx[lo:lo + 256])
         with autocast(amp, device):
             out = model(torch.from_numpy(x).to(device))
-        loss, correct = _losses(out, torch.from_numpy(y).to(device))
+        loss, correct = losses_of(out, torch.from_numpy(y).to(device))
         sums += [float(loss.sum()), correct, len(y)]
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     model.train()
@@ -310,7 +299,7 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             t_pass = time.perf_counter()
             with autocast(cfg.amp, run.device):
                 out = run.model(xs[s, k].to(run.device, non_blocking=True))
-            losses, correct = _losses(out, ys[s, k].to(run.device, non_blocking=True))
+            losses, correct = losses_of(out, ys[s, k].to(run.device, non_blocking=True))
             loss = losses.mean()
             (run.scaler.scale(loss / passes) if run.scaler else loss / passes).backward()
             sums += [float(loss.detach()) * micro, correct, micro]

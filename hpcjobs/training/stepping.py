@@ -24,7 +24,7 @@ from mpi4py import MPI
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
 
-__all__ = ["Progress", "flatten", "grad_vector", "Straggler", "compute_step", "evaluate_local", "evaluate",
+__all__ = ["Progress", "losses_of", "flatten", "grad_vector", "Straggler", "compute_step", "evaluate_local", "evaluate",
            "finish_record", "report"]
 
 
@@ -85,8 +85,15 @@ class Straggler:
             self.slept_s += pause
 
 
-def _losses(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
-    return (torch.nn.functional.cross_entropy(out.float(), y, reduction="none"), float((out.argmax(1) == y).sum()))
+def losses_of(out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-sample cross-entropy and the number of samples right. A language
+    model's sample is a sequence: its loss is the mean over its positions,
+    and it counts as the fraction of its next tokens predicted right."""
+    if y.ndim == 2:  # (N, T) targets, (N, T, V) logits
+        loss = torch.nn.functional.cross_entropy(out.transpose(1, 2).float(), y, reduction="none").mean(1)
+        return loss, float((out.argmax(-1) == y).float().mean(1).sum())
+    return (torch.nn.functional.cross_entropy(out.float(), y, reduction="none"),
+            float((out.argmax(1) == y).sum()))
 
 
 def compute_step(model: torch.nn.Module, ds: Dataset, idx: np.ndarray) -> tuple[float, float, int, float]:
@@ -96,7 +103,7 @@ def compute_step(model: torch.nn.Module, ds: Dataset, idx: np.ndarray) -> tuple[
     for p in model.parameters():
         p.grad = None
     x, y = ds.batch(ds.train, idx)
-    losses, correct = _losses(model(torch.from_numpy(x)), torch.from_numpy(y))
+    losses, correct = losses_of(model(torch.from_numpy(x)), torch.from_numpy(y))
     losses.mean().backward()
     return float(losses.detach().sum()), correct, len(idx), time.perf_counter() - t0
 
@@ -109,7 +116,7 @@ def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None =
     sums = np.zeros(3)
     for lo in range(0, len(idx), 256):
         x, y = ds.batch(ds.test, idx[lo:lo + 256])
-        loss, correct = _losses(model(torch.from_numpy(x)), torch.from_numpy(y))
+        loss, correct = losses_of(model(torch.from_numpy(x)), torch.from_numpy(y))
         sums += [float(loss.sum()), correct, len(y)]
     model.train()
     return sums
