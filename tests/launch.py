@@ -72,6 +72,15 @@ def kill_session(sid):
             os.kill(pid, signal.SIGKILL)
 
 
+class LaunchTimeout(subprocess.TimeoutExpired):
+    """subprocess.TimeoutExpired whose message carries the tail of what the
+    launch printed before it was ended: a hang in CI shows where it stood."""
+
+    def __str__(self):
+        return (f"{super().__str__()}\n--- stdout (tail) ---\n{(self.stdout or '')[-2000:]}"
+                f"\n--- stderr (tail) ---\n{(self.stderr or '')[-4000:]}")
+
+
 def run(cmd, timeout, env):
     """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout),
     except that a launch that runs out of time is ended whole: mpirun gets
@@ -90,7 +99,7 @@ def run(cmd, timeout, env):
             except subprocess.TimeoutExpired:
                 kill_session(proc.pid)
                 out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+            raise LaunchTimeout(cmd, timeout, out, err) from None
         finally:
             kill_session(proc.pid)  # ranks that outlived mpirun, if any
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -4,6 +4,8 @@ with momentum on a small MLP, each rank on its own shard of a fixed global
 batch; rank 0 saves the final parameters to OUT. HOOK: ``fp16`` or
 ``powersgd`` (DDP's own hooks) or ``hpcjobs:<compression>`` (ours)."""
 
+import datetime
+import faulthandler
 import os
 import sys
 
@@ -13,13 +15,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 backend, out = sys.argv[1], sys.argv[2]
 hook = sys.argv[3] if len(sys.argv) > 3 else ""
+# 20 steps take seconds; a launch still here after 90 s is stuck, and says
+# where (every thread's stack on stderr) instead of waiting for the test's
+# timeout to kill it silently.
+faulthandler.dump_traceback_later(90, exit=True)
+torch.set_num_threads(1)
 if backend == "hpcjobs":
     import hpcjobs.torch_backend  # noqa: F401  -- the one line a user adds
-else:  # the usual mpirun recipe for env://
-    os.environ.setdefault("RANK", os.environ["OMPI_COMM_WORLD_RANK"])
-    os.environ.setdefault("WORLD_SIZE", os.environ["OMPI_COMM_WORLD_SIZE"])
-torch.set_num_threads(1)
-dist.init_process_group(backend)
+    dist.init_process_group(backend)
+else:
+    # The reference run meets through a file next to OUT, not a TCP port
+    # picked beforehand (nothing else can hold a file of this test's own),
+    # and fails after 60 s in any Gloo call instead of its default 30 min.
+    dist.init_process_group(backend, init_method=f"file://{out}.rendezvous",
+                            rank=int(os.environ["OMPI_COMM_WORLD_RANK"]),
+                            world_size=int(os.environ["OMPI_COMM_WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=60))
 rank, size = dist.get_rank(), dist.get_world_size()
 
 torch.manual_seed(0)
@@ -52,6 +63,7 @@ if rank == 0:
     torch.save(flat, out)
 dist.destroy_process_group()
 print(f"rank {rank}: done", flush=True)
+faulthandler.cancel_dump_traceback_later()
 if backend == "gloo":
     # torch's Gloo can abort at interpreter exit ("terminate called without an
     # active exception", a worker thread still joinable) after the work is done

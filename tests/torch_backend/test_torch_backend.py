@@ -2,7 +2,8 @@
 form, a plain DDP script against Gloo and against one process on the whole
 batch, DDP's own comm hooks and ours over it."""
 
-import socket
+import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -24,15 +25,31 @@ def _launch(n, script, *args, env=None):
         return run([*_mpirun_prefix(n), "-W", "ignore", str(HERE / script), *map(str, args)], 240, e)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(backend, n, out, hook=""):
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())} if backend == "gloo" else {}
-    proc = _launch(n, "ddp_script.py", backend, out, hook, env=env)
+    if backend == "gloo":
+        return _train_gloo(n, out, hook)
+    proc = _launch(n, "ddp_script.py", backend, out, hook)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sorted(proc.stdout.split("\n"))[-n:] == [f"rank {r}: done" for r in range(n)], proc.stdout
+    return torch.load(out)
+
+
+def _train_gloo(n, out, hook):
+    """The reference: the same script on torch's Gloo, over loopback. Gloo is
+    the oracle here, not the subject, and a CI run once saw it hang (no
+    output, killed at 240 s; not reproduced in 40 runs since). So a
+    reference launch that fails is run once more, and the first one's output
+    is shown as a warning; our backend's launches get no second try."""
+    env = {"GLOO_SOCKET_IFNAME": "lo"}
+    try:
+        proc = _launch(n, "ddp_script.py", "gloo", out, hook, env=env)
+    except subprocess.TimeoutExpired as e:
+        proc = subprocess.CompletedProcess(e.cmd, "timeout", e.stdout or "", e.stderr or "")
+    if proc.returncode != 0:
+        warnings.warn(f"Gloo reference launch failed ({proc.returncode}), run again:\n"
+                      f"{proc.stdout[-1000:]}\n{proc.stderr[-3000:]}")
+        out = out.with_name(out.stem + "-again" + out.suffix)
+        proc = _launch(n, "ddp_script.py", "gloo", out, hook, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert sorted(proc.stdout.split("\n"))[-n:] == [f"rank {r}: done" for r in range(n)], proc.stdout
     return torch.load(out)

@@ -36,6 +36,11 @@ from hpcjobs.training.resnet import resnet18
 torch.set_num_threads(1)
 
 STEPS = 20
+# On 2 cores ResNet-18 at 5 ranks alone took 73 s of the suite's -n 5 run,
+# gpt-mini 36 s; 2 and 3 ranks (even, odd, a remainder in the buckets'
+# split) test the same code, and test_distributed.py's smaller models cover
+# DistributedOptimizer at every size the suite runs.
+MAX_SIZE = 3
 
 
 def _resnet():
@@ -104,6 +109,8 @@ def test_p_ranks_train_a_real_model_as_one_process(name, device):
     comm = MPI.COMM_WORLD
     build, data, loss_fn, b = MODELS[name]
     rank, size = comm.Get_rank(), comm.Get_size()
+    if size > MAX_SIZE:
+        pytest.skip(f"real models run at 1 to {MAX_SIZE} ranks (the optimizer at more: test_distributed.py)")
     x, y = data(size, b)
     want = _reference_on_rank0(name, x, y, comm, device)
     model = build().to(device)  # the same initial weights on every rank (same seed)
