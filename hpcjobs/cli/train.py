@@ -145,6 +145,8 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    help="local: steps between averages; easgd: between elastic moves (default %(default)s)")
     g.add_argument("--post-local-epochs", type=nonnegative_int, default=DEFAULTS.post_local_epochs,
                    metavar="E", help="local: average after every step for the first E epochs (post-local SGD)")
+    g.add_argument("--average-momentum", action="store_true",
+                   help="local: average the momentum buffers with the parameters (twice the bytes)")
     g.add_argument("--elastic-alpha", type=positive_float, metavar="A",
                    help="easgd: moving rate, in (0, 1) (default 0.9 / ranks)")
     g.add_argument("--hogwild-lock", action="store_true", help="hogwild: lock each update (the baseline)")

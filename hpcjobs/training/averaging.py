@@ -7,6 +7,9 @@
   allreduce. H = 1 is synchronous SGD (averaging the parameters after one
   step averages the step); ``post_local_epochs`` E averages after every
   step for the first E epochs, then every H (post-local SGD).
+  ``average_momentum`` averages the momentum buffers in the same allreduce
+  (Yu, Jin, Yang 2019, Algorithm 1): twice the bytes; without it each rank
+  keeps its own, as in Lin et al.
 - **easgd** (elastic averaging SGD, synchronous form; Zhang, Choromanska,
   LeCun 2015): each rank keeps a copy of a center variable x~; every
   ``local_steps`` steps, with the sum of the ranks' parameters from one
@@ -97,6 +100,8 @@ class _Averaging:
         self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, comm=comm) if cfg.hogwild_lock else None
         self.grad = np.empty(flat.numel(), np.float32)
         self.momentum = np.zeros(flat.numel(), np.float32)
+        # local with average_momentum: the parameters and the momentum buffers, averaged in one allreduce
+        self.both = np.empty(2 * flat.numel(), np.float32) if cfg.average_momentum else None
 
     def run(self) -> list[dict]:
         cfg, comm = self.cfg, self.comm
@@ -145,8 +150,18 @@ class _Averaging:
     def _average(self) -> int:
         """Local SGD's average, or EASGD's elastic move; the bytes this rank sent."""
         flat = self.flat
-        if self.center is None:
+        if self.center is None and self.both is None:
             return counted_allreduce(flat.numpy(), "avg", self.cfg.algorithm, self.comm)
+        if self.center is None:
+            n, both = flat.numel(), torch.from_numpy(self.both)
+            buffers = [self.opt.state[p]["momentum_buffer"] for p in self.model.parameters()]
+            both[:n].copy_(flat)
+            torch.cat([b.reshape(-1) for b in buffers], out=both[n:])
+            sent = counted_allreduce(self.both, "avg", self.cfg.algorithm, self.comm)
+            flat.copy_(both[:n])
+            for b, part in zip(buffers, both[n:].split([b.numel() for b in buffers])):
+                b.copy_(part.view_as(b))
+            return sent
         total = flat.clone()
         sent = counted_allreduce(total.numpy(), "sum", self.cfg.algorithm, self.comm)
         flat.sub_(flat - self.center, alpha=self.alpha)

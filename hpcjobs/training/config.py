@@ -24,7 +24,8 @@ __all__ = ["TrainConfig", "MODES", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP"
 MODES = ("sync", "async", "local", "easgd", "hogwild")
 ASYNC_OPTIMIZERS = ("sgd", "adagrad")  # what a parameter server applies per shard (Downpour: Adagrad)
 # experiment async's rows (hpcjobs.training.async_experiment): (name, mode, overrides). "post-local" averages
-# every step for the first quarter of the epochs; the "2x epochs" rows train twice as long (their schedule
+# every step for the first quarter of the epochs; "momentum averaged" averages the momentum buffers with the
+# parameters (twice the bytes); the "2x epochs" rows train twice as long (their schedule
 # stretched alike), to see whether and when they reach the target
 ASYNC_ROWS = (
     ("sync", "sync", {}),
@@ -39,6 +40,7 @@ ASYNC_ROWS = (
     ("local H=4", "local", {"local_steps": 4}),
     ("local H=8", "local", {"local_steps": 8}),
     ("local H=16", "local", {"local_steps": 16}),
+    ("local H=8, momentum averaged", "local", {"local_steps": 8, "average_momentum": True}),
     ("post-local H=8", "local", {"local_steps": 8, "post_local_epochs": "quarter"}),
     ("easgd tau=4", "easgd", {"local_steps": 4}),
 )
@@ -127,6 +129,7 @@ class TrainConfig:
     fixed_delay: int | None = None  # async: gradient i is computed on version i - k, applied in order i
     local_steps: int = 8  # local: steps between averages; easgd: between elastic moves
     post_local_epochs: int = 0  # local: average every step for this many epochs first (Lin et al. 2020)
+    average_momentum: bool = False  # local: average the momentum buffers too (Yu, Jin, Yang 2019); 2x the bytes
     elastic_alpha: float | None = None  # easgd: the moving rate (default 0.9 / workers)
     hogwild_lock: bool = False  # hogwild: a lock around each update (the baseline Hogwild! drops)
     straggler: str | None = None  # "RANK:FACTOR": that rank's steps take FACTOR times as long
@@ -183,7 +186,7 @@ class TrainConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.straggler is not None:
             parse_straggler(self.straggler)
-        knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"), "local": ("post_local_epochs",),
+        knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"), "local": ("post_local_epochs", "average_momentum"),
                  "easgd": ("elastic_alpha",), "hogwild": ("hogwild_lock",)}
         for mode, names in knobs.items():
             for name in names:
@@ -209,6 +212,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= {low}, got {v}")
         if self.fixed_delay is not None and (self.staleness_bound is not None or self.staleness_lr):
             raise ValueError("fixed_delay fixes every gradient's staleness: no staleness_bound or staleness_lr")
+        if self.average_momentum and (self.optimizer not in ("sgd", "nesterov") or not self.momentum > 0):
+            raise ValueError("average_momentum averages SGD's momentum buffers: optimizer sgd or nesterov with "
+                             f"momentum > 0, not {self.optimizer} with momentum {self.momentum}")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha < 1:
             raise ValueError(f"elastic_alpha must be in (0, 1), got {self.elastic_alpha}")
         if not self.peer_timeout > 0:

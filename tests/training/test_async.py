@@ -70,6 +70,8 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="local", model="resnet18"), "model resnet18 is for mode sync"),
     (dict(mode="async", fixed_delay=1, staleness_lr=True), "no staleness_bound or staleness_lr"),
     (dict(mode="easgd", elastic_alpha=1.5), "elastic_alpha must be in (0, 1)"),
+    (dict(mode="easgd", average_momentum=True), "average_momentum is a knob of mode local, not easgd"),
+    (dict(mode="local", average_momentum=True, momentum=0.0), "optimizer sgd or nesterov with momentum > 0"),
     (dict(straggler="1"), "RANK:FACTOR"),
     (dict(straggler="1:0.5"), "FACTOR >= 1"),
 ])
@@ -145,6 +147,12 @@ def _simulate(cfg: TrainConfig, workers: int) -> float:
             step += 1
             if step % cfg.local_steps == 0:
                 total = sum(f.clone() for f in flats)
+                if cfg.average_momentum:
+                    for ps in zip(*(m.parameters() for m in models)):
+                        bufs = [o.state[p]["momentum_buffer"] for o, p in zip(opts, ps)]
+                        mean = sum(b.clone() for b in bufs) / workers
+                        for b in bufs:
+                            b.copy_(mean)
                 for f in flats:
                     if cfg.mode == "local":
                         f.copy_(total / workers)
@@ -158,13 +166,17 @@ def _simulate(cfg: TrainConfig, workers: int) -> float:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("mode", ["local", "easgd"])
-def test_local_sgd_and_easgd_are_their_one_process_simulation(mode):
+@pytest.mark.parametrize("mode,extra", [("local", {}), ("local", {"average_momentum": True}), ("easgd", {})])
+def test_local_sgd_and_easgd_are_their_one_process_simulation(mode, extra):
     comm = MPI.COMM_WORLD
-    cfg = TrainConfig(**TINY, epochs=1, mode=mode, local_steps=3)
+    cfg = TrainConfig(**TINY, epochs=1, mode=mode, local_steps=3, **extra)
     last = train(cfg)[-1]
     if comm.Get_rank() == 0:
-        assert last["test_loss"] == pytest.approx(_simulate(cfg, comm.Get_size()), rel=1e-5)
+        want = _simulate(cfg, comm.Get_size())
+        assert last["test_loss"] == pytest.approx(want, rel=1e-5)
+        if extra:  # and averaging the buffers changes the run by more than the tolerance above
+            assert want != pytest.approx(_simulate(TrainConfig(**TINY, epochs=1, mode=mode, local_steps=3),
+                                                   comm.Get_size()), rel=2e-5)
 
 
 @pytest.mark.mpi(min_size=1)
