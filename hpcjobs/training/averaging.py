@@ -8,7 +8,7 @@
   step averages the step); ``post_local_epochs`` E averages after every
   step for the first E epochs, then every H (post-local SGD).
   ``average_momentum`` averages the momentum buffers in the same allreduce
-  (Yu, Jin, Yang 2019, Algorithm 1): twice the bytes; without it each rank
+  (the momentum local SGD of Yu, Jin, Yang 2019): twice the bytes; without it each rank
   keeps its own, as in Lin et al.
 - **easgd** (elastic averaging SGD, synchronous form; Zhang, Choromanska,
   LeCun 2015): each rank keeps a copy of a center variable x~; every
