@@ -24,7 +24,7 @@ __all__ = ["TrainConfig", "MODES", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP"
 MODES = ("sync", "async", "local", "easgd", "hogwild")
 ASYNC_OPTIMIZERS = ("sgd", "adagrad")  # what a parameter server applies per shard (Downpour: Adagrad)
 # experiment async's rows (hpcjobs.training.async_experiment): (name, mode, overrides). "post-local" averages
-# every step for the first quarter of the epochs; "momentum averaged" averages the momentum buffers with the
+# every step for the first quarter of the epochs; "+ momentum avg" averages the momentum buffers with the
 # parameters (twice the bytes); the "2x epochs" rows train twice as long (their schedule
 # stretched alike), to see whether and when they reach the target
 ASYNC_ROWS = (
@@ -40,7 +40,7 @@ ASYNC_ROWS = (
     ("local H=4", "local", {"local_steps": 4}),
     ("local H=8", "local", {"local_steps": 8}),
     ("local H=16", "local", {"local_steps": 16}),
-    ("local H=8, momentum averaged", "local", {"local_steps": 8, "average_momentum": True}),
+    ("local H=8 + momentum avg", "local", {"local_steps": 8, "average_momentum": True}),
     ("post-local H=8", "local", {"local_steps": 8, "post_local_epochs": "quarter"}),
     ("easgd tau=4", "easgd", {"local_steps": 4}),
 )

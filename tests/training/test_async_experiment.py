@@ -50,3 +50,12 @@ def test_the_command_runs_sync_and_async_side_by_side(tmp_path):
 def test_rows_it_does_not_know_are_a_usage_error():
     out = mpirun(2, "experiment", "async", "--rows", "sync,gossip")
     assert out.returncode == 2 and "unknown: gossip" in out.stderr
+
+
+def test_every_row_can_be_named_in_rows():
+    """--rows is comma-separated: no row's name may hold a comma."""
+    from hpcjobs.cli.args import comma_list
+    from hpcjobs.training.config import async_row_names
+
+    names = async_row_names()
+    assert comma_list(",".join(names)) == names and len(set(names)) == len(names)
