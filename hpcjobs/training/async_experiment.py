@@ -163,11 +163,14 @@ def plot(results: list[dict], out_dir: Path) -> str:
 
     settings = sorted({r["straggler"] for r in results})
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)
+    names = list(dict.fromkeys(r["row"] for r in results))
+    colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(names)}  # one colour per row
     for ax, slow in zip(axes[0], settings):
         for r in (r for r in results if r["straggler"] == slow and r["seed"] == 0):
             h = r["history"]
             ax.plot([x["wall_s"] for x in h], [100 * (1 - x["test_acc"]) for x in h], marker=".",
-                    label=r["row"], linestyle="-" if r["mode"] in ("sync", "async") else "--")
+                    label=r["row"], color=colors[r["row"]],
+                    linestyle="-" if r["mode"] in ("sync", "async") else "--")
         ax.set_xlabel("wall time (s)")
         ax.set_ylabel("test error (%)")
         ax.set_title("no straggler" if slow == 1 else f"worker 0 {slow:g}x slower")
