@@ -52,7 +52,7 @@ def run(args) -> int:
     from ..collectives._shared import is_single_node
     from ..comm import print0
     from ..runtime import set_threads
-    from ..training.async_experiment import markdown_table, plot, run_rows, summarize
+    from ..training.async_experiment import markdown_table, plot, resolve, run_rows, summarize
     from ..training.config import ASYNC_ROWS as ROWS
     from ..training.config import TrainConfig, async_row_names as row_names
 
@@ -75,8 +75,7 @@ def run(args) -> int:
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "warmup": "gradual", "optimizer": "sgd"})
         for name, mode, over in ROWS:
             if name in rows:
-                dataclasses.replace(template, mode=mode, **{k: (1 if isinstance(v, str) else v)
-                                                            for k, v in over.items()}).validate()
+                dataclasses.replace(template, mode=mode, **resolve(over, template)).validate()
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
     print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples} samples), 1 server + {workers} "

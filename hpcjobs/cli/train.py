@@ -17,8 +17,8 @@ import sys
 
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
-from ..training.config import (AMP, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS, OVERLAPS,
-                               TrainConfig, parse_straggler)
+from ..training.config import (AMP, EASGD_FORMS, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS,
+                               OVERLAPS, TrainConfig, parse_straggler)
 from ..runtime import DEVICES
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
@@ -149,6 +149,9 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    help="local: average the momentum buffers with the parameters (twice the bytes)")
     g.add_argument("--elastic-alpha", type=positive_float, metavar="A",
                    help="easgd: moving rate, in (0, 1) (default 0.9 / ranks)")
+    g.add_argument("--easgd-form", choices=EASGD_FORMS,
+                   help="easgd: sync (every rank holds the center; default) or async (the first --servers ranks "
+                        "hold it, each worker meets it every H steps without waiting for the others)")
     g.add_argument("--hogwild-lock", action="store_true", help="hogwild: lock each update (the baseline)")
     g.add_argument("--straggler", type=_straggler, metavar="RANK:FACTOR",
                    help="that rank's steps take FACTOR times as long (it sleeps after each), in every mode")

@@ -3,7 +3,7 @@ lockstep (docs/algorithms.md, "Asynchronous and local SGD"), on the same
 model, data and schedule, with and without one slow worker.
 
 The job has W + 1 ranks: rank 0 is the parameter server of the ``async``
-rows and waits (asleep, not spinning) while ranks 1..W run the others on a
+rows (and holds the center of asynchronous EASGD's) and waits (asleep, not spinning) while ranks 1..W run the others on a
 communicator of their own. For every row, seed and straggler setting it
 trains ``epochs`` epochs and keeps every epoch's line; the straggler is
 worker 0 (world rank 1) in every row, its steps FACTOR times as long.
@@ -29,13 +29,20 @@ from .config import ASYNC_ROWS as ROWS
 from .config import TrainConfig, async_row_names as row_names
 from .loop import train
 
-__all__ = ["ROWS", "row_names", "run_rows", "summarize", "markdown_table", "plot"]
+__all__ = ["ROWS", "row_names", "resolve", "run_rows", "summarize", "markdown_table", "plot"]
 
 def _wait_politely(comm: MPI.Intracomm) -> None:
     """A barrier that sleeps: the idle rank leaves the cores to the others."""
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.002)
+
+
+def resolve(overrides: dict, template: TrainConfig) -> dict:
+    """A row's overrides with its epoch counts spelled out: "quarter" and
+    "double" of the template's epochs."""
+    epochs = {"quarter": template.epochs // 4, "double": 2 * template.epochs}
+    return {k: epochs.get(v, v) if isinstance(v, str) else v for k, v in overrides.items()}
 
 
 def run_rows(template: TrainConfig, rows: list[str], seeds: int, factor: float, out_dir: str,
@@ -57,21 +64,21 @@ def run_rows(template: TrainConfig, rows: list[str], seeds: int, factor: float, 
                 if name not in rows:
                     continue
                 for seed in range(seeds):
-                    over = {k: {"quarter": template.epochs // 4, "double": 2 * template.epochs}.get(v, v)
-                            if isinstance(v, str) else v for k, v in overrides.items()}
-                    straggler = (f"{1 if mode == 'async' else 0}:{slow:g}") if slow > 1 else None
+                    over = resolve(overrides, template)
+                    served = mode == "async" or over.get("easgd_form") == "async"  # rank 0 serves
+                    straggler = (f"{1 if served else 0}:{slow:g}") if slow > 1 else None
                     cfg = dataclasses.replace(template, mode=mode, seed=seed, straggler=straggler, quiet=True,
                                               progress=False, metrics=None, **over)
                     t0 = time.monotonic()
-                    if mode == "async":
+                    if served:
                         history = train(cfg, comm)
                     elif rank:
                         history = train(cfg, sub)
                     _wait_politely(comm)
-                    if rank == 1 and mode != "async":
+                    if rank == 1 and not served:
                         comm.send(history, dest=0, tag=77)
                     if rank == 0:
-                        if mode != "async":
+                        if not served:
                             history = comm.recv(source=1, tag=77)
                         run = {"row": name, "mode": mode, "seed": seed, "straggler": slow, "workers": workers,
                                "history": history}

@@ -16,12 +16,13 @@ from ..compression.names import make_compressor
 from ..runtime import DEVICES
 from . import schedule
 
-__all__ = ["TrainConfig", "MODES", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS", "OVERLAPS", "NONFINITE",
-           "DEFAULT_FUSION_BYTES"]
+__all__ = ["TrainConfig", "MODES", "EASGD_FORMS", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS",
+           "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
 
 # sync: allreduce every step (the loop); the others are hpcjobs.training.paramserver (async) and
 # hpcjobs.training.averaging (local, easgd, hogwild): docs/algorithms.md, "Asynchronous and local SGD"
 MODES = ("sync", "async", "local", "easgd", "hogwild")
+EASGD_FORMS = ("sync", "async")  # async: the first S ranks serve the center, as the parameter server's shards
 ASYNC_OPTIMIZERS = ("sgd", "adagrad")  # what a parameter server applies per shard (Downpour: Adagrad)
 # experiment async's rows (hpcjobs.training.async_experiment): (name, mode, overrides). "post-local" averages
 # every step for the first quarter of the epochs; "+ momentum avg" averages the momentum buffers with the
@@ -43,6 +44,7 @@ ASYNC_ROWS = (
     ("local H=8 + momentum avg", "local", {"local_steps": 8, "average_momentum": True}),
     ("post-local H=8", "local", {"local_steps": 8, "post_local_epochs": "quarter"}),
     ("easgd tau=4", "easgd", {"local_steps": 4}),
+    ("easgd async tau=4", "easgd", {"local_steps": 4, "easgd_form": "async"}),
 )
 
 
@@ -131,6 +133,7 @@ class TrainConfig:
     post_local_epochs: int = 0  # local: average every step for this many epochs first (Lin et al. 2020)
     average_momentum: bool = False  # local: average the momentum buffers too (Yu, Jin, Yang 2019); 2x the bytes
     elastic_alpha: float | None = None  # easgd: the moving rate (default 0.9 / workers)
+    easgd_form: str | None = None  # easgd: "sync" (the default: one allreduce every tau steps) or "async"
     hogwild_lock: bool = False  # hogwild: a lock around each update (the baseline Hogwild! drops)
     straggler: str | None = None  # "RANK:FACTOR": that rank's steps take FACTOR times as long
     peer_timeout: float = 60.0  # async: seconds of silence before a worker is lost / a server presumed dead
@@ -186,8 +189,9 @@ class TrainConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.straggler is not None:
             parse_straggler(self.straggler)
-        knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"), "local": ("post_local_epochs", "average_momentum"),
-                 "easgd": ("elastic_alpha",), "hogwild": ("hogwild_lock",)}
+        knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"),
+                 "local": ("post_local_epochs", "average_momentum"), "easgd": ("elastic_alpha", "easgd_form"),
+                 "hogwild": ("hogwild_lock",)}
         for mode, names in knobs.items():
             for name in names:
                 if self.mode != mode and getattr(self, name) not in (None, False, 0):
@@ -215,6 +219,8 @@ class TrainConfig:
         if self.average_momentum and (self.optimizer not in ("sgd", "nesterov") or not self.momentum > 0):
             raise ValueError("average_momentum averages SGD's momentum buffers: optimizer sgd or nesterov with "
                              f"momentum > 0, not {self.optimizer} with momentum {self.momentum}")
+        if self.easgd_form not in (None, *EASGD_FORMS):
+            raise ValueError(f"unknown easgd_form {self.easgd_form!r}; choose from {', '.join(EASGD_FORMS)}")
         if self.elastic_alpha is not None and not 0 < self.elastic_alpha < 1:
             raise ValueError(f"elastic_alpha must be in (0, 1), got {self.elastic_alpha}")
         if not self.peer_timeout > 0:

@@ -5,7 +5,8 @@
 sync        allreduce of the gradients every step (:mod:`hpcjobs.training.loop`)
 async       sharded parameter server (:mod:`hpcjobs.training.paramserver`)
 local       local SGD and post-local SGD (:mod:`hpcjobs.training.averaging`)
-easgd       elastic averaging SGD, synchronous form (same)
+easgd       elastic averaging SGD: synchronous form (same), asynchronous form on the
+            parameter server's ranks (``--easgd-form async``; paramserver)
 hogwild     lock-free updates to parameters in shared memory, one node (same)
 ==========  =======================================================================
 """
@@ -29,7 +30,7 @@ def train_mode(cfg: TrainConfig, comm: MPI.Intracomm, on_epoch=None) -> list[dic
     Raises:
         ValueError: a layout the mode cannot take (on every rank).
     """
-    if cfg.mode == "async":
+    if cfg.mode == "async" or cfg.easgd_form == "async":
         from .paramserver import train_async as run
     else:
         from .averaging import train_averaging as run

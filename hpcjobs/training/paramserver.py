@@ -49,6 +49,17 @@ process dies). Servers send a heartbeat every ``peer_timeout / 4``; a
 rank that hears nothing from a server it waits on for ``peer_timeout``
 seconds exits non-zero saying so. Server 0 also evaluates: at every
 epoch's worth of pushes it snapshots the other shards and tests the model.
+
+**Asynchronous EASGD** (``--mode easgd --easgd-form async``; Zhang,
+Choromanska, LeCun 2015, Algorithm 1) runs on the same servers, which then
+hold the *center* x~ instead of the parameters. A worker takes H
+(``local_steps``) SGD steps of its own (its optimizer, the synchronous
+schedule for W x b, as synchronous EASGD), then pulls the center, moves
+e = a (x - x~) away from its own parameters (x <- x - e) and pushes e, which
+the server adds to the center (x~ <- x~ + e) on arrival: the elastic force,
+with no barrier. A run is ``epochs x steps / H`` such pushes; staleness,
+the audit (the servers' sums of e against the workers'), lost workers and
+the tests of the center work as for gradients.
 """
 
 from __future__ import annotations
@@ -123,6 +134,12 @@ class _Ctx:
     bounds: list
     spe: int  # each worker's steps per epoch
     schedule: sched.ScheduleConfig
+    elastic: bool = False  # asynchronous EASGD: pushes are elastic moves e, applied as center += e
+    alpha: float = 0.0  # EASGD's moving rate
+
+    @property
+    def steps_per_push(self) -> int:  # a worker's SGD steps per push
+        return self.cfg.local_steps if self.elastic else 1
 
     @property
     def rank(self) -> int:
@@ -131,12 +148,17 @@ class _Ctx:
     def shard(self, k: int) -> slice:
         return slice(self.bounds[k], self.bounds[k + 1])
 
-    def lr(self, version: int) -> float:  # the schedule counts pushes: an epoch is spe * W of them
-        return sched.lr_at(version, self.spe * self.workers, self.schedule)
+    def lr(self, version: int) -> float:
+        if self.elastic:  # each worker's own steps, at the synchronous schedule (as synchronous EASGD)
+            return sched.lr_at(version * self.steps_per_push // self.workers, self.spe, self.schedule)
+        return sched.lr_at(version, self.spe * self.workers, self.schedule)  # an epoch is spe * W pushes
+
+    def epochs_done(self, version: int) -> int:
+        return version * self.steps_per_push // (self.spe * self.workers)
 
     @property
     def total(self) -> int:  # the pushes of the run: the epochs' samples, from whichever workers
-        return self.cfg.epochs * self.spe * self.workers
+        return self.cfg.epochs * self.spe * self.workers // self.steps_per_push
 
 
 def _die_if_told(rank: int, count: int) -> None:
@@ -147,9 +169,9 @@ def _die_if_told(rank: int, count: int) -> None:
 
 
 def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
-    size, servers = comm.Get_size(), cfg.servers
+    size, servers, elastic = comm.Get_size(), cfg.servers, cfg.mode == "easgd"
     if size <= servers:
-        raise ValueError(f"mode async needs workers: {size} ranks and {servers} server(s) (the first "
+        raise ValueError(f"mode {_name(cfg)} needs workers: {size} ranks and {servers} server(s) (the first "
                          f"{servers} ranks serve); run more ranks or fewer --servers")
     workers = size - servers
     ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
@@ -157,12 +179,20 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     flat = flatten(model)
-    return _Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers),
-                steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers), cfg.schedule(1))
+    spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers)
+    if elastic and cfg.epochs * spe * workers < cfg.local_steps:
+        raise ValueError(f"mode {_name(cfg)}: {cfg.epochs} epoch(s) of {spe} steps per worker make no elastic "
+                         f"move every {cfg.local_steps} steps; train longer or lower --local-steps")
+    return _Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
+                cfg.schedule(workers if elastic else 1), elastic, cfg.elastic_alpha or 0.9 / workers)
+
+
+def _name(cfg: TrainConfig) -> str:
+    return "easgd (async)" if cfg.mode == "easgd" else cfg.mode
 
 
 def train_async(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
-    """Run ``cfg`` (mode async) on ``comm``; returns the per-epoch records
+    """Run ``cfg`` (mode async, or easgd in its async form) on ``comm``; returns the per-epoch records
     on every rank that finished. Raises ValueError (every rank) for a bad
     layout; a lost server ends this rank with exit status 3."""
     return run_async(cfg, comm)[0]
@@ -175,20 +205,26 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
     worker, what it last pulled."""
     ctx = _setup(cfg, comm)
     Straggler(cfg.straggler, ctx.rank, comm.Get_size())  # a bad rank fails here, on every rank
-    if ctx.rank == 0 and not cfg.quiet:
+    if ctx.rank == 0 and not cfg.quiet and ctx.elastic:
+        print(f"# train: mode easgd (async), {ctx.servers} server(s) hold the center, {ctx.workers} worker(s) meet "
+              f"it every {cfg.local_steps} steps, moving rate {ctx.alpha:g}; {cfg.model} ({ctx.flat.numel()} "
+              f"parameters) on {cfg.dataset}, batch {cfg.batch_per_rank} per worker step, {ctx.spe} steps per "
+              f"worker per epoch, {cfg.optimizer} lr {ctx.lr(ctx.total // cfg.epochs):g} after the first epoch", flush=True)
+    elif ctx.rank == 0 and not cfg.quiet:
         print(f"# train: mode async, {ctx.servers} server(s) and {ctx.workers} worker(s), {cfg.model} "
               f"({ctx.flat.numel()} parameters) on {cfg.dataset}, batch {cfg.batch_per_rank} per push, "
               f"{ctx.spe} steps per worker per epoch, {cfg.optimizer} lr {ctx.lr(ctx.spe * ctx.workers):g}, "
               + (f"fixed delay {cfg.fixed_delay}" if cfg.fixed_delay is not None else
                  f"staleness bound {cfg.staleness_bound if cfg.staleness_bound is not None else 'none'}")
               + (", staleness-aware rate" if cfg.staleness_lr else ""), flush=True)
+    if ctx.rank < ctx.servers:
+        from .ps_server import Server as role
+    else:
+        from .ps_worker import Worker as role
+    me = role(ctx)  # imports and set-up before the barrier: the clock starts with every rank ready
     comm.Barrier()
     try:
-        if ctx.rank < ctx.servers:
-            from .ps_server import Server as role
-        else:
-            from .ps_worker import Worker as role
-        history = role(ctx).run()
+        history = me.run()
         return history, ctx.flat.numpy()
     except PeerLost as e:
         print(f"hpcjobs train: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)

@@ -46,6 +46,8 @@ class Server:
 
     def run(self) -> list[dict]:
         status = MPI.Status()
+        self.t0 = self.t_epoch = self.heard0 = time.monotonic()
+        self.heard[:] = self.t0
         while not self.stopped:
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
@@ -111,10 +113,13 @@ class Server:
 
     def _apply(self, w: int, hdr: np.ndarray, grad: np.ndarray) -> None:
         staleness = self.version - int(hdr[0])
-        lr = self.ctx.lr(self.version)
-        if self.cfg.staleness_lr:
-            lr /= max(1, staleness)
-        self.update.apply(grad, lr)
+        if self.ctx.elastic:
+            self.shard += grad  # the center moves by the worker's elastic step e
+        else:
+            lr = self.ctx.lr(self.version)
+            if self.cfg.staleness_lr:
+                lr /= max(1, staleness)
+            self.update.apply(grad, lr)
         self.applied_sum += grad
         self.applied_by[w] += 1
         self.clocks[w] += 1
@@ -129,8 +134,9 @@ class Server:
             self.kept[self.version] = self.shard.copy()
             self.kept.pop(self.version - self.cfg.fixed_delay - 1, None)
         _die_if_told(self.comm.Get_rank(), self.version)
-        if self.k == 0 and self.version % (self.ctx.spe * self.W) == 0 and self.version < self.ctx.total:
-            self._record(self.version // (self.ctx.spe * self.W))
+        epochs = self.ctx.epochs_done(self.version)
+        if self.k == 0 and epochs > len(self.history) and self.version < self.ctx.total:
+            self._record(epochs)
 
     def _ready(self, w: int, clock: int, wanted: int) -> bool:
         if self.version >= self.ctx.total:
@@ -226,7 +232,8 @@ class Server:
         epoch's line, the audit of every shard, then the history to all."""
         if self.ep.pushes:  # the last epoch, with the pushes in flight at the stop; or where a loss ended it
             done = self.version >= self.ctx.total
-            self._record(self.cfg.epochs if done else round(self.version / (self.ctx.spe * self.W), 3))
+            per_epoch = self.ctx.spe * self.W / self.ctx.steps_per_push
+            self._record(self.cfg.epochs if done else round(self.version / per_epoch, 3))
         audits = [self._audit()]
         for k in range(1, self.S):
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_STOP)

@@ -1,12 +1,14 @@
 """A parameter server's worker (:mod:`hpcjobs.training.paramserver`): pull
 every shard, compute a gradient on the next batch, push each server its
-slice, without a barrier, until a server says stop."""
+slice, without a barrier, until a server says stop. In asynchronous EASGD
+the servers hold the center and the pushes are elastic steps."""
 
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
+from . import schedule as sched
 from .data import rank_batches
 from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH, _await, _Ctx, _die_if_told,
                           _recv_object)
@@ -26,44 +28,99 @@ class Worker:
         self.ask = np.zeros(8)
         self.grad = np.empty(ctx.flat.numel(), np.float32)
         self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
+        self.pushed_count = 0
         self.heard = {}
         self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
+        if ctx.elastic:  # this worker's own SGD between elastic moves
+            from .loop import _make_optimizer
+
+            self.opt = _make_optimizer(ctx.cfg, ctx.model)
 
     def run(self) -> list[dict]:
-        ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
+        if self.ctx.elastic:
+            self._run_elastic()
+        else:
+            self._run_gradients()
+        return self._finish(self.pushed_count)
+
+    def _run_gradients(self) -> None:
+        """Downpour: pull, a gradient on the next batch, push."""
+        ctx, cfg = self.ctx, self.cfg
         flat = ctx.flat.numpy()
-        pushes, clock, epoch, stop = 0, 0, 0, False
+        epoch = 0
         # Until a server says stop (it has applied the run's pushes, from whichever workers: a fast worker
         # goes on into its next epoch's batches); in fixed-delay mode, exactly this worker's share.
-        while not stop and (cfg.fixed_delay is None or epoch < cfg.epochs):
+        while cfg.fixed_delay is None or epoch < cfg.epochs:
             batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
             for t in range(ctx.spe):
+                clock = self.pushed_count
                 index = clock * self.W + self.w
                 wanted = max(0, index - cfg.fixed_delay) if cfg.fixed_delay is not None else -1
-                reqs = [comm.Irecv(self.inbuf[k], source=k, tag=TAG_PARAMS) for k in range(S)]
-                self.ask[:2] = clock, wanted
-                for k in range(S):
-                    comm.Send(self.ask, dest=k, tag=TAG_PULL)
-                _await(comm, reqs, list(range(S)), cfg.peer_timeout, self.heard)
-                heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
-                if any(h[1] for h in heads):
-                    stop = True
-                    break
-                for k in range(S):
+                heads = self._pull(clock, wanted)
+                if heads is None:
+                    return
+                for k in range(self.S):
                     flat[ctx.shard(k)] = self.inbuf[k][HDR:].view(np.float32)
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
-                grad_vector(ctx.model, self.grad)
-                self.pushed_sum += self.grad
-                _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
-                for k in range(S):
-                    buf = self.outbuf[k]
-                    buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, loss, correct, samples
-                    buf[HDR:].view(np.float32)[:] = self.grad[ctx.shard(k)]
-                    self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_PUSH)
-                pushes, clock = pushes + 1, clock + 1
-                _die_if_told(comm.Get_rank(), pushes)
+                self._push(heads, epoch, index, (loss, correct, samples), grad_vector(ctx.model, self.grad))
             epoch += 1
+
+    def _run_elastic(self) -> None:
+        """Asynchronous EASGD: H steps of this worker's own SGD, then pull the
+        center x~, step e = a (x - x~) toward it and push e."""
+        ctx, cfg, opt = self.ctx, self.cfg, self.opt
+        flat = ctx.flat.numpy()
+        step, epoch, sums = 0, 0, np.zeros(3)
+        while True:
+            batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
+            for t in range(ctx.spe):
+                loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
+                self.straggler(secs)
+                sched.set_lr(opt, sched.lr_at(step, ctx.spe, ctx.schedule), momentum_correction=cfg.momentum_correction)
+                opt.step()
+                step, sums = step + 1, sums + (loss, correct, samples)
+                if step % cfg.local_steps:
+                    continue
+                heads = self._pull(self.pushed_count, -1)
+                if heads is None:
+                    return
+                for k in range(self.S):
+                    sl = ctx.shard(k)
+                    np.subtract(flat[sl], self.inbuf[k][HDR:].view(np.float32), out=self.grad[sl])
+                self.grad *= np.float32(ctx.alpha)
+                flat -= self.grad
+                self._push(heads, epoch, self.pushed_count * self.W + self.w, sums, self.grad)
+                sums = np.zeros(3)
+            epoch += 1
+
+    def _pull(self, clock: int, wanted: int):
+        """Every server's shard into ``inbuf``; their headers, or None when a server says stop."""
+        comm, S = self.comm, self.S
+        reqs = [comm.Irecv(self.inbuf[k], source=k, tag=TAG_PARAMS) for k in range(S)]
+        self.ask[:2] = clock, wanted
+        for k in range(S):
+            comm.Send(self.ask, dest=k, tag=TAG_PULL)
+        _await(comm, reqs, list(range(S)), self.cfg.peer_timeout, self.heard)
+        heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
+        return None if any(h[1] for h in heads) else heads
+
+    def _push(self, heads, epoch: int, index: int, stats, vec: np.ndarray) -> None:
+        """Each server its slice of ``vec``, tagged with the version pulled."""
+        comm, ctx = self.comm, self.ctx
+        self.pushed_sum += vec
+        _await(comm, self.outreq, list(range(self.S)), self.cfg.peer_timeout, self.heard)
+        for k in range(self.S):
+            buf = self.outbuf[k]
+            buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, *stats
+            buf[HDR:].view(np.float32)[:] = vec[ctx.shard(k)]
+            self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_PUSH)
+        self.pushed_count += 1
+        _die_if_told(comm.Get_rank(), self.pushed_count)
+
+    def _finish(self, pushes: int) -> list[dict]:
+        """The audit's sums to every server, then the run's history from server 0."""
+        ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
         _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
         done = []
         for k in range(S):

@@ -71,6 +71,8 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="async", fixed_delay=1, staleness_lr=True), "no staleness_bound or staleness_lr"),
     (dict(mode="easgd", elastic_alpha=1.5), "elastic_alpha must be in (0, 1)"),
     (dict(mode="easgd", average_momentum=True), "average_momentum is a knob of mode local, not easgd"),
+    (dict(mode="local", easgd_form="async"), "easgd_form is a knob of mode easgd, not local"),
+    (dict(mode="easgd", easgd_form="gossip"), "unknown easgd_form 'gossip'"),
     (dict(mode="local", average_momentum=True, momentum=0.0), "optimizer sgd or nesterov with momentum > 0"),
     (dict(straggler="1"), "RANK:FACTOR"),
     (dict(straggler="1:0.5"), "FACTOR >= 1"),
@@ -177,6 +179,34 @@ def test_local_sgd_and_easgd_are_their_one_process_simulation(mode, extra):
         if extra:  # and averaging the buffers changes the run by more than the tolerance above
             assert want != pytest.approx(_simulate(TrainConfig(**TINY, epochs=1, mode=mode, local_steps=3),
                                                    comm.Get_size()), rel=2e-5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_easgd_with_one_worker_is_easgd():
+    """With one worker nothing is stale: the server's center after each
+    elastic step is synchronous EASGD's, simulated in one process."""
+    comm = MPI.COMM_WORLD
+    pair = comm.Split(0 if comm.Get_rank() < 2 else MPI.UNDEFINED, comm.Get_rank())
+    if pair == MPI.COMM_NULL:
+        return
+    cfg = TrainConfig(**TINY, epochs=2, mode="easgd", easgd_form="async", local_steps=3)
+    history, center = run_async(cfg, private(pair))
+    assert history[-1]["staleness_max_run"] == 0 and history[-1]["audit_max_diff"] == 0
+    if pair.Get_rank() == 0:
+        assert history[-1]["test_loss"] == pytest.approx(_simulate(cfg, 1), rel=1e-5)
+    pair.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_async_easgd_applies_every_elastic_step():
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    cfg = TrainConfig(**TINY, epochs=3, mode="easgd", easgd_form="async", servers=servers, local_steps=2)
+    last = train(cfg)[-1]
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    # the center is the start plus every e the workers pushed (the servers check it), no more, no less
+    assert 3 * spe * workers // 2 <= last["pushes_applied"] == last["pushes_reported"]
+    assert last["audit_max_diff"] <= 1e-12
 
 
 @pytest.mark.mpi(min_size=1)
