@@ -3,8 +3,9 @@ lockstep (docs/algorithms.md, "Asynchronous and local SGD"), on the same
 model, data and schedule, with and without one slow worker.
 
 The job has W + 1 ranks: rank 0 is the parameter server of the ``async``
-rows (and holds the center of asynchronous EASGD's) and waits (asleep, not spinning) while ranks 1..W run the others on a
-communicator of their own. For every row, seed and straggler setting it
+rows (and holds the center of asynchronous EASGD's) and waits (asleep,
+not spinning) while ranks 1..W run the others on a communicator of their
+own. For every row, seed and straggler setting it
 trains ``epochs`` epochs and keeps every epoch's line; the straggler is
 worker 0 (world rank 1) in every row, its steps FACTOR times as long.
 

@@ -209,7 +209,8 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
         print(f"# train: mode easgd (async), {ctx.servers} server(s) hold the center, {ctx.workers} worker(s) meet "
               f"it every {cfg.local_steps} steps, moving rate {ctx.alpha:g}; {cfg.model} ({ctx.flat.numel()} "
               f"parameters) on {cfg.dataset}, batch {cfg.batch_per_rank} per worker step, {ctx.spe} steps per "
-              f"worker per epoch, {cfg.optimizer} lr {ctx.lr(ctx.total // cfg.epochs):g} after the first epoch", flush=True)
+              f"worker per epoch, {cfg.optimizer} lr {ctx.lr(ctx.total // cfg.epochs):g} after the first epoch",
+              flush=True)
     elif ctx.rank == 0 and not cfg.quiet:
         print(f"# train: mode async, {ctx.servers} server(s) and {ctx.workers} worker(s), {cfg.model} "
               f"({ctx.flat.numel()} parameters) on {cfg.dataset}, batch {cfg.batch_per_rank} per push, "
