@@ -95,7 +95,7 @@ class _Averaging:
         self.hogwild, self.win = cfg.mode == "hogwild", win
         self.schedule = cfg.schedule(1 if self.hogwild else self.W)
         self.opt = None if self.hogwild else _make_optimizer(cfg, model)
-        self.alpha = cfg.elastic_alpha or 0.9 / self.W
+        self.alpha = cfg.moving_rate(self.W)
         self.center = flat.clone() if cfg.mode == "easgd" else None
         self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, comm=comm) if cfg.hogwild_lock else None
         self.grad = np.empty(flat.numel(), np.float32)

@@ -138,6 +138,10 @@ class TrainConfig:
     straggler: str | None = None  # "RANK:FACTOR": that rank's steps take FACTOR times as long
     peer_timeout: float = 60.0  # async: seconds of silence before a worker is lost / a server presumed dead
 
+    def moving_rate(self, workers: int) -> float:
+        """EASGD's alpha: ``elastic_alpha``, or 0.9 / workers (Zhang et al.'s beta = W alpha = 0.9)."""
+        return self.elastic_alpha or 0.9 / workers
+
     def global_batch(self, size: int) -> int:
         return self.batch_per_rank * self.backward_passes_per_step * size
 

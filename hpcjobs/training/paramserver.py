@@ -134,8 +134,13 @@ class _Ctx:
     bounds: list
     spe: int  # each worker's steps per epoch
     schedule: sched.ScheduleConfig
-    elastic: bool = False  # asynchronous EASGD: pushes are elastic moves e, applied as center += e
-    alpha: float = 0.0  # EASGD's moving rate
+    @property
+    def elastic(self) -> bool:  # asynchronous EASGD: pushes are elastic moves e, applied as center += e
+        return self.cfg.mode == "easgd"
+
+    @property
+    def alpha(self) -> float:
+        return self.cfg.moving_rate(self.workers)
 
     @property
     def steps_per_push(self) -> int:  # a worker's SGD steps per push
@@ -184,7 +189,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
         raise ValueError(f"mode {_name(cfg)}: {cfg.epochs} epoch(s) of {spe} steps per worker make no elastic "
                          f"move every {cfg.local_steps} steps; train longer or lower --local-steps")
     return _Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
-                cfg.schedule(workers if elastic else 1), elastic, cfg.elastic_alpha or 0.9 / workers)
+                cfg.schedule(workers if elastic else 1))
 
 
 def _name(cfg: TrainConfig) -> str:
