@@ -163,6 +163,9 @@ class Server:
             buf[HDR:].view(np.float32)[:] = self.kept[wanted] if self.kept is not None else self.shard
             self.outreq[w] = self.comm.Isend(buf, dest=self.S + w, tag=TAG_PARAMS)
             self.ep.bytes_out += buf.nbytes
+            # its silence starts now: a pull held past the peer timeout (behind a worker then found lost) is
+            # not the worker's own, and counting it would find it lost too before its next push can arrive
+            self.heard[w] = time.monotonic()
         self.deferred = still
 
     def _heartbeat(self, now: float) -> None:
