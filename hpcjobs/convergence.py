@@ -17,9 +17,22 @@ the predicted epochs to the target from those fits give its low and high
 ends. A target at or below a fit's asymptote is never reached by that fit
 (``inf``).
 
+A second model, ``power`` (:func:`fit_power`), for curves that fall faster
+than 1/k, which Optimus's cannot follow (its decay is at most 1/k):
+
+    l(k) = a·(k + b)^(−α),     a > 0, α >= 0, 0 <= b <= 20 epochs,
+
+fitted by least squares in log l (the errors that matter are relative:
+the loss spans orders of magnitude) to the epochs after the first. The
+first epoch's loss is the mean over training's steepest fall, not a point
+on the curve. For fixed b it is linear in (log a, α); b is searched on a
+grid. It has no floor: it suits runs whose loss is still falling, not
+ones at their noise floor. Chosen on the curves of docs/results/planner.md
+(b) and checked there on runs made after it was fixed.
+
 ``hpcjobs train --target-loss L`` prints the prediction with each epoch's
-line once it has :data:`MIN_POINTS` epochs; :func:`fit_metrics` reads a
-``--metrics`` JSONL file.
+line once it has :func:`min_points` epochs (``--loss-model`` picks the
+model); :func:`fit_metrics` reads a ``--metrics`` JSONL file.
 
 The statistical side (McCandlish et al., "An empirical model of large-batch
 training", 2018, App. A.1): the squared norms of gradients over batches of
@@ -44,10 +57,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MIN_POINTS", "Fit", "Prediction", "epochs_factor", "fit", "fit_metrics", "noise_scale", "predict_epochs",
-           "prediction_fields"]
+__all__ = ["LOSS_MODELS", "MIN_POINTS", "Fit", "PowerFit", "Prediction", "epochs_factor", "fit", "fit_metrics",
+           "fit_power", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
 
+LOSS_MODELS = ("optimus", "power")
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
+_POWER_B = np.linspace(0.0, 20.0, 401)  # the power law's offsets b tried, in epochs
 _GRID = 64  # asymptote values tried in [0, min loss), then again around the best
 _FLAT = 1e-9  # beta0 below this fraction of 1/(target - beta2) per epoch: a billion epochs or more, never
 
@@ -74,12 +89,33 @@ class Fit:
 
 
 @dataclass(frozen=True)
+class PowerFit:
+    a: float
+    alpha: float
+    b: float
+    rmse: float  # of the fitted losses against the observed, in loss units
+    points: int
+
+    def loss(self, k: float) -> float:
+        """The loss the fit predicts after ``k`` epochs."""
+        return self.a * (k + self.b) ** -self.alpha
+
+    def epochs_to(self, target: float) -> float:
+        """Epochs (from the start) until the loss reaches ``target``;
+        ``inf`` for a flat fit."""
+        if self.alpha <= _FLAT:
+            return 0.0 if target >= self.a else math.inf
+        log_k = math.log(self.a / target) / self.alpha
+        return math.inf if log_k > 700 else max(0.0, math.exp(log_k) - self.b)
+
+
+@dataclass(frozen=True)
 class Prediction:
     target: float
     epochs: float  # from the start of training
     low: float
     high: float
-    fit: Fit
+    fit: Fit | PowerFit
 
 
 def _nnls2(k: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
@@ -119,14 +155,7 @@ def fit(epochs, losses) -> Fit:
         ValueError: fewer than three points, lengths that differ, or a
             loss that is not a positive finite number.
     """
-    k = np.asarray(epochs, dtype=np.float64)
-    loss = np.asarray(losses, dtype=np.float64)
-    if k.shape != loss.shape or k.ndim != 1:
-        raise ValueError(f"epochs and losses must be two lists of one length, got {k.shape} and {loss.shape}")
-    if len(k) < 3:
-        raise ValueError(f"the loss model has three parameters: it needs at least 3 points, got {len(k)}")
-    if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
-        raise ValueError("losses must be positive finite numbers")
+    k, loss = _checked(epochs, losses)
     top = float(loss.min())
     grid = np.linspace(0.0, top, _GRID, endpoint=False)
     best = min(((b2, *_fit_at(k, loss, b2)) for b2 in grid), key=lambda r: r[3])
@@ -137,21 +166,73 @@ def fit(epochs, losses) -> Fit:
     return Fit(b0, b1, float(b2), math.sqrt(sse / len(k)), len(k))
 
 
-def predict_epochs(epochs, losses, target: float) -> Prediction:
-    """Epochs to reach ``target``, with the jackknife interval (module
-    docstring).
+def fit_power(epochs, losses) -> PowerFit:
+    """Fit ``l = a·(k + b)^(−α)`` to losses observed after ``epochs``, by
+    least squares in log l (module docstring); every point given is used.
 
     Raises:
-        ValueError: as :func:`fit`, fewer than :data:`MIN_POINTS` points,
-            or a target that is not a positive number.
+        ValueError: as :func:`fit`.
+    """
+    k, loss = _checked(epochs, losses)
+    y, x = np.log(loss), np.log(k[None, :] + _POWER_B[:, None])  # one row per offset b
+    xm, ym = x.mean(axis=1, keepdims=True), y.mean()
+    sxx = ((x - xm) ** 2).sum(axis=1)
+    slope = np.where(sxx > 0, ((x - xm) * (y - ym)).sum(axis=1) / np.where(sxx > 0, sxx, 1.0), 0.0)
+    alpha = np.maximum(0.0, -slope)  # a rising fit is a flat one
+    log_a = ym + alpha * xm[:, 0]
+    sse = (((log_a[:, None] - alpha[:, None] * x) - y) ** 2).sum(axis=1)
+    i = int(np.argmin(sse))
+    f = PowerFit(float(math.exp(log_a[i])), float(alpha[i]), float(_POWER_B[i]), 0.0, len(k))
+    rmse = math.sqrt(float(np.mean((np.array([f.loss(v) for v in k]) - loss) ** 2)))
+    return PowerFit(f.a, f.alpha, f.b, rmse, f.points)
+
+
+def _checked(epochs, losses) -> tuple[np.ndarray, np.ndarray]:
+    k = np.asarray(epochs, dtype=np.float64)
+    loss = np.asarray(losses, dtype=np.float64)
+    if k.shape != loss.shape or k.ndim != 1:
+        raise ValueError(f"epochs and losses must be two lists of one length, got {k.shape} and {loss.shape}")
+    if len(k) < 3:
+        raise ValueError(f"the loss model has three parameters: it needs at least 3 points, got {len(k)}")
+    if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
+        raise ValueError("losses must be positive finite numbers")
+    if not np.all(np.isfinite(k)) or np.any(k <= 0):
+        raise ValueError("epochs must be positive finite numbers")
+    return k, loss
+
+
+def min_points(model: str = "optimus") -> int:
+    """Epochs of losses a prediction by ``model`` needs: three points to
+    fit and one to spare for the jackknife, after the power law's skipped
+    first epoch."""
+    if model not in LOSS_MODELS:
+        raise ValueError(f"unknown loss model {model!r}: one of {', '.join(LOSS_MODELS)}")
+    return MIN_POINTS + (model == "power")
+
+
+def predict_epochs(epochs, losses, target: float, model: str = "optimus") -> Prediction:
+    """Epochs to reach ``target`` by ``model`` (``optimus`` or ``power``),
+    with the jackknife interval (module docstring). The power law leaves
+    out the epochs up to the first (k <= 1).
+
+    Raises:
+        ValueError: as :func:`fit`, fewer than :func:`min_points` points,
+            an unknown model, or a target that is not a positive number.
     """
     if not target > 0:
         raise ValueError(f"the target loss must be a positive number, got {target}")
+    need = min_points(model)
     k, loss = list(epochs), list(losses)
-    if len(k) < MIN_POINTS:
-        raise ValueError(f"a prediction needs at least {MIN_POINTS} epochs of losses, got {len(k)}")
-    whole = fit(k, loss)
-    ends = [fit(k[:i] + k[i + 1:], loss[:i] + loss[i + 1:]).epochs_to(target) for i in range(len(k))]
+    if len(k) < need:
+        raise ValueError(f"a prediction needs at least {need} epochs of losses, got {len(k)}")
+    if model == "power":
+        kept = [i for i, v in enumerate(k) if v > 1] if len(k) > 1 and min(k) <= 1 else list(range(len(k)))
+        if len(kept) < need - 1:
+            raise ValueError(f"the power law needs {need - 1} epochs after the first, got {len(kept)}")
+        k, loss = [k[i] for i in kept], [loss[i] for i in kept]
+    fitter = fit_power if model == "power" else fit
+    whole = fitter(k, loss)
+    ends = [fitter(k[:i] + k[i + 1:], loss[:i] + loss[i + 1:]).epochs_to(target) for i in range(len(k))]
     middle = whole.epochs_to(target)
     return Prediction(target, middle, min([middle, *ends]), max([middle, *ends]), whole)
 
@@ -178,15 +259,15 @@ def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:
     return [int(r["epoch"]) for r in lines], [float(r[key]) for r in lines]
 
 
-def prediction_fields(history: list[dict], target: float, key: str = "loss") -> dict:
+def prediction_fields(history: list[dict], target: float, key: str = "loss", model: str = "optimus") -> dict:
     """What ``train --target-loss`` adds to an epoch's line: the epoch at
-    which ``key`` reaches ``target`` by the model fitted to ``history`` (the
+    which ``key`` reaches ``target`` by ``model`` fitted to ``history`` (the
     epoch records so far), and its interval; None where the fit never
     reaches it."""
     losses = [r[key] for r in history]
     if not all(math.isfinite(v) and v > 0 for v in losses):  # a diverged (or exact) run: no fit, no abort
         return {"predicted_epoch": None, "predicted_epoch_low": None, "predicted_epoch_high": None}
-    p = predict_epochs([r["epoch"] for r in history], losses, target)
+    p = predict_epochs([r["epoch"] for r in history], losses, target, model)
 
     def finite(v: float):
         return None if math.isinf(v) else round(v, 2)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from hpcjobs.convergence import MIN_POINTS, fit, fit_metrics, predict_epochs, prediction_fields
+from hpcjobs.convergence import MIN_POINTS, fit, fit_metrics, fit_power, min_points, predict_epochs, prediction_fields
 
 B0, B1, B2 = 0.8, 0.5, 0.3
 K = np.arange(1, 11, dtype=float)
@@ -60,13 +60,51 @@ def test_bad_histories_are_refused_with_the_rule(epochs, losses, words):
         fit(epochs, losses)
 
 
-@pytest.mark.parametrize("epochs,losses,target,words", [
-    ([1, 2, 3], [1.0, 0.5, 0.4], 0.1, f"at least {MIN_POINTS} epochs"),
-    ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.0, "positive number"),
+@pytest.mark.parametrize("epochs,losses,target,model,words", [
+    ([1, 2, 3], [1.0, 0.5, 0.4], 0.1, "optimus", f"at least {MIN_POINTS} epochs"),
+    ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.0, "optimus", "positive number"),
+    ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.1, "power", "at least 5 epochs"),
+    ([1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.1, "cubic", "unknown loss model 'cubic'"),
+    ([0, 1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3, 0.2], 0.1, "power", "the power law needs 4 epochs after the first"),
+    ([0.5, 2, 3, 4, 5], [1.0, 0.5, 0.4, 0.3, 0.2], 0.1, "optimus", "ok"),
+    ([-1, 2, 3, 4], [1.0, 0.5, 0.4, 0.3], 0.1, "optimus", "epochs must be positive"),
 ])
-def test_bad_predictions_are_refused_with_the_rule(epochs, losses, target, words):
+def test_bad_predictions_are_refused_with_the_rule(epochs, losses, target, model, words):
+    if words == "ok":  # fractional epochs (an asynchronous run's last line) are epochs like any other
+        assert predict_epochs(epochs, losses, target, model).epochs > 5
+        return
     with pytest.raises(ValueError, match=words):
-        predict_epochs(epochs, losses, target)
+        predict_epochs(epochs, losses, target, model)
+
+
+A, ALPHA, PB = 2.0, 1.5, 1.0  # l = 2 (k + 1)^-1.5: faster than any 1/k, which Optimus's curve cannot follow
+PK = np.arange(2, 11, dtype=float)
+POWER = A * (PK + PB) ** -ALPHA
+
+
+def test_the_power_law_recovers_the_parameters_of_an_exact_curve():
+    f = fit_power(PK, POWER)
+    assert (f.a, f.alpha, f.b) == pytest.approx((A, ALPHA, PB), rel=1e-9)
+    assert f.rmse < 1e-12 and f.points == len(PK)
+    assert f.epochs_to(A * 21.0 ** -ALPHA) == pytest.approx(20.0, rel=1e-9)
+    assert f.epochs_to(A * 2.0) == 0.0  # a target above every loss: reached at once
+    flat = fit_power(PK, np.linspace(0.5, 0.6, len(PK)))  # a rising history: the fit is flat, never below it
+    assert flat.alpha == 0.0 and math.isinf(flat.epochs_to(0.4))
+
+
+def test_the_power_law_leaves_out_the_first_epoch_and_predicts_the_closed_form():
+    k = list(range(1, 8))
+    losses = [50.0] + [A * (v + PB) ** -ALPHA for v in k[1:]]  # epoch 1: the mean over the steepest fall
+    target = 0.03  # reached at (2 / 0.03)^(1/1.5) - 1 = 15.44 epochs, beyond the 7 given
+    p = predict_epochs(k, losses, target, "power")
+    assert p.fit.points == 6
+    assert p.epochs == pytest.approx((A / target) ** (1 / ALPHA) - PB, rel=1e-6)
+    assert p.low <= p.epochs <= p.high and p.high - p.low < 1e-3
+    assert min_points("power") == MIN_POINTS + 1 == 5
+    fields = prediction_fields([{"epoch": v, "loss": w} for v, w in zip(k, losses)], target, model="power")
+    assert fields["predicted_epoch"] == pytest.approx(p.epochs, abs=0.01)
+    # Optimus's curve, given the same history, is pulled by the first epoch's loss and cannot fall as fast
+    assert predict_epochs(k, losses, target).epochs > 1.5 * p.epochs
 
 
 def test_metrics_file_gives_the_last_runs_losses(tmp_path):
@@ -82,19 +120,22 @@ def test_metrics_file_gives_the_last_runs_losses(tmp_path):
         fit_metrics(str(tmp_path / "missing.jsonl"))
 
 
-def test_train_predicts_the_target_epoch_from_its_fourth_epoch(tmp_path):
+@pytest.mark.parametrize("model", ["optimus", "power"])
+def test_train_predicts_the_target_epoch_once_the_model_has_its_points(tmp_path, model):
     from launch import mpirun
 
     metrics = tmp_path / "m.jsonl"
     out = mpirun(2, "train", "--dataset", "synthetic", "--num-samples", "800", "--width", "16", "-b", "16",
-                 "--epochs", "5", "--target-loss", "0.05", "--metrics", str(metrics), "--no-progress")
+                 "--epochs", "6", "--target-loss", "0.05", "--loss-model", model, "--metrics", str(metrics),
+                 "--no-progress")
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5]
-    assert all("predicted_epoch" not in r for r in records[:3])
-    for n, r in enumerate(records[3:], start=4):
+    assert [r["epoch"] for r in records] == [1, 2, 3, 4, 5, 6]
+    first = min_points(model)  # 4th epoch, or 5th for the power law (its first epoch is left out)
+    assert all("predicted_epoch" not in r for r in records[:first - 1])
+    for n, r in enumerate(records[first - 1:], start=first):
         # the same fit on the same losses (as the line rounds them to 6 digits), here
-        want = prediction_fields(records[:n], 0.05)
+        want = prediction_fields(records[:n], 0.05, model=model)
         for key, value in want.items():
             assert (r[key] is None) == (value is None), (key, r, want)
             assert value is None or r[key] == pytest.approx(value, abs=0.02, rel=1e-3), (key, r, want)

@@ -173,6 +173,20 @@ def test_plan_predicts_time_to_target_from_a_metrics_file(tmp_path):
     assert rows[0]["time_to_target_s"] == pytest.approx(rows[0]["epochs"] * 640 / 640, rel=1e-9)
 
 
+def test_plan_fits_the_power_law_when_asked(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    a, alpha, b = 2.0, 1.5, 1.0  # loss 0.05 at (2/0.05)^(1/1.5) - 1 = 10.696 epochs; epoch 1 is left out
+    metrics.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "global_batch": 64,
+                                           "loss": 9.0 if k == 1 else a * (k + b) ** -alpha}) + "\n"
+                               for k in range(1, 7)))
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--batch-per-device", "64", "--devices", "1",
+                "--metrics", str(metrics), "--target-loss", "0.05", "--loss-model", "power", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "(power-law fit of" in r.stdout
+    assert json.loads(out.read_text())["rows"][0]["epochs"] == pytest.approx((a / 0.05) ** (1 / alpha) - b, rel=1e-6)
+
+
 def test_plan_measures_one_of_our_models_here(tmp_path):
     out = tmp_path / "plan.json"
     r = hpcjobs("plan", "--model", "mlp", "--width", "64", "--measure", "--measure-steps", "2",
@@ -200,6 +214,7 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     (["--params", "1M", "--throughput", "10", "--devices", "1,2", "--intra-bw", "1", "--devices-per-node", "1"],
      "no network between nodes"),
     (["--params", "1M", "--throughput", "10", "--target-loss", "0.1"], "go together"),
+    (["--params", "1M", "--throughput", "10", "--loss-model", "power"], "give --metrics and --target-loss"),
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
     (["--params", "1M", "--throughput", "10", "--json", "/nonexistent/plan.json"], "cannot write"),
 ])

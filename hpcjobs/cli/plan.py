@@ -18,9 +18,11 @@ import statistics
 import sys
 import time
 
+from ..convergence import LOSS_MODELS
 from .args import UsageError, nonnegative_float, parse_bytes, positive_float, positive_int, usage
 from .train import compression_spec
 
+LOSS_NAMES = {"optimus": "Optimus", "power": "power-law"}
 MODEL_NAMES = ("mlp", "cnn1d", "resnet18", "resnet50", "gpt-mini", "gpt2-small")  # training.config's, no torch
 
 
@@ -116,6 +118,9 @@ def configure(p) -> None:
     g.add_argument("--fusion-bytes", type=parse_bytes, default=1 << 20, help="bucket size (default 1M, train's)")
     g.add_argument("--metrics", metavar="RUN.jsonl", help="a train --metrics file: the loss curve to fit")
     g.add_argument("--target-loss", type=positive_float, metavar="L", help="with --metrics: time to this loss")
+    g.add_argument("--loss-model", choices=LOSS_MODELS, default="optimus",
+                   help="the curve fitted to --metrics: optimus, 1/(b0*k + b1) + b2, or power, a*(k + b)^-alpha "
+                        "(from the 2nd epoch; for losses falling faster than 1/k) (default: %(default)s)")
     g.add_argument("--noise-scale", type=positive_float, metavar="SAMPLES",
                    help="gradient noise scale (default: the metrics' noise_scale, from train --noise-scale)")
     g.add_argument("--runs", metavar="A.jsonl,B.jsonl",
@@ -229,7 +234,7 @@ def _target(args):
     if not args.metrics:
         return None
     epochs, losses = fit_metrics(args.metrics)  # checks the file: JSON lines with epoch and loss
-    p = predict_epochs(epochs, losses, args.target_loss)
+    p = predict_epochs(epochs, losses, args.target_loss, args.loss_model)
     records = _lines(args.metrics)
     last = records[-1]
     if "global_batch" not in last or "step" not in last:
@@ -271,6 +276,8 @@ def run(args) -> int:
         raise UsageError("--measure times one of our models: give --model")
     if bool(args.metrics) != bool(args.target_loss):
         raise UsageError("--metrics and --target-loss go together")
+    if args.loss_model != "optimus" and not args.metrics:
+        raise UsageError("--loss-model picks the curve fitted to --metrics: give --metrics and --target-loss")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
@@ -296,7 +303,7 @@ def run(args) -> int:
               + ", ".join(f"({p}, {t:.4g})" for p, t in points))
     if target:
         print(f"# target loss {target.loss}: {target.epochs:.3g} epochs [{target.low:.3g}, {target.high:.3g}] at "
-              f"batch {target.base_batch} (Optimus fit of {args.metrics}); noise scale "
+              f"batch {target.base_batch} ({LOSS_NAMES[args.loss_model]} fit of {args.metrics}); noise scale "
               + (f"{target.noise_scale:.4g} samples" if target.noise_scale else "unknown: epochs taken as batch-free"))
     if target and target.noise_scale:
         print(f"# the noise scale is the critical batch (McCandlish et al.): {target.noise_scale:.4g} samples = "

@@ -17,6 +17,7 @@ import sys
 
 from ..collectives import ALGORITHMS
 from ..compression.names import COMPRESSIONS, make_compressor
+from ..convergence import LOSS_MODELS
 from ..training.config import (AMP, EASGD_FORMS, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS,
                                OVERLAPS, TrainConfig, parse_straggler)
 from ..runtime import DEVICES
@@ -179,9 +180,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")
     g.add_argument("--target-loss", type=positive_float, metavar="L",
-                   help="from the 4th epoch, each epoch's line predicts the epoch at which the training loss "
-                        "reaches L (Optimus's model 1/(b0*k + b1) + b2 fitted to the losses so far, with a "
+                   help="from the 4th epoch (5th with --loss-model power), each epoch's line predicts the epoch at "
+                        "which the training loss reaches L (the loss model fitted to the losses so far, with a "
                         "jackknife interval): predicted_epoch, predicted_epoch_low/high (null: never, by the fit)")
+    g.add_argument("--loss-model", choices=LOSS_MODELS, default=DEFAULTS.loss_model,
+                   help="for --target-loss: optimus, 1/(b0*k + b1) + b2 (Peng et al. 2018), or power, "
+                        "a*(k + b)^-alpha from the 2nd epoch, for losses falling faster than 1/k (default: "
+                        "%(default)s; docs/results/planner.md compares them)")
     g.add_argument("--noise-scale", action="store_true",
                    help="each epoch's line gains the gradient noise scale (McCandlish et al. 2018) from the ranks' "
                         "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
@@ -233,6 +238,8 @@ def run(args) -> int:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:
         raise UsageError("--checkpoint-every needs --checkpoint PATH")
+    if args.loss_model != DEFAULTS.loss_model and not args.target_loss:
+        raise UsageError("--loss-model picks the model that predicts --target-loss: give --target-loss L")
     cfg = config_from_args(args, comm.Get_size())
     check_outputs(comm, [("--metrics", args.metrics, False), ("--checkpoint", args.checkpoint, False)])
     set_threads(args.threads, comm)

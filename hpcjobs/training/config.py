@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..collectives.names import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
+from ..convergence import LOSS_MODELS
 from ..runtime import DEVICES
 from . import schedule
 
@@ -120,6 +121,7 @@ class TrainConfig:
     resume: bool = False
     metrics: str | None = None
     target_loss: float | None = None  # predict the epoch the training loss reaches it (hpcjobs.convergence)
+    loss_model: str = "optimus"  # the model that predicts it: hpcjobs.convergence.LOSS_MODELS
     noise_scale: bool = False  # estimate the gradient noise scale every epoch (hpcjobs.convergence.noise_scale)
     progress: bool = True
     quiet: bool = False
@@ -181,6 +183,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.resume and not self.checkpoint:
             raise ValueError("resume needs a checkpoint path")
+        if self.loss_model not in LOSS_MODELS:
+            raise ValueError(f"unknown loss model {self.loss_model!r}; choose from {', '.join(LOSS_MODELS)}")
+        if self.loss_model != "optimus" and not self.target_loss:
+            raise ValueError("loss_model picks the model that predicts target_loss: give a target_loss")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 steps, got {self.checkpoint_every}")
         if self.checkpoint_every and not self.checkpoint:

@@ -46,7 +46,7 @@ import torch
 from mpi4py import MPI
 
 from ..comm import private
-from ..convergence import MIN_POINTS, noise_scale, prediction_fields
+from ..convergence import min_points, noise_scale, prediction_fields
 from ..compression import make_compressor
 from ..runtime import autocast, out_of_memory, pick_device
 from . import checkpoint
@@ -352,8 +352,8 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
 def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
     """Step 4: the metrics line (rank 0) and the end-of-epoch checkpoint."""
     run.history.append(record)
-    if run.cfg.target_loss and len(run.history) >= MIN_POINTS:
-        record.update(prediction_fields(run.history, run.cfg.target_loss))
+    if run.cfg.target_loss and len(run.history) >= min_points(run.cfg.loss_model):
+        record.update(prediction_fields(run.history, run.cfg.target_loss, model=run.cfg.loss_model))
     if run.rank == 0:
         report(run.cfg, record)
     if run.cfg.checkpoint:

@@ -16,6 +16,8 @@ from launch import mpirun_script
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
     (["--target-loss", "0"], "must be positive"),
+    (["--loss-model", "power"], "--loss-model picks the model that predicts --target-loss"),
+    (["--loss-model", "cubic"], "invalid choice: 'cubic'"),
     (["--dataset", "mnist"], "give data_dir"),
     (["--compression", "zip"], "unknown compression 'zip'"),
     (["--compression", "topk:2"], "ratio must be a number in (0, 1]"),
