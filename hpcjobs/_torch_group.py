@@ -104,12 +104,12 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
-        run = fn
-        if devices:
-            def run():
-                fn()
-                for d in devices:
-                    torch.cuda.current_stream(d).synchronize()
+        def on_devices():  # the op's GPU work is done when its future completes
+            fn()
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
+
+        run = on_devices if devices else fn
         fut: Future = Future()
         if threading.current_thread() is self._worker:
             # Called from a callback chained on one of this group's futures

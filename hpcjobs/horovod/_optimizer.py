@@ -53,7 +53,6 @@ Adasum, Min, Max or Product.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 

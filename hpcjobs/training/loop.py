@@ -54,11 +54,11 @@ from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import Dataset, eval_shard, load_dataset, rank_batches, steps_per_epoch
+from .data import Dataset, load_dataset, rank_batches, steps_per_epoch
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
-from .stepping import Progress, Straggler, losses_of, report
+from .stepping import Progress, Straggler, evaluate, losses_of, report
 
 __all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -92,22 +92,6 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
 
 
 @torch.no_grad()
-def _evaluate(model, ds, comm, amp: str = "none",
-              device: torch.device = torch.device("cpu")) -> tuple[float, float]:
-    model.eval()
-    idx = eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size())
-    sums = np.zeros(3)
-    for lo in range(0, len(idx), 256):
-        x, y = ds.batch(ds.test, idx[lo:lo + 256])
-        with autocast(amp, device):
-            out = model(torch.from_numpy(x).to(device))
-        loss, correct = losses_of(out, torch.from_numpy(y).to(device))
-        sums += [float(loss.sum()), correct, len(y)]
-    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
-    model.train()
-    return sums[0] / sums[2], sums[1] / sums[2]
-
-
 @dataclass
 class _Run:
     """What one :func:`train` works with, from :func:`_setup` on."""
@@ -327,7 +311,7 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
     comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _average_bn_stats(run.model, comm)
-    test_loss, test_acc = _evaluate(run.model, run.ds, comm, run.cfg.amp, run.device)
+    test_loss, test_acc = evaluate(run.model, run.ds, comm, run.cfg.amp, run.device)
     spe = run.steps_per_epoch
     record = {
         "epoch": epoch + 1, "step": (epoch + 1) * spe, "lr": sched.lr_at((epoch + 1) * spe - 1, spe, run.schedule),

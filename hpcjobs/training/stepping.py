@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
 
@@ -109,22 +110,27 @@ def compute_step(model: torch.nn.Module, ds: Dataset, idx: np.ndarray) -> tuple[
 
 
 @torch.no_grad()
-def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None = None) -> np.ndarray:
-    """(loss sum, right, samples) of ``model`` on the test samples ``idx`` (all when None), in this process."""
+def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None = None, amp: str = "none",
+                   device: torch.device = torch.device("cpu")) -> np.ndarray:
+    """(loss sum, right, samples) of ``model`` on the test samples ``idx`` (all when None), in this process;
+    the forward under ``amp``'s autocast on ``device``, where the model is."""
     model.eval()
     idx = np.arange(len(ds.test)) if idx is None else idx
     sums = np.zeros(3)
     for lo in range(0, len(idx), 256):
         x, y = ds.batch(ds.test, idx[lo:lo + 256])
-        loss, correct = losses_of(model(torch.from_numpy(x)), torch.from_numpy(y))
+        with autocast(amp, device):
+            out = model(torch.from_numpy(x).to(device))
+        loss, correct = losses_of(out, torch.from_numpy(y).to(device))
         sums += [float(loss.sum()), correct, len(y)]
     model.train()
     return sums
 
 
-def evaluate(model: torch.nn.Module, ds: Dataset, comm: MPI.Comm) -> tuple[float, float]:
+def evaluate(model: torch.nn.Module, ds: Dataset, comm: MPI.Comm, amp: str = "none",
+             device: torch.device = torch.device("cpu")) -> tuple[float, float]:
     """Test loss and accuracy, each rank of ``comm`` taking a shard (collective)."""
-    sums = evaluate_local(model, ds, eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size()))
+    sums = evaluate_local(model, ds, eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size()), amp, device)
     comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     return sums[0] / sums[2], sums[1] / sums[2]
 
