@@ -91,7 +91,6 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
                 t.copy_(host).div_(comm.Get_size())
 
 
-@torch.no_grad()
 @dataclass
 class _Run:
     """What one :func:`train` works with, from :func:`_setup` on."""
