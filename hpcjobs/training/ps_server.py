@@ -71,11 +71,13 @@ class Server:
         req = self.comm.Irecv([self.inbuf, count, MPI.BYTE], source=src, tag=tag)
         deadline = time.monotonic() + self.cfg.peer_timeout
         while not req.Test():  # a large message flows only while its sender lives
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self.inbuf = np.empty_like(self.inbuf)  # the stuck receive keeps the old one
                 if src >= self.S:
                     self.heard[src - self.S] = 0.0  # lost at the next look
                 return
+            self._heartbeat(now)  # the others must not take this wait for a dead server
             time.sleep(IDLE_S)
         hdr = self.inbuf[:HDR].view(np.float64)
         if src == 0 and self.k:
