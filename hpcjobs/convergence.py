@@ -182,9 +182,9 @@ def fit_power(epochs, losses) -> PowerFit:
     log_a = ym + alpha * xm[:, 0]
     sse = (((log_a[:, None] - alpha[:, None] * x) - y) ** 2).sum(axis=1)
     i = int(np.argmin(sse))
-    f = PowerFit(float(math.exp(log_a[i])), float(alpha[i]), float(_POWER_B[i]), 0.0, len(k))
-    rmse = math.sqrt(float(np.mean((np.array([f.loss(v) for v in k]) - loss) ** 2)))
-    return PowerFit(f.a, f.alpha, f.b, rmse, f.points)
+    a, b = math.exp(log_a[i]), float(_POWER_B[i])
+    rmse = math.sqrt(float(np.mean((a * (k + b) ** -alpha[i] - loss) ** 2)))
+    return PowerFit(a, float(alpha[i]), b, rmse, len(k))
 
 
 def _checked(epochs, losses) -> tuple[np.ndarray, np.ndarray]:
