@@ -107,9 +107,16 @@ def cores_per_rank(comm) -> int:
 
 def set_threads(threads: int | None, comm) -> int:
     """Give torch ``threads`` threads in this rank (None: :func:`cores_per_rank`);
-    returns how many. Collective over ``comm``."""
+    returns how many. Collective over ``comm``.
+
+    Also flushes denormal floats to zero on the CPU (as TensorFlow does), before
+    torch starts its threads so that they inherit the setting. Weights that decay
+    towards zero, as in a model that has stopped learning, otherwise make each step
+    slower as training goes on: 4x by the 4th epoch of an MLP at batch 8 here, while
+    ``plan --measure`` times fresh weights (docs/results/planner.md)."""
     import torch
 
+    torch.set_flush_denormal(True)  # False where the CPU cannot: nothing to do then
     n = threads or cores_per_rank(comm)
     torch.set_num_threads(n)
     return n
