@@ -110,9 +110,9 @@ def set_threads(threads: int | None, comm) -> int:
     returns how many. Collective over ``comm``.
 
     Also flushes denormal floats to zero on the CPU (as TensorFlow does), before
-    torch starts its threads so that they inherit the setting. Weights that decay
-    towards zero, as in a model that has stopped learning, otherwise make each step
-    slower as training goes on: 4x by the 4th epoch of an MLP at batch 8 here, while
+    torch starts its threads so that they inherit the setting. Numbers that sink
+    into the denormal range, as in a model that has stopped learning, otherwise make
+    each step slower as training goes on: 4x by the 4th epoch of an MLP at batch 8 here, while
     ``plan --measure`` times fresh weights (docs/results/planner.md)."""
     import torch
 
