@@ -203,7 +203,7 @@ class Server:
             _await(self.comm, [req], [k], self.cfg.peer_timeout, {k: time.monotonic()})
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
 
-    def _record(self, epoch: float) -> None:
+    def _record(self, epoch: float, show: bool = True) -> None:
         now, ep = time.monotonic(), self.ep  # the times leave out the test (the workers go on meanwhile)
         self._snapshot()
         test = evaluate_local(self.ctx.model, self.ctx.ds)
@@ -218,7 +218,8 @@ class Server:
             record["lost_workers"] = ",".join(str(self.S + w) for w in sorted(self.lost))
         record = finish_record(self.cfg, record, live)
         self.history.append(record)
-        report(self.cfg, record)
+        if show:
+            report(self.cfg, record)
         self.t0 += time.monotonic() - now  # the test's seconds are not the run's
         self.ep, self.t_epoch = _Epoch(), time.monotonic()
 
@@ -235,10 +236,11 @@ class Server:
     def _finish(self) -> None:
         """Server 0, once every worker is done or lost: the last (partial)
         epoch's line, the audit of every shard, then the history to all."""
-        if self.ep.pushes:  # the last epoch, with the pushes in flight at the stop; or where a loss ended it
+        held = bool(self.ep.pushes)
+        if held:  # the last epoch, with the pushes in flight at the stop; or where a loss ended it
             done = self.version >= self.ctx.total
             per_epoch = self.ctx.spe * self.W / self.ctx.steps_per_push
-            self._record(self.cfg.epochs if done else round(self.version / per_epoch, 3))
+            self._record(self.cfg.epochs if done else round(self.version / per_epoch, 3), show=False)
         audits = [self._audit()]
         for k in range(1, self.S):
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_STOP)
@@ -248,11 +250,15 @@ class Server:
         last.update({"pushes_applied": audits[0]["applied"], "pushes_reported": audits[0]["pushed"],
                      "audit_max_diff": max(diffs) if diffs else None,
                      "staleness_mean_run": self.stale_all[0] / max(1, self.stale_all[1]),
-                     "staleness_max_run": self.stale_all[2]})
+                     "staleness_max_run": self.stale_all[2],
+                     "pushes_by_worker": [int(n) for n in self.applied_by]})
+        if held:  # its line, the audit included
+            report(self.cfg, last)
         if not self.cfg.quiet:
             print(f"# train: {last['pushes_applied']} pushes applied, {last['pushes_reported']} reported pushed by "
                   f"the workers that finished, largest difference {last['audit_max_diff']}; staleness over the run "
-                  f"mean {last['staleness_mean_run']:.2f}, max {last['staleness_max_run']}", flush=True)
+                  f"mean {last['staleness_mean_run']:.2f}, max {last['staleness_max_run']}; pushes by worker "
+                  f"{', '.join(map(str, last['pushes_by_worker']))}", flush=True)
         if not all(a["ok"] for a in audits):
             raise RuntimeError(f"lost update: the servers applied other gradients than the workers pushed {audits}")
         for d in [*range(1, self.S), *(self.S + w for w in range(self.W) if w not in self.lost)]:

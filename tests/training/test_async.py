@@ -4,6 +4,8 @@ single-process reference, the staleness bound as an invariant, local SGD
 with H = 1 against synchronous SGD, local SGD and EASGD against a
 one-process simulation of their workers, Hogwild! alone against SGD."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -100,11 +102,19 @@ def test_fixed_delay_async_is_the_single_process_reference():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("bound", [0, 1])
-def test_a_staleness_bound_bounds_the_staleness_and_no_push_is_lost(bound):
+def test_a_staleness_bound_bounds_the_staleness_and_no_push_is_lost(bound, tmp_path):
     comm = MPI.COMM_WORLD
     workers = comm.Get_size() - 1
-    cfg = TrainConfig(**TINY, mode="async", staleness_bound=bound, epochs=1, straggler="1:2")
+    metrics = tmp_path / "m.jsonl"  # rank 0's: server 0 reports
+    cfg = TrainConfig(**TINY, mode="async", staleness_bound=bound, epochs=1, straggler="1:2", metrics=str(metrics))
     last = train(cfg)[-1]
+    assert len(last["pushes_by_worker"]) == workers and sum(last["pushes_by_worker"]) == last["pushes_applied"]
+    if comm.Get_rank() == 0:  # the metrics' last line carries the audit, as the returned history does
+        lines = metrics.read_text().splitlines()
+        line = json.loads(lines[-1])
+        assert len(lines) == 1 and line["epoch"] == last["epoch"] == 1
+        for key in ("pushes_applied", "pushes_reported", "pushes_by_worker", "staleness_max_run"):
+            assert line[key] == last[key]
     # a worker pulls at most s ahead of the slowest; the others push at most 2s + 1 times before its push
     assert last["staleness_max_run"] <= (workers - 1) * (2 * bound + 1)
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
