@@ -91,18 +91,35 @@ def out_of_memory(error: BaseException, comm, device, doing: str, advice: str, e
     return MemoryError(message)
 
 
+def _kernel_id() -> str | None:
+    """This boot of this machine's kernel: the same in every network, UTS or
+    container namespace on it (emulated hosts, containers), different on
+    another machine. None where it cannot be read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def cores_per_rank(comm) -> int:
-    """Cores this rank may use: its affinity when the launcher bound it
-    (e.g. mpirun's default binding to one core), else the node's cores
-    shared among the ranks of ``comm`` on this node. Collective over ``comm``."""
+    """Cores this rank may use: the CPUs that the ranks of ``comm`` on this
+    machine may run on (their affinities together: a launcher's binding, a
+    container's cpuset), shared among those ranks, and no more than its own.
+    Ranks are on the same machine when they run on the same kernel, so hosts
+    emulated in namespaces, or containers, that share one machine's cores share
+    them here too; where the kernel's boot id cannot be read, MPI's
+    shared-memory node stands for the machine. At least 1. Collective over ``comm``."""
     from mpi4py import MPI  # comm exists, so MPI is up already
 
     cpus = os.cpu_count() or 1
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpus))
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local = node.Get_size()
+    leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     node.Free()
-    return max(1, allowed) if allowed < cpus else max(1, allowed // local)
+    machine = _kernel_id() or f"shared-memory node of rank {leader}"
+    together = [cpus_ for key, cpus_ in comm.allgather((machine, mine)) if key == machine]
+    usable = len(set().union(*together))
+    return max(1, min(len(mine), usable // len(together)))
 
 
 def set_threads(threads: int | None, comm) -> int:

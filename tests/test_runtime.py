@@ -1,8 +1,13 @@
 """hpcjobs.runtime's settings of a training process."""
 
+import os
 import subprocess
 import sys
 
+import pytest
+from mpi4py import MPI
+
+from hpcjobs import runtime
 from launch import clean_env
 
 _SCRIPT = """
@@ -30,3 +35,28 @@ def test_set_threads_flushes_denormals_and_sets_the_threads():
     assert float(after) == 0.0
     assert int(nonzero) == 0  # on every thread of torch's, not only this one
     assert int(threads) == int(torch_threads) == 2
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("machine_by", ["boot id", "shared-memory node"])
+def test_cores_per_rank_divides_the_machines_cpus_among_its_ranks(monkeypatch, machine_by):
+    """The ranks of one machine share the CPUs they may run on (their
+    affinities together), none getting more than its own: unbound ranks
+    divide the job's CPUs, ranks pinned to one core get 1. The same where the
+    kernel's boot id cannot be read and MPI's shared-memory node stands for
+    the machine. (Across emulated hosts, which share one kernel:
+    tests/cluster/test_across_hosts.py.)"""
+    comm = MPI.COMM_WORLD
+    if machine_by != "boot id":
+        monkeypatch.setattr(runtime, "_kernel_id", lambda: None)
+    saved = os.sched_getaffinity(0)
+    every = sorted(set().union(*comm.allgather(sorted(saved))))
+    try:
+        os.sched_setaffinity(0, every)
+        spread = runtime.cores_per_rank(comm)
+        os.sched_setaffinity(0, every[:1])
+        pinned = runtime.cores_per_rank(comm)
+    finally:
+        os.sched_setaffinity(0, saved)
+    assert spread == max(1, len(every) // comm.Get_size())
+    assert pinned == 1

@@ -12,13 +12,16 @@ def run(args) -> int:
 
     from ..bench.report import environment, preamble
     from ..comm import print0
+    from ..runtime import cores_per_rank
 
     comm = MPI.COMM_WORLD
     for line in preamble(environment(comm), "hpcjobs info"):
         print0(line)
     for line in _gpu_lines():
         print0(line)
-    lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}", root=0)
+    cores = cores_per_rank(comm)  # collective: every rank, --all-ranks or not
+    lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}, "
+                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads)", root=0)
     if args.all_ranks and comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)
     return 0

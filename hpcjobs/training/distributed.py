@@ -57,7 +57,8 @@ Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buck
 
 The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py asks for ``MULTIPLE``); the
 main thread makes no MPI call on this communicator between backward and ``step()``. With a lower thread
-level, or a rank bound to a single core, ``overlap="auto"`` chooses ``"none"``.
+level, or a rank with less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one machine
+share its cores, emulated hosts and containers included), ``overlap="auto"`` chooses ``"none"``.
 """
 
 from __future__ import annotations

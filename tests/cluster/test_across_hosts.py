@@ -40,6 +40,10 @@ def test_info_names_each_ranks_host(emulated_cluster):
     proc = emulated_cluster.mpirun("h1:1,h2:2", 3, "hpcjobs", "info", "--all-ranks")
     _ok(proc)
     assert re.findall(r"rank (\d) of 3 on (h\d)", proc.stdout) == [("0", "h1"), ("1", "h2"), ("2", "h2")]
+    # The hosts share this machine's cores (one kernel), so the 3 ranks share
+    # them too: h1's rank alone on its host does not get them all.
+    cores = max(1, len(os.sched_getaffinity(0)) // 3)
+    assert re.findall(r"rank \d of 3 on h\d, (\d+) cores?", proc.stdout) == [str(cores)] * 3, proc.stdout
     # Each rank's guardian (hpcjobs/_reaper.py) stood down at the clean end.
     for host in ("h1", "h2"):
         assert emulated_cluster.wait_no_processes(host, "_reaper.py", 10) == [], host
