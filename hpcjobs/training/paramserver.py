@@ -154,7 +154,7 @@ class _Ctx:
         return slice(self.bounds[k], self.bounds[k + 1])
 
     def lr(self, version: int) -> float:
-        if self.elastic:  # each worker's own steps, at the synchronous schedule (as synchronous EASGD)
+        if self.elastic:  # the run's progress in a worker's steps, the workers' clock (ps_worker._run_elastic)
             return sched.lr_at(version * self.steps_per_push // self.workers, self.spe, self.schedule)
         return sched.lr_at(version, self.spe * self.workers, self.schedule)  # an epoch is spe * W pushes
 

@@ -39,6 +39,7 @@ class Server:
         self.deferred, self.pending = [], {}
         self.kept = {0: self.shard.copy()} if ctx.cfg.fixed_delay is not None else None
         self.applied_by, self.applied_sum = np.zeros(self.W, np.int64), np.zeros(m, np.float64)
+        self.last_lr = np.full(self.W, np.nan)  # the rate of each elastic worker's last step (its TAG_DONE)
         self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
         self.alive_reqs, self.alive_buf, self.next_alive = [], np.zeros(8), 0.0
         self.t0 = self.t_epoch = time.monotonic()
@@ -111,6 +112,7 @@ class Server:
                 self._apply(*self.pending.pop(self.version))
         elif tag == TAG_DONE:
             self.done[w] = (int(hdr[0]), self.inbuf[HDR:HDR + 8 * self.shard.size].view(np.float64).copy())
+            self.last_lr[w] = hdr[1]
         self._answer_deferred()
 
     def _apply(self, w: int, hdr: np.ndarray, grad: np.ndarray) -> None:
@@ -252,13 +254,17 @@ class Server:
                      "staleness_mean_run": self.stale_all[0] / max(1, self.stale_all[1]),
                      "staleness_max_run": self.stale_all[2],
                      "pushes_by_worker": [int(n) for n in self.applied_by]})
+        rates = ""
+        if self.ctx.elastic:  # the rate each worker last stepped with (None: lost)
+            last["lr_by_worker"] = [None if np.isnan(r) else float(r) for r in self.last_lr]
+            rates = "; last rate by worker " + ", ".join("-" if np.isnan(r) else f"{r:.3g}" for r in self.last_lr)
         if held:  # its line, the audit included
             report(self.cfg, last)
         if not self.cfg.quiet:
             print(f"# train: {last['pushes_applied']} pushes applied, {last['pushes_reported']} reported pushed by "
                   f"the workers that finished, largest difference {last['audit_max_diff']}; staleness over the run "
                   f"mean {last['staleness_mean_run']:.2f}, max {last['staleness_max_run']}; pushes by worker "
-                  f"{', '.join(map(str, last['pushes_by_worker']))}", flush=True)
+                  f"{', '.join(map(str, last['pushes_by_worker']))}{rates}", flush=True)
         if not all(a["ok"] for a in audits):
             raise RuntimeError(f"lost update: the servers applied other gradients than the workers pushed {audits}")
         for d in [*range(1, self.S), *(self.S + w for w in range(self.W) if w not in self.lost)]:

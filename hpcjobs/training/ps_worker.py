@@ -68,23 +68,32 @@ class Worker:
 
     def _run_elastic(self) -> None:
         """Asynchronous EASGD: H steps of this worker's own SGD, then pull the
-        center x~, step e = a (x - x~) toward it and push e."""
+        center x~, step e = a (x - x~) toward it and push e.
+
+        The learning rate follows the run's progress, not this worker's own
+        steps: at each pull the schedule's step becomes the moves applied so far,
+        and the one it is about to push, times H / W (a worker's steps, were all
+        equally fast); it then counts this worker's steps until the next pull.
+        On its own count a slow worker would still step at a high rate while the
+        others had decayed to the final one, and its moves would pull the center
+        off (docs/results/async.md, "EASGD's asynchronous form")."""
         ctx, cfg, opt = self.ctx, self.cfg, self.opt
         flat = ctx.flat.numpy()
-        step, epoch, sums = 0, 0, np.zeros(3)
+        step, clock, epoch, sums = 0, 0, 0, np.zeros(3)
         while True:
             batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
             for t in range(ctx.spe):
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
-                sched.set_lr(opt, sched.lr_at(step, ctx.spe, ctx.schedule), momentum_correction=cfg.momentum_correction)
+                sched.set_lr(opt, sched.lr_at(clock, ctx.spe, ctx.schedule), momentum_correction=cfg.momentum_correction)
                 opt.step()
-                step, sums = step + 1, sums + (loss, correct, samples)
+                step, clock, sums = step + 1, clock + 1, sums + (loss, correct, samples)
                 if step % cfg.local_steps:
                     continue
                 heads = self._pull(self.pushed_count, -1)
                 if heads is None:
                     return
+                clock = (int(heads[0][0]) + 1) * cfg.local_steps // self.W  # the moves applied, and this one
                 for k in range(self.S):
                     sl = ctx.shard(k)
                     np.subtract(flat[sl], self.inbuf[k][HDR:].view(np.float32), out=self.grad[sl])
@@ -126,7 +135,7 @@ class Worker:
         for k in range(S):
             sl = ctx.shard(k)
             buf = np.empty(HDR + 8 * (sl.stop - sl.start), np.uint8)
-            buf[:HDR].view(np.float64)[0] = pushes
+            buf[:HDR].view(np.float64)[:2] = pushes, self.opt.param_groups[0]["lr"] if ctx.elastic else np.nan
             buf[HDR:].view(np.float64)[:] = self.pushed_sum[sl]
             done.append(buf)
             self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_DONE)

@@ -219,6 +219,26 @@ def test_async_easgd_applies_every_elastic_step():
     assert last["audit_max_diff"] <= 1e-12
 
 
+@pytest.mark.mpi(min_size=3)
+def test_async_easgd_workers_step_at_the_runs_rate_not_at_their_own_count():
+    """A worker 4x slower than the others takes fewer steps; under a cosine
+    decay its own count would still give it a high rate at the end. Its rate
+    follows the run's moves instead: its last step's rate is below what its
+    count gives. On their own counts (the code before) the two are equal."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    cfg = TrainConfig(**TINY, epochs=3, mode="easgd", easgd_form="async", servers=servers, local_steps=2,
+                      decay="cosine", straggler=f"{servers}:4")
+    last = train(cfg)[-1]
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    rates, pushes = last["lr_by_worker"], last["pushes_by_worker"]
+    assert len(rates) == workers and all(r is not None for r in rates)
+    assert pushes[0] < min(pushes[1:])  # the slow worker moved the center least
+    # its steps: 2 per push, and the 2 before the pull that was told to stop
+    own = sched.lr_at((pushes[0] + 1) * 2 - 1, spe, cfg.schedule(workers))
+    assert rates[0] < own
+
+
 @pytest.mark.mpi(min_size=1)
 def test_hogwild_alone_is_sgd_and_together_it_learns():
     comm = MPI.COMM_WORLD
