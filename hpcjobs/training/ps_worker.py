@@ -85,7 +85,8 @@ class Worker:
             for t in range(ctx.spe):
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
-                sched.set_lr(opt, sched.lr_at(clock, ctx.spe, ctx.schedule), momentum_correction=cfg.momentum_correction)
+                sched.set_lr(opt, sched.lr_at(clock, ctx.spe, ctx.schedule),
+                             momentum_correction=cfg.momentum_correction)
                 opt.step()
                 step, clock, sums = step + 1, clock + 1, sums + (loss, correct, samples)
                 if step % cfg.local_steps:
