@@ -46,6 +46,12 @@ for phase in $PHASES; do
     [[ " tests bench train small " == *" $phase "* ]] \
         || { say "unknown phase '$phase' in HPCJOBS_GPU_PHASES; choose from tests bench train small"; exit 2; }
 done
+TEST_RANKS=${HPCJOBS_GPU_TEST_RANKS:-2 3 4}
+BENCH_RANKS=${HPCJOBS_GPU_BENCH_RANKS:-2 4}
+[ $QUICK = 1 ] && TEST_RANKS=2 BENCH_RANKS=2
+for n in $TEST_RANKS $BENCH_RANKS; do
+    [[ $n =~ ^[1-9][0-9]*$ ]] || { say "rank count '$n' in HPCJOBS_GPU_*_RANKS is not a positive integer"; exit 2; }
+done
 if [ "$PHASES" != small ] && ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     say "no CUDA GPU visible to $PY (torch.cuda.is_available() is False): nothing to check here"
     exit 2
@@ -87,12 +93,6 @@ mkdir -p "$BASE/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")"
     && chmod +x "$BASE/bin/python" && export PATH=$BASE/bin:$PATH
 say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, " + (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"))'); $(nproc) cores; $(mpirun --version | head -1)"
 
-TEST_RANKS=${HPCJOBS_GPU_TEST_RANKS:-2 3 4}
-BENCH_RANKS=${HPCJOBS_GPU_BENCH_RANKS:-2 4}
-[ $QUICK = 1 ] && TEST_RANKS=2 BENCH_RANKS=2
-for n in $TEST_RANKS $BENCH_RANKS; do
-    [[ $n =~ ^[1-9][0-9]*$ ]] || { say "rank count '$n' in HPCJOBS_GPU_*_RANKS is not a positive integer"; exit 2; }
-done
 failed=0
 tests() {  # tests <ranks>
     local n=$1 log=$OUT/np$1.log

@@ -1,6 +1,6 @@
-"""scripts/gpu_check.sh refuses what it cannot run before it starts anything:
-an unknown phase, or a rank count that is not a positive integer (checked
-here on a machine without a GPU: the `small` phase needs none)."""
+"""scripts/gpu_check.sh refuses what it cannot run before it installs or
+starts anything: an unknown phase, or a rank count that is not a positive
+integer (checked here, on a machine without a GPU)."""
 
 import os
 import subprocess
@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, **env):
-    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # the venv's mpirun
-    full = {**os.environ, "PATH": path, "HPCJOBS_PYTHON": sys.executable, "HPCJOBS_GPU_OUT": str(tmp_path), **env}
+    full = {**os.environ, "HPCJOBS_PYTHON": sys.executable, "HPCJOBS_GPU_OUT": str(tmp_path), **env}
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=full, capture_output=True,
                           text=True, timeout=120)
 
