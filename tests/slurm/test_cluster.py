@@ -6,6 +6,7 @@ installed (not root, not Debian) or the emulated cluster cannot be brought
 up; HPCJOBS_REQUIRE_SLURM=1 and HPCJOBS_REQUIRE_CLUSTER=1 (CI) turn the
 skips into failures."""
 
+import importlib.util
 import json
 import os
 import re
@@ -209,6 +210,10 @@ def test_tune_template(jobs):
 
 
 def test_horovod_template(jobs):
+    if importlib.util.find_spec("horovod") is None:  # the template's job runs this venv's python
+        if os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
+            pytest.fail("HPCJOBS_REQUIRE_HOROVOD=1 but Horovod is not installed (scripts/install_horovod.sh)")
+        pytest.skip("Horovod is not installed (scripts/install_horovod.sh)")
     r = jobs["horovod"]
     _ok(r)
     assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "horovod"}
