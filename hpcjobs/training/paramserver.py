@@ -153,9 +153,14 @@ class _Ctx:
     def shard(self, k: int) -> slice:
         return slice(self.bounds[k], self.bounds[k + 1])
 
+    def elastic_step(self, moves: int) -> int:
+        """The schedule's step after ``moves`` elastic moves: the run's progress in a worker's steps,
+        the clock every elastic worker steps by (ps_worker.Worker._run_elastic)."""
+        return moves * self.steps_per_push // self.workers
+
     def lr(self, version: int) -> float:
-        if self.elastic:  # the run's progress in a worker's steps, the workers' clock (ps_worker._run_elastic)
-            return sched.lr_at(version * self.steps_per_push // self.workers, self.spe, self.schedule)
+        if self.elastic:
+            return sched.lr_at(self.elastic_step(version), self.spe, self.schedule)
         return sched.lr_at(version, self.spe * self.workers, self.schedule)  # an epoch is spe * W pushes
 
     def epochs_done(self, version: int) -> int:

@@ -94,7 +94,7 @@ class Worker:
                 heads = self._pull(self.pushed_count, -1)
                 if heads is None:
                     return
-                clock = (int(heads[0][0]) + 1) * cfg.local_steps // self.W  # the moves applied, and this one
+                clock = ctx.elastic_step(int(heads[0][0]) + 1)  # the moves applied, and this one
                 for k in range(self.S):
                     sl = ctx.shard(k)
                     np.subtract(flat[sl], self.inbuf[k][HDR:].view(np.float32), out=self.grad[sl])
