@@ -74,6 +74,8 @@ COMMANDS = (
             "without a straggler: error, time to target, bytes, staleness"),
     Command("plan", "plan", "how many devices, which algorithm: iteration time, efficiency and time to a target "
             "loss per device count, predicted from measurements", mpi=False),
+    Command("plan-check", "plan_check", "the planner against published scaling results: each row's hardware "
+            "description through plan, predicted against published efficiency", mpi=False),
     Command("soak", "soak", "many random allreduces (sizes, dtypes, ops, algorithms) checked against MPI_Allreduce, "
             "with each rank's memory watched"),
     Command("slurm render", "slurm_render",

@@ -269,8 +269,11 @@ def _fit(args):
     return predict, points
 
 
-def run(args) -> int:
-    from ..planner import allreduce_s, plan, recommend
+def predict(args) -> tuple:
+    """Every row ``args`` (plan's flags) asks for: checks the flags, costs
+    each layout, measures or takes the one device's step, and returns
+    ``(rows, workload, net, what, target, points)``."""
+    from ..planner import allreduce_s, plan
 
     if args.measure and not args.model:
         raise UsageError("--measure times one of our models: give --model")
@@ -292,6 +295,13 @@ def run(args) -> int:
         fitted, points = _fit(args)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
                     _payload(args.compression, args.measure), target, fitted)
+    return rows, workload, net, what, target, points
+
+
+def run(args) -> int:
+    from ..planner import recommend
+
+    rows, workload, net, what, target, points = predict(args)
     best = recommend(rows)
     print(f"# plan: {what}, batch {workload.batch}/device, one device {workload.batch / workload.step_s:.4g} samples/s "
           f"(forward {workload.forward_s * 1e3:.3g} ms, backward {workload.backward_s * 1e3:.3g} ms, update "
