@@ -96,12 +96,14 @@ say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, " + (f"{torch.
 failed=0
 tests() {  # tests <ranks>
     local n=$1 log=$OUT/np$1.log
+    # --durations: which tests took the time (2-3 ranks took 80-86 s on 2026-11-27 against 25-28 s before)
     timeout "$T" mpirun --oversubscribe -n "$n" scripts/rank_pytest.sh -p no:cacheprovider -q --with-mpi \
-        -m "cuda or mpi" tests/gpu tests/collectives/test_device.py tests/training/test_model_equivalence.py \
+        --durations=10 --durations-min=1 -m "cuda or mpi" tests/gpu tests/collectives/test_device.py tests/training/test_model_equivalence.py \
         >"$log" 2>&1
     local rc=$? line
     line=$(grep -aE '[0-9]+ (passed|failed)' "$log" | tail -1 | sed 's/\x1b\[[0-9;]*m//g')
-    say "tests at $n ranks: ${line:-no summary} (rc $rc)"
+    say "tests at $n ranks: ${line:-no summary} (rc $rc); slowest: $(grep -aE '^[0-9.]+s (call|setup)' "$log" \
+        | head -3 | awk '{printf "%s %s; ", $1, $3}')"
     [ $rc = 0 ] || failed=1
 }
 if [[ " $PHASES " == *" tests "* ]]; then
