@@ -92,6 +92,10 @@ export OMPI_MCA_osc=^ucx OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM
 mkdir -p "$BASE/bin" && printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$BASE/bin/python" \
     && chmod +x "$BASE/bin/python" && export PATH=$BASE/bin:$PATH
 say "$("$PY" -c 'import torch; print(f"torch {torch.__version__}, " + (f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"))'); $(nproc) cores; $(mpirun --version | head -1)"
+# Whether this machine could host the emulated cluster (docs/cluster.md) with a core per host: the
+# planner's 1 Gbit/s check (docs/results/planner.md (a)) needs more cores than the CI kind has.
+say "network namespaces: $(unshare -n true 2>/dev/null && echo yes || echo no); ip: $(command -v ip || echo absent); \
+tc: $(command -v tc || echo absent); effective capabilities: $(awk '/^CapEff/ {print $2}' /proc/self/status)"
 
 failed=0
 tests() {  # tests <ranks>
