@@ -217,11 +217,22 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     (["--params", "1M", "--throughput", "10", "--loss-model", "power"], "give --metrics and --target-loss"),
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
     (["--params", "1M", "--throughput", "10", "--json", "/nonexistent/plan.json"], "cannot write"),
+    (["--params", "1M", "--throughput", "10", "--amp", "bf16"], "give --model and --measure"),
+    (["--model", "mlp", "--throughput", "10", "--device", "cuda"], "give --model and --measure"),
+    (["--model", "mlp", "--measure", "--amp", "fp16", "--devices", "1"], "--amp fp16 is for GPUs"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
     r = hpcjobs("plan", *args)
     assert r.returncode == 2 and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_measuring_on_a_gpu_that_is_not_there_is_refused():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: tests/gpu/test_profile.py measures on it")
+    r = hpcjobs("plan", "--model", "mlp", "--measure", "--device", "cuda", "--devices", "1")
+    assert r.returncode == 2 and "--device cuda: no CUDA GPU is visible" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):

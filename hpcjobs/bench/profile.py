@@ -1,7 +1,10 @@
 """One device's training step, timed in parts for the planner
 (``hpcjobs plan --measure``): forward, backward and the optimizer's update,
 and when, during backward, each parameter's gradient is ready (a
-``post_accumulate_grad`` hook on every parameter), averaged over steps."""
+``post_accumulate_grad`` hook on every parameter), averaged over steps. On
+a GPU the hook records a CUDA event, read once backward is done: waiting
+for the device in every hook would leave it idle while the host queues the
+next kernels, and time a slower backward than training runs."""
 
 from __future__ import annotations
 
@@ -39,10 +42,16 @@ def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
     params = [p for p in net.parameters() if p.requires_grad]
     ready: dict[int, float] = {}
     mark = [0.0]
+    cuda = w.device.startswith("cuda")
+    events: dict[int, object] = {}
+    begin = torch.cuda.Event(enable_timing=True) if cuda else None
 
     def hook(p):
-        _sync(w.device)
-        ready[id(p)] = time.perf_counter() - mark[0]
+        if cuda:  # on the stream the gradient was made on
+            events[id(p)] = torch.cuda.Event(enable_timing=True)
+            events[id(p)].record()
+        else:
+            ready[id(p)] = time.perf_counter() - mark[0]
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
     lm = w.model in GPT_MODELS
@@ -56,10 +65,16 @@ def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
                 out = net(x)
                 loss = lm_loss(out, y) if lm else torch.nn.functional.cross_entropy(out, y)
             _sync(w.device)
+            ready.clear()
+            events.clear()
             t1 = mark[0] = time.perf_counter()
+            if cuda:
+                begin.record()
             loss.backward()
             _sync(w.device)
             t2 = time.perf_counter()
+            if cuda:  # the device was idle at begin, so its clock and the host's start together
+                ready.update((k, begin.elapsed_time(e) / 1e3) for k, e in events.items())
             opt.step()
             _sync(w.device)
             t3 = time.perf_counter()

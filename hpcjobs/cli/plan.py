@@ -19,7 +19,8 @@ import sys
 import time
 
 from ..convergence import LOSS_MODELS
-from .args import UsageError, nonnegative_float, parse_bytes, positive_float, positive_int, usage
+from ..training.config import AMP
+from .args import UsageError, check_amp, nonnegative_float, parse_bytes, positive_float, positive_int, usage
 from .train import compression_spec
 
 LOSS_NAMES = {"optimus": "Optimus", "power": "power-law"}
@@ -95,6 +96,11 @@ def configure(p) -> None:
                    help="with --throughput: backward's share of the step, over which gradients arrive (2/3)")
     g.add_argument("--measure-steps", type=positive_int, default=10, help="timed steps for --measure (10)")
     g.add_argument("--threads", type=positive_int, help="torch threads for --measure")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where --measure times the step (cuda: the current GPU, each gradient's ready time from "
+                        "a CUDA event) (default cpu)")
+    g.add_argument("--amp", choices=AMP, default="none",
+                   help="mixed precision of the step --measure times: bf16, fp16 (GPUs) (default none)")
     g = p.add_argument_group("the machines (or --cost-model)")
     g.add_argument("--devices-per-node", type=positive_int, default=1, metavar="G", help="default %(default)s")
     g.add_argument("--intra-bw", type=positive_float, metavar="GB/s", help="between devices of a node, one way")
@@ -160,21 +166,31 @@ def _workload(args):
     if not args.model:
         return Workload.from_throughput(flat_shapes(args.params), args.throughput, args.batch_per_device,
                                         args.bytes_per_param, args.backward_share), f"{args.params} parameters"
+    import torch
+
     from ..bench.workload import Workload as Bench, model
 
+    device = "cpu"
+    if args.measure and args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible here (torch.cuda.is_available() is False)")
+        device = f"cuda:{torch.cuda.current_device()}"
+    if args.measure:
+        check_amp(args.amp, torch.device(device))
     w = Bench(model=args.model, width=args.width, batch_norm=False, input_size=40, image_size=args.image_size,
               num_classes=10 if args.model in ("mlp", "cnn1d") else 1000, batch_size=args.batch_per_device,
-              fusion_bytes=args.fusion_bytes, lr=0.01, seed=0)
+              fusion_bytes=args.fusion_bytes, lr=0.01, seed=0, device=device, amp=args.amp)
     if args.measure:
         from ..bench.profile import profile_step
         from ..runtime import set_threads
 
         if args.threads:
             set_threads(args.threads, None)
-        print(f"# plan: measuring {args.model} at batch {args.batch_per_device} here ({args.measure_steps} steps)",
-              file=sys.stderr, flush=True)
+        on = device + ("" if args.amp == "none" else f", {args.amp}")
+        print(f"# plan: measuring {args.model} at batch {args.batch_per_device} on {on} ({args.measure_steps} "
+              "steps)", file=sys.stderr, flush=True)
         step = profile_step(w, args.measure_steps)
-        return step, f"{args.model}, {sum(math.prod(t[2]) for t in step.tensors)} parameters, measured"
+        return step, f"{args.model}, {sum(math.prod(t[2]) for t in step.tensors)} parameters, measured on {on}"
     shapes = [tuple(q.shape) for q in reversed(list(model(w).parameters())) if q.requires_grad]
     return (Workload.from_throughput(shapes, args.throughput, args.batch_per_device, args.bytes_per_param,
                                      args.backward_share), f"{args.model}, {sum(map(math.prod, shapes))} parameters")
@@ -277,6 +293,8 @@ def predict(args) -> tuple:
 
     if args.measure and not args.model:
         raise UsageError("--measure times one of our models: give --model")
+    if (args.device != "cpu" or args.amp != "none") and not args.measure:
+        raise UsageError("--device and --amp say how --measure times the step: give --model and --measure")
     if bool(args.metrics) != bool(args.target_loss):
         raise UsageError("--metrics and --target-loss go together")
     if args.loss_model != "optimus" and not args.metrics:
