@@ -15,7 +15,7 @@
 # another), and installs what that python lacks (Open MPI, mpi4py, pytest,
 # pytest-mpi, pygments) from .whl/ into /tmp/hpcjobs-gpu, offline. Results:
 # $HPCJOBS_GPU_OUT (default results/gpu/): np<N>.log per test run,
-# bench-np<N>.txt/.json, staging.txt, compression.txt, train-*.txt,
+# bench-np<N>.txt/.json, staging.txt, compression.txt, train-*.txt, plan-resnet50.txt,
 # small-np<N>.txt/.json, summary.txt. HPCJOBS_GPU_PHASES picks phases
 # (default: tests bench train small); HPCJOBS_GPU_TEST_RANKS and
 # HPCJOBS_GPU_BENCH_RANKS the rank counts of the tests and the cuda tables
@@ -153,6 +153,11 @@ if [[ " $PHASES " == *" train "* ]]; then
     train resnet50-alone 1 $R50 --impl single,ours:auto,hvd-hpcjobs      # ours within 3% of plain torch
     train resnet50-bf16 1 $R50 --impl single,ours:auto --amp bf16       # 1.20x fp32's single on an H100
     train resnet50-fp16 1 $R50 --impl single,ours:auto --amp fp16
+    # the planner's one-device step timed on the GPU (CUDA events), beside bench train's "single" above
+    timeout "$T" "$PY" -m hpcjobs plan --model resnet50 --measure --device cuda --batch-per-device 64 \
+        --devices 1,8 --devices-per-node 8 --intra-bw 450 --algorithm ring --fusion-bytes 25M \
+        >"$OUT/plan-resnet50.txt" 2>&1 || failed=1
+    say "plan --measure --device cuda: $(grep -a '^# plan: resnet50' "$OUT/plan-resnet50.txt" | cut -c1-220)"
     train resnet18-shared 2 bench train --device cuda --model resnet18 --image-size 64 --batch-size 32 \
         --impl single,ours:auto,ddp-hpcjobs,hvd-hpcjobs --num-iters 5 --no-progress   # #wrong 0: equal parameters
     train gpt-mini-text 2 train --device cuda --model gpt-mini --dataset text --epochs 1 --optimizer adam \
