@@ -72,6 +72,9 @@ def test_the_shipped_published_rows_are_the_ones_the_results_report():
     (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --inter-bw 1 --bogus 3\n", "(x): unrecognized arguments"),
     (HEADER + "x,y,8,0.9,s,--params 1M --throughput 10 --devices-per-node 4\n", "give --intra-bw"),
     (HEADER, "a header and no rows"),
+    (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --inter-bw 1 --plo /x.png\n", "unrecognized arguments: --plo"),
+    (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --inter-bw 1 --run /x.jsonl\n", "unrecognized arguments"),
+    (HEADER + 'x,y,2,0.9,"s,--params 1M\n', "rows.csv:2"),
 ])
 def test_bad_rows_are_refused_with_their_line(tmp_path, text, words):
     rows = tmp_path / "rows.csv"
@@ -81,6 +84,76 @@ def test_bad_rows_are_refused_with_their_line(tmp_path, text, words):
     assert "Traceback" not in r.stderr
 
 
-def test_a_missing_file_is_refused():
+def test_csv_as_spreadsheets_write_it(tmp_path):
+    """A byte-order mark, an indented comment, a quoted field over two lines."""
+    rows = tmp_path / "rows.csv"
+    rows.write_bytes(("\ufeff" + HEADER + "  # indented comment\n"
+                      f'x1,one node,8,0.95,"a source\nover two lines",{FLAGS}\n'
+                      f"x2,again,8,0.9,src,{FLAGS}\n").encode("utf-8"))
+    r = hpcjobs("plan-check", str(rows))
+    assert r.returncode == 0, r.stderr
+    assert "| x1 " in r.stdout and "| x2 " in r.stdout and "of 2" in r.stdout
+
+
+def test_a_relative_cost_model_is_read_beside_the_rows(tmp_path):
+    from hpcjobs.perfmodel import Machine
+
+    sizes = [1024, 1 << 20, 16 << 20]
+    net = Machine(5e-5, 1e-8, 8e-9, 1e-11, "float32", sizes, [5e-5 + n * 1e-8 for n in sizes],
+                  [5e-5 + n * 8e-9 for n in sizes], [n * 1e-11 for n in sizes])
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "model.json").write_text(json.dumps({"ranks": 2, "machine": net.to_dict(), "rows": []}))
+    flags = "--params 1M --throughput 100 --batch-per-device 10 --devices-per-node 2 --cost-model model.json " \
+            "--algorithm ring"
+    (tmp_path / "rows" / "rows.csv").write_text(HEADER + f"x,two hosts,2,0.5,src,{flags}\n")
+    out = tmp_path / "check.json"
+    r = hpcjobs("plan-check", str(tmp_path / "rows" / "rows.csv"), "--json", str(out))  # run from elsewhere
+    assert r.returncode == 0, r.stderr
+    plan_json = tmp_path / "plan.json"
+    p = hpcjobs("plan", *flags.replace("model.json", str(tmp_path / "rows" / "model.json")).split(),
+                "--devices", "2", "--json", str(plan_json))
+    assert p.returncode == 0, p.stderr
+    want = json.loads(plan_json.read_text())["rows"][0]["efficiency"]
+    assert json.loads(out.read_text())["rows"][0]["predicted"] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_tcp_rows_at_a_measured_rate_are_the_ones_the_results_report(tmp_path):
+    """planner.md (c) reruns the TCP rows at 54% and 60% of their line rate
+    with a grep and a sed; the same substitution here gives its table."""
+    _, section = _doc_rows()
+    tcp = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and re.fullmatch(r"A\d[a-c]?t? .*", cells[0]):
+            tcp[cells[0].split()[0]] = [c.replace("−", "-") for c in cells[1:]]
+    assert len(tcp) == 6
+    shipped = (ROOT / "hpcjobs/data/published_scaling.csv").read_text().splitlines()
+    keep = [line for line in shipped if re.match(r"^(id,|A[0-9][a-c]?t?,[^,]* TCP )", line)]
+    for column, (a, b) in enumerate([("25", "40"), ("13.5", "21.6"), ("15", "24")]):
+        rows = tmp_path / f"tcp{column}.csv"
+        rows.write_text("\n".join(line.replace("--inter-bw 25 ", f"--inter-bw {a} ")
+                                   .replace("--inter-bw 40 ", f"--inter-bw {b} ") for line in keep) + "\n")
+        out = tmp_path / f"tcp{column}.json"
+        r = hpcjobs("plan-check", str(rows), "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        got = {row["id"]: f"{row['difference_points']:+.2f}" for row in json.loads(out.read_text())["rows"]}
+        assert got == {k: v[column] for k, v in tcp.items()}
+        assert sum(abs(float(v)) <= 7 for v in got.values()) == (1 if column == 0 else 4)  # as the text says
+
+
+def test_the_counts_in_the_docs_are_the_commands():
+    r = hpcjobs("plan-check")
+    within, total = re.search(r"# within 7 points: (\d+) of (\d+)", r.stdout).groups()
+    above = re.search(r"predicted above published in (\d+)", r.stdout)[1]
+    summary = (ROOT / "docs/results/planner.md").read_text()
+    assert f"it matches {within} of {total} efficiencies within 7 points" in summary
+    assert f"optimistic\n  on {above} of the {total}" in summary
+    training = " ".join((ROOT / "docs/training.md").read_text().split())
+    assert f"within 7 points of {within} of {total} published efficiencies, optimistic on {above}" in training
+
+
+def test_a_missing_file_and_a_folder_for_json_are_refused(tmp_path):
     r = hpcjobs("plan-check", "/nonexistent/rows.csv")
     assert r.returncode == 2 and "cannot read it" in r.stderr and "Traceback" not in r.stderr
+    r = hpcjobs("plan-check", "--json", str(tmp_path))
+    assert r.returncode == 2 and "is a directory" in r.stderr and "| A1 " not in r.stdout

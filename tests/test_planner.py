@@ -216,10 +216,13 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     (["--params", "1M", "--throughput", "10", "--target-loss", "0.1"], "go together"),
     (["--params", "1M", "--throughput", "10", "--loss-model", "power"], "give --metrics and --target-loss"),
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
-    (["--params", "1M", "--throughput", "10", "--json", "/nonexistent/plan.json"], "cannot write"),
+    (["--params", "1M", "--throughput", "10", "--json", "/dev/null/plan.json"], "cannot create the directory"),
+    (["--params", "1M", "--throughput", "10", "--json", "/tmp"], "is a directory"),
+    (["--params", "1M", "--throughput", "10", "--devices", "1", "--runs", "/nonexistent.jsonl"], "cannot read it"),
     (["--params", "1M", "--throughput", "10", "--amp", "bf16"], "give --model and --measure"),
     (["--model", "mlp", "--throughput", "10", "--device", "cuda"], "give --model and --measure"),
     (["--model", "mlp", "--measure", "--amp", "fp16", "--devices", "1"], "--amp fp16 is for GPUs"),
+    (["--model", "mlp", "--measure", "--device", "cuda", "--compression", "fp16"], "codec on the CPU"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
     r = hpcjobs("plan", *args)

@@ -54,6 +54,7 @@ def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
             ready[id(p)] = time.perf_counter() - mark[0]
 
     handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    scaler = torch.amp.GradScaler(torch.device(w.device).type) if w.amp == "fp16" else None  # as training does
     lm = w.model in GPT_MODELS
     times, fractions = [], {id(p): [] for p in params}
     try:
@@ -68,14 +69,18 @@ def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
             ready.clear()
             events.clear()
             t1 = mark[0] = time.perf_counter()
-            if cuda:
-                begin.record()
-            loss.backward()
+            if cuda:  # on w.device's stream, where its hooks record theirs
+                begin.record(torch.cuda.current_stream(torch.device(w.device)))
+            (scaler.scale(loss) if scaler else loss).backward()
             _sync(w.device)
             t2 = time.perf_counter()
             if cuda:  # the device was idle at begin, so its clock and the host's start together
                 ready.update((k, begin.elapsed_time(e) / 1e3) for k, e in events.items())
-            opt.step()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             _sync(w.device)
             t3 = time.perf_counter()
             if i >= warmup:

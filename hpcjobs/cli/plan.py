@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import time
 
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
-from .args import UsageError, check_amp, nonnegative_float, parse_bytes, positive_float, positive_int, usage
+from .args import UsageError, check_amp, check_outputs, nonnegative_float, parse_bytes, positive_float, positive_int, usage
 from .train import compression_spec
 
 LOSS_NAMES = {"optimus": "Optimus", "power": "power-law"}
@@ -264,8 +263,11 @@ def _target(args):
 
 
 def _lines(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
 
 
 def _fit(args):
@@ -295,14 +297,13 @@ def predict(args) -> tuple:
         raise UsageError("--measure times one of our models: give --model")
     if (args.device != "cpu" or args.amp != "none") and not args.measure:
         raise UsageError("--device and --amp say how --measure times the step: give --model and --measure")
+    if args.compression and args.device == "cuda":
+        raise UsageError("--compression times its codec on the CPU: with --device cuda give --throughput instead")
     if bool(args.metrics) != bool(args.target_loss):
         raise UsageError("--metrics and --target-loss go together")
     if args.loss_model != "optimus" and not args.metrics:
         raise UsageError("--loss-model picks the curve fitted to --metrics: give --metrics and --target-loss")
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise UsageError(f"{flag} {path}: cannot write into {folder}")
+    check_outputs(None, [("--json", args.json, False), ("--plot", args.plot, False)])
     with usage(ValueError):
         net = _network(args)
         devices = whole_nodes(args.devices, args.devices_per_node)

@@ -29,7 +29,7 @@ import os
 import shlex
 from importlib import resources
 
-from .args import UsageError, positive_float
+from .args import UsageError, check_outputs, positive_float
 
 COLUMNS = ("id", "run", "devices", "published", "source", "flags")
 REFUSED = ("--devices", "--json", "--plot", "--metrics", "--target-loss", "--runs")  # the row or the check sets these
@@ -55,51 +55,75 @@ class _Parser(argparse.ArgumentParser):
 def plan_parser() -> argparse.ArgumentParser:
     from . import plan
 
-    p = _Parser(prog="hpcjobs plan", add_help=False)
+    p = _Parser(prog="hpcjobs plan", add_help=False, allow_abbrev=False)  # --plo is not --plot here
     plan.configure(p)
     return p
 
 
+def _data_lines(text: str):
+    """``text``'s lines, comments and blank ones as empty lines (which csv
+    reads as empty rows), so that the reader's line numbers are the file's."""
+    for line in text.splitlines(keepends=True):
+        yield "\n" if not line.strip() or line.lstrip().startswith("#") else line
+
+
 def read_rows(path: str | None) -> tuple[str, list[dict]]:
     """The rows of ``path`` (or the shipped file) as dicts, each with its
-    line number; every malformed row refused with its line."""
+    first line's number; every malformed row refused with its line."""
     if path is None:
         source = resources.files("hpcjobs") / "data" / DEFAULT_ROWS
-        name, text = f"hpcjobs/data/{DEFAULT_ROWS}", source.read_text()
+        name, text = str(source), source.read_text(encoding="utf-8")
     else:
         try:
-            with open(path, newline="") as f:
+            with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark
                 name, text = path, f.read()
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"{path}: cannot read it ({e})")
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip() and not line.startswith("#")]
-    if not lines:
+    reader, header, rows = csv.reader(_data_lines(text)), None, []
+    try:
+        while True:
+            first = reader.line_num + 1
+            try:
+                cells = next(reader)
+            except StopIteration:
+                break
+            if not cells:
+                continue
+            if header is None:
+                header = [h.strip() for h in cells]
+                if sorted(header) != sorted(COLUMNS):
+                    raise UsageError(f"{name}:{first}: expected the columns {','.join(COLUMNS)}, got "
+                                     f"{','.join(header)}")
+                continue
+            if len(cells) != len(header):
+                raise UsageError(f"{name}:{first}: {len(cells)} fields, the header has {len(header)} (quote "
+                                 "fields with commas)")
+            rows.append(_row(dict(zip(header, (c.strip() for c in cells))), name, first))
+    except csv.Error as e:
+        raise UsageError(f"{name}:{reader.line_num}: not CSV ({e})") from None
+    if header is None:
         raise UsageError(f"{name}: no header and no rows (expected {','.join(COLUMNS)})")
-    header = [h.strip() for h in next(csv.reader([lines[0][1]]))]
-    if sorted(header) != sorted(COLUMNS):
-        raise UsageError(f"{name}:{lines[0][0]}: expected the columns {','.join(COLUMNS)}, got {','.join(header)}")
-    rows = []
-    for n, line in lines[1:]:
-        cells = next(csv.reader([line]))
-        if len(cells) != len(header):
-            raise UsageError(f"{name}:{n}: {len(cells)} fields, the header has {len(header)} (quote fields with commas)")
-        row = dict(zip(header, (c.strip() for c in cells)), line=n)
-        try:
-            row["devices"] = int(row["devices"])
-            row["published"] = float(row["published"])
-            if row["devices"] < 1 or not 0 < row["published"] <= 2:
-                raise ValueError
-        except ValueError:
-            raise UsageError(f"{name}:{n} ({row['id']}): devices must be a positive count and published an "
-                             f"efficiency in (0, 2], got {row['devices']!r} and {row['published']!r}") from None
-        rows.append(row)
     if not rows:
         raise UsageError(f"{name}: a header and no rows")
     return name, rows
 
 
-def check_row(row: dict, parser: argparse.ArgumentParser) -> dict:
-    """``row`` through the planner: its predicted efficiency at its device count."""
+def _row(row: dict, name: str, line: int) -> dict:
+    row["line"] = line
+    try:
+        row["devices"] = int(row["devices"])
+        row["published"] = float(row["published"])
+        if row["devices"] < 1 or not 0 < row["published"] <= 2:
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"{name}:{line} ({row['id']}): devices must be a positive count and published an "
+                         f"efficiency in (0, 2], got {row['devices']!r} and {row['published']!r}") from None
+    return row
+
+
+def check_row(row: dict, parser: argparse.ArgumentParser, folder: str | None = None) -> dict:
+    """``row`` through the planner: its predicted efficiency at its device
+    count. A relative ``--cost-model`` is read from ``folder`` (the rows')."""
     from . import plan
 
     flags = shlex.split(row["flags"])
@@ -110,6 +134,8 @@ def check_row(row: dict, parser: argparse.ArgumentParser) -> dict:
     args = parser.parse_args(flags + ["--devices", str(row["devices"])])
     if args.measure:
         raise ValueError("--measure times a model on this machine: give the published --throughput")
+    if args.cost_model and folder and not os.path.isabs(args.cost_model):
+        args.cost_model = os.path.join(folder, args.cost_model)  # beside the rows, wherever the check runs
     rows = plan.predict(args)[0]
     got = next(r for r in rows if r["devices"] == row["devices"])
     return {"id": row["id"], "run": row["run"], "devices": row["devices"], "predicted": got["efficiency"],
@@ -119,15 +145,13 @@ def check_row(row: dict, parser: argparse.ArgumentParser) -> dict:
 
 
 def run(args) -> int:
-    if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-            raise UsageError(f"--json {args.json}: cannot write into {folder}")
+    check_outputs(None, [("--json", args.json, False)])
     name, rows = read_rows(args.rows)
     parser, results = plan_parser(), []
+    folder = os.path.dirname(os.path.abspath(args.rows)) if args.rows else None
     for row in rows:
         try:
-            results.append(check_row(row, parser))
+            results.append(check_row(row, parser, folder))
         except (ValueError, UsageError) as e:
             raise UsageError(f"{name}:{row['line']} ({row['id']}): {e}") from None
     within = [r for r in results if abs(r["difference_points"]) <= args.within + 1e-9]
