@@ -19,7 +19,8 @@ import time
 
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
-from .args import UsageError, check_amp, check_outputs, nonnegative_float, parse_bytes, positive_float, positive_int, usage
+from .args import (UsageError, check_amp, check_outputs, nonnegative_float, parse_bytes, positive_float, positive_int,
+                   usage)
 from .train import compression_spec
 
 LOSS_NAMES = {"optimus": "Optimus", "power": "power-law"}
