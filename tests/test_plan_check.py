@@ -39,29 +39,58 @@ def test_each_rows_prediction_is_plans_efficiency_at_its_device_count(tmp_path):
     assert f"# within 5 points: {sum(inside)} of 2" in r.stdout and "| x2 " in r.stdout
 
 
-def _doc_rows() -> dict:
+def _doc_rows(ids: str = r"[A-D]\d+[a-z]*") -> dict:
     text = (ROOT / "docs/results/planner.md").read_text()
     section = text[text.index("## (c)"):text.index("## The gradient noise scale")]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and re.fullmatch(r"[A-Z]\d+[a-z]*", cells[0]):
+        if len(cells) == 6 and re.fullmatch(ids, cells[0]):
             rows[cells[0]] = (int(cells[2]), cells[3], cells[4], cells[5].replace("−", "-"))
     return rows, section
+
+
+def _printed(stdout: str) -> dict:
+    printed = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] != "id":
+            printed[cells[0]] = (int(cells[2]), cells[3], cells[4], cells[5])
+    return printed
 
 
 def test_the_shipped_published_rows_are_the_ones_the_results_report():
     r = hpcjobs("plan-check")
     assert r.returncode == 0, r.stderr
     doc, section = _doc_rows()
-    printed = {}
-    for line in r.stdout.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0] != "id":
-            printed[cells[0]] = (int(cells[2]), cells[3], cells[4], cells[5])
+    printed = _printed(r.stdout)
     assert len(printed) >= 30 and printed == doc  # the docs' table is this command's, figure for figure
     summary = re.search(r"# within 7 points: (\d+) of (\d+)", r.stdout)
     assert f"**{summary[1]} of {summary[2]} are within 7 points**" in section
+
+
+def test_the_held_out_rows_are_the_ones_the_results_report():
+    r = hpcjobs("plan-check", "--shipped", "heldout")
+    assert r.returncode == 0, r.stderr
+    doc, section = _doc_rows(r"H\d+")
+    printed = _printed(r.stdout)
+    assert len(printed) >= 100 and printed == doc
+    within, total = re.search(r"# within 7 points: (\d+) of (\d+)", r.stdout).groups()
+    above = re.search(r"predicted above published in (\d+)", r.stdout)[1]
+    assert f"| all {total} | **{within}** | {above} |" in section
+    assert f"**{within} of {total} within 7 points" in section
+    summary = " ".join((ROOT / "docs/results/planner.md").read_text().split())
+    assert f"nodes): {within} within 7 points" in summary
+    both = [abs(float(v[3])) for v in list(doc.values()) + list(_doc_rows()[0].values())]
+    under = sum(v[3].startswith("-") for v in list(doc.values()) + list(_doc_rows()[0].values()))
+    assert f"published efficiency on {under} of the {len(both)} rows" in " ".join(section.split())
+
+
+def test_a_file_and_a_shipped_set_together_are_refused(tmp_path):
+    rows = tmp_path / "rows.csv"
+    rows.write_text(HEADER + f"x,y,8,0.9,s,{FLAGS}\n")
+    r = hpcjobs("plan-check", str(rows), "--shipped", "heldout")
+    assert r.returncode == 2 and "not both" in r.stderr
 
 
 @pytest.mark.parametrize("text,words", [

@@ -6,11 +6,13 @@ scaling efficiency and the hardware description ``hpcjobs plan`` gets for it
 node, the links, the fusion size). The planner predicts the efficiency at the
 row's device count from those flags alone; the command prints predicted
 against published, the difference in points and how many rows fall within
-``--within`` points. Without a file it checks the rows that
-docs/results/planner.md (c) reports (``hpcjobs/data/published_scaling.csv``,
-each with its source)::
+``--within`` points. Without a file it checks a shipped set
+(``hpcjobs/data/``, each row with its source): ``published``, the rows
+docs/results/planner.md (c) was written on, or ``heldout``, rows collected
+after the planner and the rules for its flags were fixed::
 
     hpcjobs plan-check
+    hpcjobs plan-check --shipped heldout
     hpcjobs plan-check my_cluster.csv --within 5 --json check.json
 
 A row (lines starting with ``#`` are comments)::
@@ -33,13 +35,17 @@ from .args import UsageError, check_outputs, positive_float
 
 COLUMNS = ("id", "run", "devices", "published", "source", "flags")
 REFUSED = ("--devices", "--json", "--plot", "--metrics", "--target-loss", "--runs")  # the row or the check sets these
-DEFAULT_ROWS = "published_scaling.csv"
+SHIPPED = {"published": "published_scaling.csv",  # the rows docs/results/planner.md (c) was written on
+           "heldout": "published_scaling_heldout.csv"}  # collected after the planner and these rules were fixed
 
 
 def configure(p) -> None:
     p.add_argument("rows", nargs="?", metavar="ROWS.csv",
-                   help=f"rows to check ({', '.join(COLUMNS)}; default: the published rows of "
-                        "docs/results/planner.md (c), shipped as hpcjobs/data/" + DEFAULT_ROWS + ")")
+                   help=f"rows to check ({', '.join(COLUMNS)}; default: --shipped published)")
+    p.add_argument("--shipped", choices=tuple(SHIPPED), default=None,
+                   help="a shipped set instead of ROWS.csv (hpcjobs/data/): published, the rows "
+                        "docs/results/planner.md (c) was written on; heldout, rows collected after the planner was "
+                        "fixed and never used to change it")
     p.add_argument("--within", type=positive_float, default=7.0, metavar="POINTS",
                    help="count the rows predicted within this many points of efficiency (default %(default)g)")
     p.add_argument("--json", metavar="PATH", help="write each row's prediction and difference as JSON")
@@ -67,11 +73,11 @@ def _data_lines(text: str):
         yield "\n" if not line.strip() or line.lstrip().startswith("#") else line
 
 
-def read_rows(path: str | None) -> tuple[str, list[dict]]:
-    """The rows of ``path`` (or the shipped file) as dicts, each with its
-    first line's number; every malformed row refused with its line."""
+def read_rows(path: str | None, shipped: str = "published") -> tuple[str, list[dict]]:
+    """The rows of ``path`` (None: the ``shipped`` set) as dicts, each with
+    its first line's number; every malformed row refused with its line."""
     if path is None:
-        source = resources.files("hpcjobs") / "data" / DEFAULT_ROWS
+        source = resources.files("hpcjobs") / "data" / SHIPPED[shipped]
         name, text = str(source), source.read_text(encoding="utf-8")
     else:
         try:
@@ -145,8 +151,10 @@ def check_row(row: dict, parser: argparse.ArgumentParser, folder: str | None = N
 
 
 def run(args) -> int:
+    if args.rows and args.shipped:
+        raise UsageError("give ROWS.csv or --shipped, not both")
     check_outputs(None, [("--json", args.json, False)])
-    name, rows = read_rows(args.rows)
+    name, rows = read_rows(args.rows, args.shipped or "published")
     parser, results = plan_parser(), []
     folder = os.path.dirname(os.path.abspath(args.rows)) if args.rows else None
     for row in rows:
