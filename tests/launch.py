@@ -12,6 +12,16 @@ import tempfile
 import pytest
 
 
+def require(missing: str | None, flag: str = "HPCJOBS_REQUIRE_HOROVOD") -> None:
+    """Go on when ``missing`` is None; otherwise skip with that reason, or fail
+    where ``flag`` is 1 (CI sets it: what a test needs must be there)."""
+    if missing is None:
+        return
+    if os.environ.get(flag) == "1":
+        pytest.fail(f"{flag}=1 but {missing}")
+    pytest.skip(missing)
+
+
 def clean_env():
     # A clean launch: no MPI variables inherited from a pytest that may itself
     # run as an MPI singleton.

@@ -14,16 +14,14 @@ from mpi4py import MPI
 from conftest import OPS, assert_close, make_buffer, rank_input
 from hpcjobs.bench import baselines
 from hpcjobs.bench.baselines import available, gloo_allreduce, horovod_allreduce, horovod_supports, mpi_allreduce
+from launch import require
 
 
 def _require_horovod():
     reason = available("horovod", MPI.COMM_WORLD)
     if reason is None:
         return
-    why = os.environ.get("HPCJOBS_HOROVOD_UNAVAILABLE") or reason
-    if os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
-        pytest.fail(f"HPCJOBS_REQUIRE_HOROVOD=1 but Horovod is unavailable: {why}")
-    pytest.skip(f"Horovod unavailable: {why}")
+    require(f"Horovod is unavailable: {os.environ.get('HPCJOBS_HOROVOD_UNAVAILABLE') or reason}")
 
 
 @pytest.fixture(scope="module", autouse=True)

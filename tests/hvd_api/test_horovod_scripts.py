@@ -12,19 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import _mpirun_prefix, launch_env, run
+from launch import _mpirun_prefix, launch_env, require, run
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
 def _require_horovod():
-    if importlib.util.find_spec("horovod") is not None and \
-            importlib.util.find_spec("horovod.torch.mpi_lib_v2") is not None:
-        return
-    if os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
-        pytest.fail("HPCJOBS_REQUIRE_HOROVOD=1 but horovod.torch is not installed (scripts/install_horovod.sh)")
-    pytest.skip("horovod.torch is not installed (scripts/install_horovod.sh)")
+    found = importlib.util.find_spec("horovod") is not None and \
+        importlib.util.find_spec("horovod.torch.mpi_lib_v2") is not None
+    require(None if found else "horovod.torch is not installed (scripts/install_horovod.sh)")
 
 
 @pytest.fixture(scope="module")

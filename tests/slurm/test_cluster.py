@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hpcjobs.slurm import RenderOptions, TEMPLATES, render, template_path
-from launch import clean_env
+from launch import clean_env, require
 
 ROOT = Path(__file__).resolve().parents[2]
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL")
@@ -211,9 +211,7 @@ def test_tune_template(jobs):
 
 def test_horovod_template(jobs):
     if importlib.util.find_spec("horovod") is None:  # the template's job runs this venv's python
-        if os.environ.get("HPCJOBS_REQUIRE_HOROVOD") == "1":
-            pytest.fail("HPCJOBS_REQUIRE_HOROVOD=1 but Horovod is not installed (scripts/install_horovod.sh)")
-        pytest.skip("Horovod is not installed (scripts/install_horovod.sh)")
+        require("Horovod is not installed (scripts/install_horovod.sh)")
     r = jobs["horovod"]
     _ok(r)
     assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "horovod"}
