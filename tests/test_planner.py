@@ -206,6 +206,18 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     assert wire < json.loads(out.read_text())["rows"][1]["comm_s"] < wire + 1.0
 
 
+def test_plan_compression_none_is_train_spelling_of_no_compression(tmp_path):
+    """`train --compression none` is a run without compression: plan takes the same flag to mean the same."""
+    rows = {}
+    for extra in ([], ["--compression", "none"]):
+        out = tmp_path / f"plan{len(extra)}.json"
+        r = hpcjobs("plan", "--params", "25M", "--throughput", "100", "--devices", "1,2,4", "--inter-bw", "10",
+                    *extra, "--json", str(out))
+        assert r.returncode == 0, r.stderr
+        rows[len(extra)] = json.loads(out.read_text())["rows"]
+    assert rows[0] == rows[2] and rows[0][2]["comm_s"] > 0
+
+
 @pytest.mark.parametrize("args,words", [
     (["--params", "1M", "--throughput", "10", "--devices-per-node", "4"], "--intra-bw"),
     (["--params", "1M", "--measure"], "give --model"),

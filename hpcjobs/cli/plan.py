@@ -294,6 +294,8 @@ def predict(args) -> tuple:
     ``(rows, workload, net, what, target, points)``."""
     from ..planner import allreduce_s, plan
 
+    if args.compression == "none":  # train's spelling of no compression: plan the same run
+        args.compression = None
     if args.measure and not args.model:
         raise UsageError("--measure times one of our models: give --model")
     if (args.device != "cpu" or args.amp != "none") and not args.measure:
