@@ -5,9 +5,12 @@
 # hosts talk over TCP through the switch; ranks on one host through shared
 # memory, as on a cluster. docs/cluster.md, "An emulated cluster on one machine".
 #
-#   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...]
+#   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...] [--tcp-cc NAME]
 #       RATE: tbf syntax (100mbit, 1gbit, 5gbit) or none (unshaped, the default);
 #       each host's uplink and downlink. --rate-hK gives host K its own.
+#       NAME: the hosts' TCP congestion control, cubic (the default, as on
+#       most Linux hosts) or one this kernel has (reno, bbr, ...), or kernel
+#       (whatever this machine's default is).
 #   scripts/emulated_cluster.sh mpirun [mpirun args...]
 #       the venv's mpirun, started in h1, launching onto the hosts through an
 #       ssh stand-in (scripts/emulated_ssh); PATH and every HPCJOBS_* variable
@@ -94,8 +97,33 @@ shape() {  # shape NETNS DEV RATE
     tc -n "$netns" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst_of "$rate")" latency 100ms
 }
 
+# The hosts' TCP congestion control, set on their route (local to the
+# namespaces; the machine's own default is untouched). It matters on a
+# shaped link: BBR, this kind of machine's default, paces by the rate it
+# measured, and tbf's burst makes it measure more than the link has; an
+# exchange of 2 MiB right after another then took 110-120 ms at 200 Mbit/s
+# where one alone took 85 ms. With cubic both take 85 ms (docs/cluster.md).
+set_tcp_cc() {  # set_tcp_cc NETNS ADDR NAME
+    local netns=$1 addr=$2 cc=$3
+    [ "$cc" = kernel ] && return 0
+    ip -n "$netns" route replace "$NET.0/24" dev eth0 proto kernel scope link src "$addr" congctl "$cc"
+}
+
+check_tcp_cc() {
+    local cc=$1 have
+    [ "$cc" = kernel ] && return 0
+    [[ "$cc" =~ ^[a-z0-9_]+$ ]] || die "up: --tcp-cc '$cc': a name such as cubic, reno, bbr, or kernel"
+    have=$(cat /proc/sys/net/ipv4/tcp_available_congestion_control 2>/dev/null || true)
+    if ! [[ " $have " == *" $cc "* ]]; then
+        modprobe "tcp_$cc" 2>/dev/null || true
+        have=$(cat /proc/sys/net/ipv4/tcp_available_congestion_control 2>/dev/null || true)
+    fi
+    [[ " $have " == *" $cc "* ]] \
+        || die "up: --tcp-cc $cc: this kernel has only '$have' (or use --tcp-cc kernel)"
+}
+
 cmd_up() {
-    local n="" rate=none
+    local n="" rate=none cc=cubic
     declare -A rates=()
     while [ $# -gt 0 ]; do
         case $1 in
@@ -103,9 +131,11 @@ cmd_up() {
             --hosts=*) n=${1#*=}; shift ;;
             --rate) rate=${2:-}; shift 2 || usage ;;
             --rate=*) rate=${1#*=}; shift ;;
+            --tcp-cc) cc=${2:-}; shift 2 || usage ;;
+            --tcp-cc=*) cc=${1#*=}; shift ;;
             --rate-h*) local k=${1#--rate-}; k=${k%%=*}
                 if [[ "$1" == *=* ]]; then rates[$k]=${1#*=}; shift; else rates[$k]=${2:-}; shift 2 || usage; fi ;;
-            *) die "up: unknown argument '$1' (up --hosts N [--rate RATE] [--rate-hK RATE])" ;;
+            *) die "up: unknown argument '$1' (up --hosts N [--rate RATE] [--rate-hK RATE] [--tcp-cc NAME])" ;;
         esac
     done
     [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le "$MAX_HOSTS" ] || die "up: --hosts must be 1..$MAX_HOSTS, got '$n'"
@@ -115,6 +145,7 @@ cmd_up() {
         [[ "$k" =~ ^h([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "$n" ] || die "up: --rate-$k: no host $k among h1..h$n"
         [ "${rates[$k]}" = none ] || burst_of "${rates[$k]}" >/dev/null
     done
+    check_tcp_cc "$cc"
     cmd_down quiet
     mkdir -p "$STATE"
     ip netns add "$SW"
@@ -131,6 +162,7 @@ cmd_up() {
         ip -n "$(ns "$h")" link set lo up
         ip -n "$(ns "$h")" addr add "$NET.$i/24" dev eth0
         ip -n "$(ns "$h")" link set eth0 up
+        set_tcp_cc "$(ns "$h")" "$NET.$i" "$cc"
         : >"$STATE/$h.uts"
         unshare --uts="$STATE/$h.uts" hostname "$h"
         r=${rates[$h]:-$rate}
@@ -139,6 +171,7 @@ cmd_up() {
         echo "$r" >"$STATE/$h.rate"
     done
     echo "$n" >"$STATE/hosts"
+    echo "$cc" >"$STATE/tcp_cc"
     write_hosts_block "$n"
     cmd_status
 }
@@ -153,6 +186,9 @@ cmd_status() {
         [ "$state" = DOWN ] && state="cut" || state="up"
         printf '%s %s netns %s link %s rate %s\n' "$h" "$NET.$i" "$(ns "$h")" "$state" "$(cat "$STATE/$h.rate")"
     done
+    printf 'tcp congestion control: %s\n' "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)"
+    [ "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)" != kernel ] \
+        || printf '  (kernel default: %s)\n' "$(ip netns exec "$(ns h1)" sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null)" 
 }
 
 cmd_exec() {

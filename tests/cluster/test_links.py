@@ -1,0 +1,55 @@
+"""The emulated hosts' links as a cluster's hosts have them: TCP between
+hosts with the congestion control `up --tcp-cc` names (cubic unless told),
+whatever this machine's own default is (docs/cluster.md)."""
+
+import subprocess
+import sys
+import time
+
+LISTEN = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("198.18.0.2", 47311)); s.listen(1); print("listening", flush=True)
+c, _ = s.accept(); c.recv(1); c.close()
+"""
+
+CONNECT = """
+import socket
+s = socket.create_connection(("198.18.0.2", 47311), timeout=20)
+print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode()); s.send(b"x")
+"""
+
+
+def _congestion_control_between_hosts(cluster) -> str:
+    """The congestion control of a real connection from h1 to h2."""
+    server = subprocess.Popen([*cluster.exec_prefix("h2"), sys.executable, "-c", LISTEN], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        out = subprocess.run([*cluster.exec_prefix("h1"), sys.executable, "-c", CONNECT], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+    finally:
+        deadline = time.monotonic() + 20
+        while server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+def test_hosts_talk_tcp_with_cubic_and_status_says_so(emulated_cluster):
+    assert _congestion_control_between_hosts(emulated_cluster) == "cubic"
+    status = emulated_cluster.script("status").stdout
+    assert "tcp congestion control: cubic" in status
+
+
+def test_an_unknown_congestion_control_is_refused_and_the_running_cluster_kept(emulated_cluster):
+    proc = emulated_cluster.script("up", "--hosts", "3", "--tcp-cc", "no_such_cc", check=False)
+    assert proc.returncode != 0
+    assert "--tcp-cc no_such_cc: this kernel has only" in proc.stderr and "cubic" in proc.stderr
+    # refused before anything was torn down: the session's hosts still answer
+    status = emulated_cluster.script("status").stdout
+    assert status.count("link up") == emulated_cluster.hosts
+    assert _congestion_control_between_hosts(emulated_cluster) == "cubic"
