@@ -25,8 +25,8 @@ Compression changes the bytes: a summable compressor's payload goes through
 the allreduce, the others' through a ring allgather of every rank's payload
 ((P - 1) messages of one payload). A :class:`Payload` may also charge each
 bucket its compress-and-decompress time and its own cost per byte reduced
-(``hpcjobs plan --compression --measure`` times both here: numpy adds
-float16 30-100 times slower per byte than float32). Other
+(``hpcjobs plan --compression --measure`` times both here, the payload
+reduced as the collectives reduce it). Other
 compute time this model leaves out.
 
 The **black-box cross-check** (:func:`fit_runs`, after Optimus's resource-speed

@@ -202,9 +202,12 @@ def _payload(spec: str | None, measure: bool):
     byte reduced, timed here."""
     if not spec:
         return None
+    import timeit
+
     import numpy as np
     import torch
 
+    from ..collectives._buffers import reducer
     from ..compression import make_compressor
     from ..planner import Payload
 
@@ -234,12 +237,8 @@ def _payload(spec: str | None, measure: bool):
     if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
         payload, _ = compressed((1 << 18,))
         dtype = (payload[0] if isinstance(payload, tuple) else payload).numpy().dtype
-        a, b, spent = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            np.add(a, b, out=a)
-            spent.append(time.perf_counter() - t0)
-        per_byte = statistics.median(spent) / a.nbytes
+        a, b, add = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), reducer("sum", dtype.name)
+        per_byte = statistics.median(timeit.repeat(lambda: add(a, b), number=1, repeat=5)) / a.nbytes
     return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte)
 
 

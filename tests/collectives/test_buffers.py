@@ -42,6 +42,27 @@ def test_bfloat16_reductions_use_torch_arithmetic():
     assert x.tolist() == [1.5, -1.5]
 
 
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_float16_sums_are_numpys_to_the_bit(op):
+    """float16 sums go through torch's vectorised add: the same bits as numpy's
+    float16 add on every pattern, subnormals, infinities, NaNs and -0 among them."""
+    bits = np.random.default_rng(7).integers(0, 1 << 16, size=(2, 1 << 22), dtype=np.uint16)
+    special = np.array([0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0x8000, 0x0000, 0x3C00,
+                        0x6800], dtype=np.uint16)
+    bits[0, :special.size], bits[1, :special.size] = special, special[::-1]
+    dst, src = bits[0].view(np.float16), bits[1].view(np.float16).copy()
+    with np.errstate(all="ignore"):
+        want = np.add(dst, src)
+    reducer(op, "float16")(dst, src)
+    same = (dst.view(np.uint16) == want.view(np.uint16)) | (np.isnan(dst) & np.isnan(want))
+    assert same.all(), f"{int((~same).sum())} of {dst.size} differ"
+    read_only = np.ones(4, np.float16)
+    read_only.flags.writeable = False
+    x = np.full(4, 0.5, np.float16)
+    reducer(op, "float16")(x, read_only)
+    assert x.tolist() == [1.5] * 4
+
+
 def test_integer_avg_is_floor_division():
     x = np.array([7, -7, 6], dtype=np.int32)
     finish_avg(x, "int32", 2)
