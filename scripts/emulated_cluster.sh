@@ -100,9 +100,10 @@ shape() {  # shape NETNS DEV RATE
 # The hosts' TCP congestion control, set on their route (local to the
 # namespaces; the machine's own default is untouched). It matters on a
 # shaped link: BBR, this kind of machine's default, paces by the rate it
-# measured, and tbf's burst makes it measure more than the link has; an
-# exchange of 2 MiB right after another then took 110-120 ms at 200 Mbit/s
-# where one alone took 85 ms. With cubic both take 85 ms (docs/cluster.md).
+# measured, and tbf's burst makes it measure more than the link has: 2 MiB
+# sent as two 1 MiB exchanges back to back took 110-120 ms at 200 Mbit/s
+# where one 2 MiB exchange took 85 ms. With cubic both take 85 ms
+# (docs/cluster.md).
 set_tcp_cc() {  # set_tcp_cc NETNS ADDR NAME
     local netns=$1 addr=$2 cc=$3
     [ "$cc" = kernel ] && return 0
