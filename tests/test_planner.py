@@ -198,9 +198,10 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     assert "measured" in r.stdout and f"{40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10} parameters" in r.stdout
     fp16 = hpcjobs("plan", "--model", "mlp", "--width", "64", "--measure", "--measure-steps", "2",
                    "--batch-per-device", "8", "--devices", "1,2", "--threads", "1", "--inter-bw", "1",
-                   "--compression", "fp16", "--json", str(out))
+                   "--algorithm", "ring", "--compression", "fp16", "--json", str(out))
     assert fp16.returncode == 0, fp16.stderr
-    # the ring of half the bytes on a 1 Gbit/s link (one bucket), plus a measured codec time above nothing
+    # the ring of half the bytes on a 1 Gbit/s link (one bucket: 2(P-1)·(A + N/P·B) at P = 2), plus a measured
+    # codec and reduction time above nothing ("auto" would cost recursive doubling's one exchange)
     params = 40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     wire = 2 * (20e-6 + 2 * params / 2 * 8e-9)
     assert wire < json.loads(out.read_text())["rows"][1]["comm_s"] < wire + 1.0
