@@ -247,6 +247,28 @@ def _float16_add() -> Callable[[np.ndarray, np.ndarray], None]:
     return reduce_f16
 
 
+@functools.cache
+def _float16_div() -> Callable[[np.ndarray, int], None]:
+    """float16 ``data /= size`` through torch, for the reason and with the
+    fallbacks of :func:`_float16_add`: numpy divides float16 at 3.5 ns an
+    element on the CI kind, 21 times torch. Both divide in float32 and round
+    once to float16, and double rounding through float32 is exact for
+    division too, so the bits are the same (checked on every float16 and
+    divisors 2 to 64)."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+
+    def div_f16(data: np.ndarray, size: int) -> None:
+        if torch is None or not data.flags.writeable:
+            np.true_divide(data, data.dtype.type(size), out=data)
+        else:
+            torch.from_numpy(data).div_(size)
+
+    return div_f16
+
+
 def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
     """Divide a summed slice by the group size, in place.
 
@@ -259,6 +281,8 @@ def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
     if dtype == "bfloat16":
         b = _bf16(data)
         b.div_(size)
+    elif dtype == "float16":
+        _float16_div()(data, size)
     elif dtype.startswith("float"):
         np.true_divide(data, data.dtype.type(size), out=data)
     else:

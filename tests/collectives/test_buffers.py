@@ -63,6 +63,19 @@ def test_float16_sums_are_numpys_to_the_bit(op):
     assert x.tolist() == [1.5] * 4
 
 
+def test_float16_averages_are_numpys_to_the_bit():
+    """The division of a float16 avg goes through torch too: the same bits as
+    numpy's float16 divide, for every float16 and every group size 2-64."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    for size in range(2, 65):
+        with np.errstate(all="ignore"):
+            want = np.true_divide(every, np.float16(size))
+        got = every.copy()
+        finish_avg(got, "float16", size)
+        same = (got.view(np.uint16) == want.view(np.uint16)) | (np.isnan(got) & np.isnan(want))
+        assert same.all(), f"size {size}: {int((~same).sum())} of {got.size} differ"
+
+
 def test_integer_avg_is_floor_division():
     x = np.array([7, -7, 6], dtype=np.int32)
     finish_avg(x, "int32", 2)
