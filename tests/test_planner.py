@@ -219,6 +219,52 @@ def test_plan_compression_none_is_train_spelling_of_no_compression(tmp_path):
     assert rows[0] == rows[2] and rows[0][2]["comm_s"] > 0
 
 
+def _run(path, ranks, epochs):
+    """A train --metrics file: (epoch_s, wait_s) per epoch, 10 steps each."""
+    path.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "ranks": ranks, "epoch_s": e, "wait_s": w,
+                                        "comm_s": w}) + "\n" for k, (e, w) in enumerate(epochs, 1)))
+    return str(path)
+
+
+def test_plan_holds_its_rows_against_measured_runs(tmp_path):
+    """--against: each run's median step from epoch 2 on, beside the planned row of its device count, split into
+    the time waited for reductions and the rest."""
+    p1 = _run(tmp_path / "p1.jsonl", 1, [(9.0, 0.0), (1.0, 0.0), (1.2, 0.0), (1.1, 0.0)])
+    p2 = _run(tmp_path / "p2.jsonl", 2, [(9.0, 5.0), (2.0, 1.0), (3.0, 2.2), (2.4, 1.6)])
+    p4 = _run(tmp_path / "p4.jsonl", 4, [(3.0, 1.8), (5.0, 3.5)])
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "25M", "--throughput", "100", "--batch-per-device", "32", "--devices", "1,2,4",
+                "--inter-bw", "10", "--runs", f"{p1},{p2}", "--against", f"{p2},{p4}", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    rows = {row["devices"]: row for row in data["rows"]}
+    got = {c["devices"]: c for c in data["against"]}
+    for P, step, waited in [(2, 0.24, 0.16), (4, 0.5, 0.35)]:  # medians of epoch_s / 10 over epochs 2 on
+        c, row = got[P], rows[P]
+        assert c["measured_s"] == pytest.approx(step) and c["waited_s"] == pytest.approx(waited)
+        assert c["rest_s"] == pytest.approx(step - waited)
+        assert c["predicted_s"] == row["iteration_s"] and c["error"] == pytest.approx(row["iteration_s"] / step - 1)
+        assert c["exposed_s"] == row["exposed_s"] and c["compute_s"] == row["compute_s"] == pytest.approx(0.32)
+        assert c["fit_error"] == pytest.approx(row["fit_iteration_s"] / step - 1)
+    assert got[2]["fit_s"] == pytest.approx(0.24)  # the fit goes through its own runs
+    assert "| devices |" in r.stdout and f"{(rows[4]['iteration_s'] / 0.5 - 1):+.1%}" in r.stdout
+
+
+def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
+    p3 = _run(tmp_path / "p3.jsonl", 3, [(1.0, 0.5), (1.0, 0.5)])
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1",
+                "--against", p3)
+    assert r.returncode == 2 and "a run on 3 devices" in r.stderr and "add 3 to --devices" in r.stderr, r.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"epoch": 1}\nnot json\n')
+    for flag in ("--runs", "--against"):
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1", flag, str(bad))
+        assert r.returncode == 2 and "not JSON lines" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    bad.write_text('{"epoch": 1, "step": 10}\n')
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1", "--against", str(bad))
+    assert r.returncode == 2 and "not a train --metrics file" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("args,words", [
     (["--params", "1M", "--throughput", "10", "--devices-per-node", "4"], "--intra-bw"),
     (["--params", "1M", "--measure"], "give --model"),

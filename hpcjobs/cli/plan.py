@@ -19,6 +19,7 @@ import time
 
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
+from . import plan_runs
 from .args import (UsageError, check_amp, check_outputs, nonnegative_float, parse_bytes, positive_float, positive_int,
                    usage)
 from .train import compression_spec
@@ -131,6 +132,10 @@ def configure(p) -> None:
                    help="gradient noise scale (default: the metrics' noise_scale, from train --noise-scale)")
     g.add_argument("--runs", metavar="A.jsonl,B.jsonl",
                    help="train --metrics files at different device counts: the black-box fit, side by side")
+    g.add_argument("--against", metavar="C.jsonl,D.jsonl",
+                   help="train --metrics files to hold the predictions against, at device counts --devices plans: "
+                        "measured and predicted step, and the time waited for reductions against the exposed "
+                        "communication")
     p.add_argument("--json", metavar="PATH", help="write the rows and the recommendation as JSON")
     p.add_argument("--plot", metavar="PATH", help="throughput and time to target against devices (png)")
 
@@ -250,7 +255,7 @@ def _target(args):
         return None
     epochs, losses = fit_metrics(args.metrics)  # checks the file: JSON lines with epoch and loss
     p = predict_epochs(epochs, losses, args.target_loss, args.loss_model)
-    records = _lines(args.metrics)
+    records = plan_runs.lines(args.metrics)
     last = records[-1]
     if "global_batch" not in last or "step" not in last:
         raise ValueError(f"{args.metrics}: the last line needs global_batch and step (a train --metrics file)")
@@ -262,35 +267,11 @@ def _target(args):
                   int(last["step"] // last["epoch"] * last["global_batch"]), noise)
 
 
-def _lines(path: str) -> list[dict]:
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
-
-
-def _fit(args):
-    from ..planner import fit_runs
-
-    if not args.runs:
-        return None, []
-    points = []
-    for path in [s for s in args.runs.split(",") if s]:
-        recs = _lines(path)
-        recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
-        if not recs or any(k not in recs[0] for k in ("ranks", "epoch_s", "step", "epoch")):
-            raise ValueError(f"{path}: not a train --metrics file (ranks, epoch_s, step, epoch)")
-        per_step = [r["epoch_s"] / (r["step"] / r["epoch"]) for r in recs]
-        points.append((int(recs[0]["ranks"]), statistics.median(per_step)))
-    _, predict = fit_runs(points)
-    return predict, points
-
-
 def predict(args) -> tuple:
     """Every row ``args`` (plan's flags) asks for: checks the flags, costs
     each layout, measures or takes the one device's step, and returns
-    ``(rows, workload, net, what, target, points)``."""
+    ``(rows, workload, net, what, target, points, checks)``
+    (``checks``: the ``--against`` runs beside their rows)."""
     from ..planner import allreduce_s, plan
 
     if args.compression == "none":  # train's spelling of no compression: plan the same run
@@ -311,18 +292,20 @@ def predict(args) -> tuple:
         devices = whole_nodes(args.devices, args.devices_per_node)
         for P in devices:  # every layout costed before anything is measured
             allreduce_s(1, P, net, args.algorithm)
+        plan_runs.check_devices(args.against, devices)
         workload, what = _workload(args)
         target = _target(args)
-        fitted, points = _fit(args)
+        fitted, points = plan_runs.fit(args.runs)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
                     _payload(args.compression, args.measure), target, fitted)
-    return rows, workload, net, what, target, points
+        checks = plan_runs.against(args.against, rows)
+    return rows, workload, net, what, target, points, checks
 
 
 def run(args) -> int:
     from ..planner import recommend
 
-    rows, workload, net, what, target, points = predict(args)
+    rows, workload, net, what, target, points, checks = predict(args)
     best = recommend(rows)
     print(f"# plan: {what}, batch {workload.batch}/device, one device {workload.batch / workload.step_s:.4g} samples/s "
           f"(forward {workload.forward_s * 1e3:.3g} ms, backward {workload.backward_s * 1e3:.3g} ms, update "
@@ -343,6 +326,11 @@ def run(args) -> int:
     print(table(rows))
     print(f"# fastest: {best['fastest']} devices; cheapest within 10% of it: {best['cheapest']} devices "
           f"(by {best['by']})")
+    if checks:
+        print("# against measured runs, per step (median over epochs 2 on): error = predicted / measured - 1; "
+              "waited for reductions (the rank that waited longest) against the exposed communication, the rest "
+              "of the step against one device's compute")
+        print(plan_runs.table(checks))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
@@ -352,7 +340,7 @@ def run(args) -> int:
                                       "grad_bytes": workload.grad_bytes},
                        "rows": [{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()}
                                 for r in rows],  # never reached: null
-                       "recommendation": best, "runs": points}, f, indent=1)
+                       "recommendation": best, "runs": points, "against": checks}, f, indent=1)
     if args.plot:
         _plot(rows, args.plot, what)
     return 0

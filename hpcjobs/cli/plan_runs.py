@@ -1,0 +1,106 @@
+"""The ``train --metrics`` files ``hpcjobs plan`` reads besides the loss
+curve: ``--runs``, measured steps for the black-box fit to go through, and
+``--against``, measured runs to hold the predictions against.
+
+A run's step is the median over its epochs after the first (which pays for
+warm-up) of the epoch's time per step. Against a run, each step is split
+as the system model splits it: the time the run waited for its reductions
+(``wait_s``, the rank that waited longest: with overlap, what backward did
+not hide) against the model's exposed communication, and the rest of the
+step against the model's compute (forward, backward and update of one
+device). A compressor's codec runs inside the reductions in both.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+NEEDED = ("ranks", "epoch_s", "step", "epoch")
+
+
+def lines(path: str) -> list[dict]:
+    """A JSON-lines file's records; ValueError naming the file if it cannot be read."""
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON lines ({e.msg}, line {e.lineno})") from None
+
+
+def measured(path: str) -> dict:
+    """One run: its device count, its step and the part of it spent waiting
+    for reductions (None where the file does not say), in seconds."""
+    recs = lines(path)
+    recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
+    if not recs or any(k not in r for r in recs for k in NEEDED):
+        raise ValueError(f"{path}: not a train --metrics file (each line needs {', '.join(NEEDED)})")
+    steps = [r["step"] / r["epoch"] for r in recs]  # steps per epoch
+    waited = None
+    if all("wait_s" in r for r in recs):
+        waited = statistics.median(r["wait_s"] / n for r, n in zip(recs, steps))
+    return {"run": path, "devices": int(recs[0]["ranks"]),
+            "step_s": statistics.median(r["epoch_s"] / n for r, n in zip(recs, steps)), "waited_s": waited}
+
+
+def _paths(spec: str | None) -> list[str]:
+    return [s for s in (spec or "").split(",") if s]
+
+
+def fit(spec: str | None):
+    """``--runs``: ``(predict, points)``, the black-box fit through the runs'
+    (devices, s/step), or ``(None, [])`` without runs."""
+    from ..planner import fit_runs
+
+    if not spec:
+        return None, []
+    points = [(m["devices"], m["step_s"]) for m in map(measured, _paths(spec))]
+    _, predict = fit_runs(points)
+    return predict, points
+
+
+def check_devices(spec: str | None, devices: list[int]) -> None:
+    """``--against``: every run's device count must be a planned row (checked
+    before anything is measured)."""
+    for m in map(measured, _paths(spec)):
+        if m["devices"] not in devices:
+            raise ValueError(f"--against {m['run']}: a run on {m['devices']} devices, which --devices does not "
+                             f"plan; add {m['devices']} to --devices")
+
+
+def against(spec: str | None, rows: list[dict]) -> list[dict]:
+    """Each ``--against`` run beside the planned row of its device count:
+    measured and predicted step, the relative errors (predicted / measured
+    - 1), and the split into waiting and the rest."""
+    by = {r["devices"]: r for r in rows}
+    out = []
+    for m in map(measured, _paths(spec)):
+        row = by[m["devices"]]
+        c = {"run": m["run"], "devices": m["devices"], "measured_s": m["step_s"],
+             "predicted_s": row["iteration_s"], "error": row["iteration_s"] / m["step_s"] - 1,
+             "waited_s": m["waited_s"], "exposed_s": row["exposed_s"],
+             "rest_s": None if m["waited_s"] is None else m["step_s"] - m["waited_s"], "compute_s": row["compute_s"]}
+        if "fit_iteration_s" in row:
+            c["fit_s"] = row["fit_iteration_s"]
+            c["fit_error"] = row["fit_iteration_s"] / m["step_s"] - 1
+        out.append(c)
+    return out
+
+
+def table(checks: list[dict]) -> str:
+    """The ``--against`` rows as a Markdown table, in ms."""
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:.4g}"
+
+    def err(v):
+        return "" if v is None else f" ({v:+.1%})"
+
+    head = ["devices", "run", "measured ms", "predicted ms (error)", "fit ms (error)", "waited ms", "exposed ms",
+            "rest ms", "compute ms"]
+    cells = [head] + [[str(c["devices"]), c["run"], ms(c["measured_s"]), ms(c["predicted_s"]) + err(c["error"]),
+                       ms(c.get("fit_s")) + err(c.get("fit_error")), ms(c["waited_s"]), ms(c["exposed_s"]),
+                       ms(c["rest_s"]), ms(c["compute_s"])] for c in checks]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
+    return "\n".join("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells)
