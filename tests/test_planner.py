@@ -260,9 +260,10 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     for flag in ("--runs", "--against"):
         r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1", flag, str(bad))
         assert r.returncode == 2 and "not JSON lines" in r.stderr and "Traceback" not in r.stderr, r.stderr
-    bad.write_text('{"epoch": 1, "step": 10}\n')
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1", "--against", str(bad))
-    assert r.returncode == 2 and "not a train --metrics file" in r.stderr, r.stderr
+    for text in ('{"epoch": 1, "step": 10}\n', "[1, 2]\n"):
+        bad.write_text(text)
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1", "--against", str(bad))
+        assert r.returncode == 2 and "not a train --metrics file" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args,words", [

@@ -35,7 +35,7 @@ def measured(path: str) -> dict:
     for reductions (None where the file does not say), in seconds."""
     recs = lines(path)
     recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
-    if not recs or any(k not in r for r in recs for k in NEEDED):
+    if not recs or any(not isinstance(r, dict) or any(k not in r for k in NEEDED) for r in recs):
         raise ValueError(f"{path}: not a train --metrics file (each line needs {', '.join(NEEDED)})")
     steps = [r["step"] / r["epoch"] for r in recs]  # steps per epoch
     waited = None
