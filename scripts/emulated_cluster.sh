@@ -189,7 +189,13 @@ cmd_status() {
     done
     printf 'tcp congestion control: %s\n' "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)"
     [ "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)" != kernel ] \
-        || printf '  (kernel default: %s)\n' "$(ip netns exec "$(ns h1)" sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null)" 
+        || printf '  (kernel default: %s)\n' "$(ip netns exec "$(ns h1)" sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null)"
+    local cores
+    cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # the cores this machine gives us (affinity)
+    printf 'cores: %s, shared by the %s hosts\n' "$cores" "$n"
+    [ "$n" -le "$cores" ] || printf '  (%s\n   %s)\n' \
+        "more hosts than cores: with a busy rank on each, their compute and the links' kernel work share" \
+        "the cores, and a step takes longer than on separate hosts (docs/cluster.md)"
 }
 
 cmd_exec() {

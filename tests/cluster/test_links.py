@@ -2,6 +2,7 @@
 hosts with the congestion control `up --tcp-cc` names (cubic unless told),
 whatever this machine's own default is (docs/cluster.md)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +44,10 @@ def test_hosts_talk_tcp_with_cubic_and_status_says_so(emulated_cluster):
     assert _congestion_control_between_hosts(emulated_cluster) == "cubic"
     status = emulated_cluster.script("status").stdout
     assert "tcp congestion control: cubic" in status
+    # the hosts share this machine's cores, and status says so, with the warning where they are fewer
+    cores, hosts = len(os.sched_getaffinity(0)), emulated_cluster.hosts
+    assert f"cores: {cores}, shared by the {hosts} hosts" in status
+    assert ("more hosts than cores" in status) == (hosts > cores)
 
 
 def test_an_unknown_congestion_control_is_refused_and_the_running_cluster_kept(emulated_cluster):
