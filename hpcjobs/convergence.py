@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._nnls import nonnegative_line
+
 __all__ = ["LOSS_MODELS", "MIN_POINTS", "Fit", "PowerFit", "Prediction", "epochs_factor", "fit", "fit_metrics",
            "fit_power", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
 
@@ -118,30 +120,12 @@ class Prediction:
     fit: Fit | PowerFit
 
 
-def _nnls2(k: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, float]:
-    """min over b0, b1 >= 0 of sum(w·(b0·k + b1 - y)^2)."""
-    A = np.stack([k, np.ones_like(k)], axis=1) * np.sqrt(w)[:, None]
-    t = y * np.sqrt(w)
-    (b0, b1), *_ = np.linalg.lstsq(A, t, rcond=None)
-    if b0 >= 0 and b1 >= 0:
-        return float(b0), float(b1)
-    best = None
-    for fixed in (0, 1):  # one of them at 0: the other's constrained optimum
-        col = A[:, 1 - fixed]
-        v = max(0.0, float(col @ t / (col @ col))) if col @ col > 0 else 0.0
-        cand = (v, 0.0) if fixed == 1 else (0.0, v)
-        err = float(np.sum((A @ np.array(cand) - t) ** 2))
-        if best is None or err < best[0]:
-            best = (err, cand)
-    return best[1]
-
-
 def _fit_at(k: np.ndarray, loss: np.ndarray, b2: float) -> tuple[float, float, float]:
     gap = loss - b2
     y = 1.0 / gap
     # Errors in 1/(l - b2) grow as gap^-2 times the loss's: weight by gap^4 so
     # the linear fit approximates least squares in the loss.
-    b0, b1 = _nnls2(k, y, gap ** 4)
+    b0, b1 = nonnegative_line(k, y, gap ** 4)
     d = b0 * k + b1
     pred = np.where(d > 0, 1.0 / np.where(d > 0, d, 1.0) + b2, np.inf)
     return b0, b1, float(np.sum((pred - loss) ** 2))

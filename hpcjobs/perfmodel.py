@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ._nnls import nonnegative_line
 from .collectives._buffers import as_flat, reducer
 from .collectives.costs import COSTS, across_path, evaluate
 from .collectives.counting import CountingComm
@@ -94,13 +95,13 @@ def _interp(n: float, sizes: list, costs: list) -> float:
 
 def _fit(sizes: list[int], times: list[float]) -> tuple[float, float]:
     """Least squares of t = α + n·β, weighted by 1/t so small messages (α)
-    and large ones (β) both count; α clamped at 0."""
+    and large ones (β) both count, with α, β >= 0: on a shaped link the
+    small messages ride the token bucket's burst, and the unconstrained
+    line can slope down (a negative β, 'negative GB/s')."""
     n = np.array(sizes, dtype=np.float64)
     t = np.array(times, dtype=np.float64)
-    w = 1.0 / t
-    A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(A, t * w, rcond=None)
-    return max(float(alpha), 0.0), float(beta)
+    beta, alpha = nonnegative_line(n, t, 1.0 / t ** 2)
+    return alpha, beta
 
 
 def _exchange_times(comm: MPI.Intracomm, sizes: list[int], both: bool, reps: int,

@@ -46,6 +46,25 @@ def test_fit_recovers_alpha_and_beta():
     assert alpha == pytest.approx(3e-6, rel=1e-6) and beta == pytest.approx(2e-10, rel=1e-6)
 
 
+def test_fit_never_slopes_down_or_starts_below_zero():
+    """On a shaped link small messages ride the burst and the best line can slope down: the fit keeps
+    beta >= 0 and alpha >= 0 at the constrained optimum instead of printing negative GB/s."""
+    sizes = [8, 64, 512, 4096, 32768]
+    falling = [10e-6, 9e-6, 8e-6, 7e-6, 6e-6]
+    alpha, beta = _fit(sizes, falling)
+    w = [1 / t ** 2 for t in falling]  # beta = 0: alpha is the weighted mean of the times
+    assert beta == 0.0 and alpha == pytest.approx(sum(wi * t for wi, t in zip(w, falling)) / sum(w), rel=1e-12)
+    low_start = [n * 1e-9 for n in sizes]
+    low_start[0] /= 2  # the smallest below the line through the origin: the unconstrained alpha is negative
+    w = [1 / t ** 2 for t in low_start]
+    assert (sum(wi * t for wi, t in zip(w, low_start)) * sum(wi * n * n for wi, n in zip(w, sizes))
+            < sum(wi * n for wi, n in zip(w, sizes)) * sum(wi * n * t for wi, n, t in zip(w, sizes, low_start)))
+    alpha, beta = _fit(sizes, low_start)  # alpha = 0: beta is the weighted least squares through the origin
+    assert alpha == 0.0
+    assert beta == pytest.approx(sum(wi * n * t for wi, n, t in zip(w, sizes, low_start))
+                                 / sum(wi * n * n for wi, n in zip(w, sizes)), rel=1e-12)
+
+
 def test_unmodeled_algorithm_is_refused():
     with pytest.raises(ValueError, match="no model for 'shm'"):
         predict("shm", 1024, 2, _linear_machine())
@@ -81,7 +100,7 @@ def test_uplink_formulas_are_what_each_node_sends_to_the_others(algorithm):
     import numpy as np
 
     comm = MPI.COMM_WORLD
-    P, rank, N = comm.Get_size(), comm.Get_rank(), 1 << 20
+    P, N = comm.Get_size(), 1 << 20
     proxy = CountingComm(comm)
     message_passing(algorithm).bound(as_flat(np.ones(N // 4, np.float32)), "sum", proxy)
     sent_to = comm.allgather(proxy.sent_to)  # every rank's bytes by destination

@@ -35,8 +35,8 @@ def run(args) -> int:
         return _across(args, comm, topo, sizes)
     print0(f"# hpcjobs model: {P} ranks on {topo.num_nodes} node(s); measuring alpha, beta, gamma")
     m = measure(comm)
-    print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {1 / m.beta / 1e9:.2f} GB/s (exchange), "
-           f"{1 / m.beta_pingpong / 1e9:.2f} GB/s (ping-pong)    gamma = {1 / m.gamma / 1e9:.2f} GB/s reduced")
+    print0(f"#   alpha = {m.alpha * 1e6:.2f} us    beta = {_gbs(m.beta, 2)} (exchange), "
+           f"{_gbs(m.beta_pingpong, 2)} (ping-pong)    gamma = {_gbs(m.gamma, 2)} reduced")
     names = [a for a in MODELED if a != "hierarchical" or topo.num_nodes > 1]
     records = sweep(comm, sizes, implementations(names), iters=args.iters)
     rows = compare(records, P, m, topo.local_size if topo.uniform else None)
@@ -82,8 +82,8 @@ def _across(args, comm, topo, sizes) -> int:
         if m is None:
             print0(f"#   {label}: one rank per node, nothing sent inside one")
             continue
-        print0(f"#   {label}: alpha = {m.alpha * 1e6:.2f} us   beta = {1 / m.beta / 1e9:.3f} GB/s (exchange), "
-               f"{1 / m.beta_pingpong / 1e9:.3f} GB/s (ping-pong)")
+        print0(f"#   {label}: alpha = {m.alpha * 1e6:.2f} us   beta = {_gbs(m.beta, 3)} (exchange), "
+               f"{_gbs(m.beta_pingpong, 3)} (ping-pong)")
         if m is net:
             print0(f"#     the model's A = {m.oneway_s[0] * 1e6:.2f} us (one way, {m.sizes[0]} B), B = "
                    f"{m.sizes[-1] / m.oneway_s[-1] / 1e9:.3f} GB/s (one way, sustained over {m.sizes[-1] >> 20} MB)")
@@ -108,6 +108,12 @@ def _across(args, comm, topo, sizes) -> int:
         write(args.out, net, rows, [], P, node=node)
         print0(f"# written to {args.out}/model.json and {args.out}/model.png")
     return 0
+
+
+def _gbs(per_byte: float, digits: int) -> str:
+    """A fitted cost per byte as a rate; a slope fitted to 0 (time not
+    growing with the bytes over the sizes measured) has none to print."""
+    return f"{1 / per_byte / 1e9:.{digits}f} GB/s" if per_byte > 0 else "unbounded GB/s (a flat fit)"
 
 
 def _print_rows(rows: list[dict], names: list[str]) -> None:
