@@ -292,13 +292,13 @@ def predict(args) -> tuple:
         devices = whole_nodes(args.devices, args.devices_per_node)
         for P in devices:  # every layout costed before anything is measured
             allreduce_s(1, P, net, args.algorithm)
-        plan_runs.check_devices(args.against, devices)
+        runs = plan_runs.read_against(args.against, devices)
         workload, what = _workload(args)
         target = _target(args)
         fitted, points = plan_runs.fit(args.runs)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
                     _payload(args.compression, args.measure), target, fitted)
-        checks = plan_runs.against(args.against, rows)
+        checks = plan_runs.against(runs, rows)
     return rows, workload, net, what, target, points, checks
 
 

@@ -61,22 +61,24 @@ def fit(spec: str | None):
     return predict, points
 
 
-def check_devices(spec: str | None, devices: list[int]) -> None:
-    """``--against``: every run's device count must be a planned row (checked
-    before anything is measured)."""
-    for m in map(measured, _paths(spec)):
+def read_against(spec: str | None, devices: list[int]) -> list[dict]:
+    """``--against``: each run :func:`measured`, its device count checked to
+    be a planned row (before anything is measured)."""
+    runs = [measured(path) for path in _paths(spec)]
+    for m in runs:
         if m["devices"] not in devices:
             raise ValueError(f"--against {m['run']}: a run on {m['devices']} devices, which --devices does not "
                              f"plan; add {m['devices']} to --devices")
+    return runs
 
 
-def against(spec: str | None, rows: list[dict]) -> list[dict]:
-    """Each ``--against`` run beside the planned row of its device count:
-    measured and predicted step, the relative errors (predicted / measured
-    - 1), and the split into waiting and the rest."""
+def against(runs: list[dict], rows: list[dict]) -> list[dict]:
+    """Each run of :func:`read_against` beside the planned row of its device
+    count: measured and predicted step, the relative errors (predicted /
+    measured - 1), and the split into waiting and the rest."""
     by = {r["devices"]: r for r in rows}
     out = []
-    for m in map(measured, _paths(spec)):
+    for m in runs:
         row = by[m["devices"]]
         c = {"run": m["run"], "devices": m["devices"], "measured_s": m["step_s"],
              "predicted_s": row["iteration_s"], "error": row["iteration_s"] / m["step_s"] - 1,

@@ -214,7 +214,7 @@ def reducer(op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
         return reduce_bf16
     ufunc = OP_TABLE[op].ufunc
     if dtype == "float16" and ufunc is np.add:
-        return _float16_add()
+        return _float16_add
 
     def reduce(dst: np.ndarray, src: np.ndarray) -> None:
         ufunc(dst, src, out=dst)
@@ -222,8 +222,17 @@ def reducer(op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
     return reduce
 
 
-@functools.cache  # built once: reducer() runs on every collective call
-def _float16_add() -> Callable[[np.ndarray, np.ndarray], None]:
+@functools.cache  # looked up once: the float16 paths below run on every collective call
+def _optional_torch():
+    """torch, or None where it is not installed (it is an optional extra)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _float16_add(dst: np.ndarray, src: np.ndarray) -> None:
     """float16 ``dst += src`` through torch's vectorised CPU kernel.
 
     numpy has no float16 SIMD: its add converts element by element, 0.9 ms
@@ -231,42 +240,27 @@ def _float16_add() -> Callable[[np.ndarray, np.ndarray], None]:
     sum once to float16 (a float32 sum of two float16s rounds it exactly as
     float16 arithmetic would), so the result is the same to the bit;
     tests/collectives/test_buffers.py checks it on 4 M random bit patterns.
-    Without torch (an optional extra), or for a read-only buffer (torch will
-    not wrap one), numpy's add."""
-    try:
-        import torch
-    except ImportError:
-        torch = None
-
-    def reduce_f16(dst: np.ndarray, src: np.ndarray) -> None:
-        if torch is None or not src.flags.writeable or not dst.flags.writeable:
-            np.add(dst, src, out=dst)
-        else:
-            torch.from_numpy(dst).add_(torch.from_numpy(src))
-
-    return reduce_f16
+    Without torch, or for a read-only buffer (torch will not wrap one),
+    numpy's add."""
+    torch = _optional_torch()
+    if torch is None or not src.flags.writeable or not dst.flags.writeable:
+        np.add(dst, src, out=dst)
+    else:
+        torch.from_numpy(dst).add_(torch.from_numpy(src))
 
 
-@functools.cache
-def _float16_div() -> Callable[[np.ndarray, int], None]:
-    """float16 ``data /= size`` through torch, for the reason and with the
-    fallbacks of :func:`_float16_add`: numpy divides float16 at 3.5 ns an
-    element on the CI kind, 21 times torch. Both divide in float32 and round
-    once to float16, and double rounding through float32 is exact for
-    division too, so the bits are the same (checked on every float16 and
-    divisors 2 to 64)."""
-    try:
-        import torch
-    except ImportError:
-        torch = None
-
-    def div_f16(data: np.ndarray, size: int) -> None:
-        if torch is None or not data.flags.writeable:
-            np.true_divide(data, data.dtype.type(size), out=data)
-        else:
-            torch.from_numpy(data).div_(size)
-
-    return div_f16
+def _float16_div(data: np.ndarray, size: int) -> None:
+    """float16 ``data /= size`` through torch, for the reason of
+    :func:`_float16_add`: numpy divides float16 at 3.5 ns an element on the
+    CI kind, 21 times torch. Both divide in float32 and round once to
+    float16, and double rounding through float32 is exact for division too,
+    so the bits are the same (checked on every float16 and divisors 2 to
+    64). Without torch, numpy's divide."""
+    torch = _optional_torch()
+    if torch is None:
+        np.true_divide(data, data.dtype.type(size), out=data)
+    else:
+        torch.from_numpy(data).div_(size)
 
 
 def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
@@ -282,7 +276,7 @@ def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
         b = _bf16(data)
         b.div_(size)
     elif dtype == "float16":
-        _float16_div()(data, size)
+        _float16_div(data, size)
     elif dtype.startswith("float"):
         np.true_divide(data, data.dtype.type(size), out=data)
     else:
