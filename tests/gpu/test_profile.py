@@ -28,7 +28,10 @@ def test_gradients_are_ready_in_backwards_order(device, amp, image, batch):
     fractions = [t[1] for t in step.tensors]
     assert {shapes[0], shapes[1]} == {(1000, 512), (1000,)}  # fc: the first made
     assert shapes[-1] == (64, 3, 7, 7)  # conv1, the stem: the last, at the end of backward
-    assert fractions[0] < 0.5 and fractions[-1] > 0.8, fractions
+    # the stem's gradient in the second half of backward, not early in it (a wrong stream or clock). Not near 1.0 on
+    # every GPU: the fractions are of the host's backward, and on an H200 (2026-11-27) autograd's own work after the
+    # last gradient was 22% of it (the stem at 0.78), time the last bucket's allreduce does overlap in training
+    assert fractions[0] < 0.5 < fractions[-1], fractions
     assert len(shapes) == 62  # every parameter of torchvision's layout, once
     assert sum(t[0] for t in step.tensors) == 11_689_512 * 4
     assert min(step.forward_s, step.backward_s, step.update_s) > 0
