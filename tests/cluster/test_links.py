@@ -1,6 +1,7 @@
 """The emulated hosts' links as a cluster's hosts have them: TCP between
 hosts with the congestion control `up --tcp-cc` names (cubic unless told),
-whatever this machine's own default is (docs/cluster.md)."""
+whatever this machine's own default is, and Open MPI's TCP settings as a
+user sets them (docs/cluster.md)."""
 
 import os
 import subprocess
@@ -19,6 +20,34 @@ import socket
 s = socket.create_connection(("198.18.0.2", 47311), timeout=20)
 print(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode()); s.send(b"x")
 """
+
+
+# Rank 0 on h1 sends 4 MiB to rank 1 on h2, which posts its receive only after
+# hearing whether that send completed: it can only if it went eagerly,
+# without the receiver's handshake (Open MPI's TCP default: eager up to 64 KB).
+EAGER_PROBE = """
+import socket, sys, time
+import numpy as np
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+big = np.arange(1 << 20, dtype=np.float32)
+if c.rank == 0:
+    req, done, deadline = c.Isend(big, 1, 1), False, time.monotonic() + float(sys.argv[1])
+    while not done and time.monotonic() < deadline:
+        done = req.Test()
+        time.sleep(0 if done else 0.01)
+    c.send(done, 1, 2)
+    req.Wait()
+else:
+    done = c.recv(source=0, tag=2)
+    got = np.empty_like(big)
+    c.Recv(got, 0, 1)
+    assert np.array_equal(got, big)
+print(socket.gethostname(), c.rank, "completed before the receive" if done else "waited for the receive", flush=True)
+"""
+
+EAGER = {"OMPI_MCA_btl_tcp_eager_limit": "8388608", "OMPI_MCA_btl_tcp_rndv_eager_limit": "8388608",
+         "OMPI_MCA_btl_tcp_max_send_size": "8388608"}
 
 
 def _congestion_control_between_hosts(cluster) -> str:
@@ -58,3 +87,18 @@ def test_an_unknown_congestion_control_is_refused_and_the_running_cluster_kept(e
     status = emulated_cluster.script("status").stdout
     assert status.count("link up") == emulated_cluster.hosts
     assert _congestion_control_between_hosts(emulated_cluster) == "cubic"
+
+
+def test_open_mpi_settings_set_where_mpirun_runs_reach_every_host(emulated_cluster, tmp_path):
+    """The eager tuning docs/cluster.md gives, as OMPI_MCA_* variables: forwarded
+    by `emulated_cluster.sh mpirun` and in effect between hosts; without
+    them the same 4 MiB send waits for its receiver (the probe can tell)."""
+    probe = tmp_path / "eager_probe.py"
+    probe.write_text(EAGER_PROBE)
+    eager = emulated_cluster.mpirun("h1:1,h2:1", 2, "python", probe, "60", env=EAGER)
+    assert eager.returncode == 0, eager.stdout + eager.stderr
+    assert "h1 0 completed before the receive" in eager.stdout, eager.stdout + eager.stderr
+    assert "h2 1 completed before the receive" in eager.stdout
+    default = emulated_cluster.mpirun("h1:1,h2:1", 2, "python", probe, "2")
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert "h1 0 waited for the receive" in default.stdout, default.stdout + default.stderr
