@@ -32,10 +32,9 @@ from mpi4py import MPI
 c = MPI.COMM_WORLD
 big = np.arange(1 << 20, dtype=np.float32)
 if c.rank == 0:
-    req, done, deadline = c.Isend(big, 1, 1), False, time.monotonic() + float(sys.argv[1])
-    while not done and time.monotonic() < deadline:
-        done = req.Test()
-        time.sleep(0 if done else 0.01)
+    req, deadline = c.Isend(big, 1, 1), time.monotonic() + float(sys.argv[1])
+    while not (done := req.Test()) and time.monotonic() < deadline:
+        time.sleep(0.01)
     c.send(done, 1, 2)
     req.Wait()
 else:
