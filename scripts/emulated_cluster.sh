@@ -5,9 +5,12 @@
 # hosts talk over TCP through the switch; ranks on one host through shared
 # memory, as on a cluster. docs/cluster.md, "An emulated cluster on one machine".
 #
-#   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...] [--tcp-cc NAME]
+#   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...] [--gso-segs S] [--tcp-cc NAME]
 #       RATE: tbf syntax (100mbit, 1gbit, 5gbit) or none (unshaped, the default);
 #       each host's uplink and downlink. --rate-hK gives host K its own.
+#       S: the most TCP segments in one packet on a shaped link (gso_max_segs),
+#       1 (the default: each packet one frame, as on a wire) or kernel (64 KB
+#       GSO packets, which at an emulated rate hold the link for milliseconds).
 #       NAME: the hosts' TCP congestion control, cubic (the default, as on
 #       most Linux hosts) or one this kernel has (reno, bbr, ...), or kernel
 #       (whatever this machine's default is).
@@ -90,11 +93,19 @@ burst_of() {
     echo "$b"
 }
 
-shape() {  # shape NETNS DEV RATE
-    local netns=$1 dev=$2 rate=$3
+# A host's TCP keeps up to two of its packets per connection queued in front
+# of the link (TCP Small Queues), and a GSO packet carries up to 64 KB: at
+# 50 Mbit/s two of them are 20 ms, where a cluster's NIC sends them in
+# microseconds. A short message to another peer (Open MPI's rendezvous
+# reply) waited behind them at every ring step (docs/results/multinode.md).
+# With one segment per packet the queue is a few frames, as the rate's
+# wire would have it.
+shape() {  # shape NETNS DEV RATE GSO_SEGS
+    local netns=$1 dev=$2 rate=$3 segs=${4:-1}
     tc -n "$netns" qdisc del dev "$dev" root 2>/dev/null || true
     [ "$rate" = none ] && return 0
     tc -n "$netns" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst_of "$rate")" latency 100ms
+    [ "$segs" = kernel ] || ip -n "$netns" link set dev "$dev" gso_max_segs "$segs"
 }
 
 # The hosts' TCP congestion control, set on their route (local to the
@@ -124,7 +135,7 @@ check_tcp_cc() {
 }
 
 cmd_up() {
-    local n="" rate=none cc=cubic
+    local n="" rate=none cc=cubic segs=1
     declare -A rates=()
     while [ $# -gt 0 ]; do
         case $1 in
@@ -132,15 +143,20 @@ cmd_up() {
             --hosts=*) n=${1#*=}; shift ;;
             --rate) rate=${2:-}; shift 2 || usage ;;
             --rate=*) rate=${1#*=}; shift ;;
+            --gso-segs) segs=${2:-}; shift 2 || usage ;;
+            --gso-segs=*) segs=${1#*=}; shift ;;
             --tcp-cc) cc=${2:-}; shift 2 || usage ;;
             --tcp-cc=*) cc=${1#*=}; shift ;;
             --rate-h*) local k=${1#--rate-}; k=${k%%=*}
                 if [[ "$1" == *=* ]]; then rates[$k]=${1#*=}; shift; else rates[$k]=${2:-}; shift 2 || usage; fi ;;
-            *) die "up: unknown argument '$1' (up --hosts N [--rate RATE] [--rate-hK RATE] [--tcp-cc NAME])" ;;
+            *) die "up: unknown argument '$1'" \
+                "(up --hosts N [--rate RATE] [--rate-hK RATE] [--gso-segs S] [--tcp-cc NAME])" ;;
         esac
     done
     [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le "$MAX_HOSTS" ] || die "up: --hosts must be 1..$MAX_HOSTS, got '$n'"
     [ "$rate" = none ] || burst_of "$rate" >/dev/null
+    [ "$segs" = kernel ] || { [[ "$segs" =~ ^[1-9][0-9]*$ ]] && [ "$segs" -le 65535 ]; } \
+        || die "up: --gso-segs '$segs': 1..65535 segments in a packet, or kernel"
     local k
     for k in "${!rates[@]}"; do
         [[ "$k" =~ ^h([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "$n" ] || die "up: --rate-$k: no host $k among h1..h$n"
@@ -167,11 +183,12 @@ cmd_up() {
         : >"$STATE/$h.uts"
         unshare --uts="$STATE/$h.uts" hostname "$h"
         r=${rates[$h]:-$rate}
-        shape "$(ns "$h")" eth0 "$r"   # uplink: what the host sends
-        shape "$SW" "$h" "$r"          # downlink: what the switch sends it
+        shape "$(ns "$h")" eth0 "$r" "$segs"   # uplink: what the host sends
+        shape "$SW" "$h" "$r" "$segs"          # downlink: what the switch sends it
         echo "$r" >"$STATE/$h.rate"
     done
     echo "$n" >"$STATE/hosts"
+    echo "$segs" >"$STATE/gso_segs"
     echo "$cc" >"$STATE/tcp_cc"
     write_hosts_block "$n"
     cmd_status
@@ -187,6 +204,7 @@ cmd_status() {
         [ "$state" = DOWN ] && state="cut" || state="up"
         printf '%s %s netns %s link %s rate %s\n' "$h" "$NET.$i" "$(ns "$h")" "$state" "$(cat "$STATE/$h.rate")"
     done
+    printf 'segments per packet on shaped links: %s\n' "$(cat "$STATE/gso_segs" 2>/dev/null || echo kernel)"
     printf 'tcp congestion control: %s\n' "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)"
     [ "$(cat "$STATE/tcp_cc" 2>/dev/null || echo kernel)" != kernel ] \
         || printf '  (kernel default: %s)\n' "$(ip netns exec "$(ns h1)" sysctl -n net.ipv4.tcp_congestion_control 2>/dev/null)"
