@@ -8,9 +8,10 @@
 #   scripts/emulated_cluster.sh up --hosts N [--rate RATE] [--rate-hK RATE ...] [--gso-segs S] [--tcp-cc NAME]
 #       RATE: tbf syntax (100mbit, 1gbit, 5gbit) or none (unshaped, the default);
 #       each host's uplink and downlink. --rate-hK gives host K its own.
-#       S: the most TCP segments in one packet on a shaped link (gso_max_segs),
-#       1 (the default: each packet one frame, as on a wire) or kernel (64 KB
-#       GSO packets, which at an emulated rate hold the link for milliseconds).
+#       S: the most TCP segments in one packet on a shaped link (gso_max_segs):
+#       auto (the default: one per 200 Mbit/s of the link's rate, so 1 up to
+#       200 Mbit/s and 5 at 1 Gbit/s), a number, or kernel (64 KB GSO
+#       packets, which at an emulated rate hold the link for milliseconds).
 #       NAME: the hosts' TCP congestion control, cubic (the default, as on
 #       most Linux hosts) or one this kernel has (reno, bbr, ...), or kernel
 #       (whatever this machine's default is).
@@ -81,14 +82,21 @@ in_host() {
     nsenter --net="/run/netns/$(ns "$h")" --uts="$STATE/$h.uts" -- "$@"
 }
 
+rate_bits() {  # rate_bits RATE: its bits per second
+    local rate=$1 num
+    [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "rate '$rate': use e.g. 200mbit, 1gbit, 5gbit, or none"
+    num=${BASH_REMATCH[1]}
+    case ${BASH_REMATCH[2]} in
+        kbit) echo $((num * 1000)) ;; mbit) echo $((num * 1000000)) ;; gbit) echo $((num * 1000000000)) ;;
+    esac
+}
+
 # tbf needs a burst of at least rate/HZ bytes to reach its rate; 4 ms of
 # the rate (at least 32 KB) keeps it well under the messages being timed.
 burst_of() {
-    local rate=$1 num unit bits
-    [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "rate '$rate': use e.g. 200mbit, 1gbit, 5gbit, or none"
-    num=${BASH_REMATCH[1]}; unit=${BASH_REMATCH[2]}
-    case $unit in kbit) bits=$((num * 1000)) ;; mbit) bits=$((num * 1000000)) ;; gbit) bits=$((num * 1000000000)) ;; esac
-    local b=$((bits / 8 / 250))
+    local bits b
+    bits=$(rate_bits "$1") || exit 1
+    b=$((bits / 8 / 250))
     [ "$b" -ge 32768 ] || b=32768
     echo "$b"
 }
@@ -99,13 +107,19 @@ burst_of() {
 # microseconds. A short message to another peer (Open MPI's rendezvous
 # reply) waited behind them at every ring step (docs/results/multinode.md).
 # With one segment per packet the queue is a few frames, as the rate's
-# wire would have it.
+# wire would have it. But every packet costs the cores the hosts share: at
+# 1 Gbit/s, one segment per packet made a step across 3-4 hosts 1.5x
+# longer on 2 cores. auto gives a packet one segment per 200 Mbit/s of the
+# rate: a host sends at most ~17,000 packets a second, each at most 60 us
+# of its link (240 us below 200 Mbit/s).
 shape() {  # shape NETNS DEV RATE GSO_SEGS
-    local netns=$1 dev=$2 rate=$3 segs=${4:-1}
+    local netns=$1 dev=$2 rate=$3 segs=${4:-auto}
     tc -n "$netns" qdisc del dev "$dev" root 2>/dev/null || true
     [ "$rate" = none ] && return 0
     tc -n "$netns" qdisc add dev "$dev" root tbf rate "$rate" burst "$(burst_of "$rate")" latency 100ms
-    [ "$segs" = kernel ] || ip -n "$netns" link set dev "$dev" gso_max_segs "$segs"
+    [ "$segs" = kernel ] && return 0
+    [ "$segs" = auto ] && segs=$(( ($(rate_bits "$rate") + 199999999) / 200000000 ))
+    ip -n "$netns" link set dev "$dev" gso_max_segs "$segs"
 }
 
 # The hosts' TCP congestion control, set on their route (local to the
@@ -135,7 +149,7 @@ check_tcp_cc() {
 }
 
 cmd_up() {
-    local n="" rate=none cc=cubic segs=1
+    local n="" rate=none cc=cubic segs=auto
     declare -A rates=()
     while [ $# -gt 0 ]; do
         case $1 in
@@ -155,8 +169,8 @@ cmd_up() {
     done
     [[ "$n" =~ ^[1-9][0-9]*$ ]] && [ "$n" -le "$MAX_HOSTS" ] || die "up: --hosts must be 1..$MAX_HOSTS, got '$n'"
     [ "$rate" = none ] || burst_of "$rate" >/dev/null
-    [ "$segs" = kernel ] || { [[ "$segs" =~ ^[1-9][0-9]*$ ]] && [ "$segs" -le 65535 ]; } \
-        || die "up: --gso-segs '$segs': 1..65535 segments in a packet, or kernel"
+    [ "$segs" = kernel ] || [ "$segs" = auto ] || { [[ "$segs" =~ ^[1-9][0-9]*$ ]] && [ "$segs" -le 65535 ]; } \
+        || die "up: --gso-segs '$segs': auto, 1..65535 segments in a packet, or kernel"
     local k
     for k in "${!rates[@]}"; do
         [[ "$k" =~ ^h([1-9][0-9]*)$ ]] && [ "${BASH_REMATCH[1]}" -le "$n" ] || die "up: --rate-$k: no host $k among h1..h$n"
