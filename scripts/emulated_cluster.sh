@@ -111,7 +111,7 @@ burst_of() {
 # 1 Gbit/s, one segment per packet made a step across 3-4 hosts 1.5x
 # longer on 2 cores. auto gives a packet one segment per 200 Mbit/s of the
 # rate: a host sends at most ~17,000 packets a second, each at most 60 us
-# of its link (240 us below 200 Mbit/s).
+# of its link from 200 Mbit/s up (one frame is 240 us at 50 Mbit/s).
 shape() {  # shape NETNS DEV RATE GSO_SEGS
     local netns=$1 dev=$2 rate=$3 segs=${4:-auto}
     tc -n "$netns" qdisc del dev "$dev" root 2>/dev/null || true
