@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,23 @@ class Cluster:
 
     def exec_prefix(self, host: str) -> list[str]:
         return [str(SCRIPT), "exec", host, "--"]
+
+    @contextmanager
+    def serve(self, host: str, code: str, seconds: float = 20):
+        """``python -c code`` started inside ``host``, once it has printed
+        "listening"; afterwards given ``seconds`` to end on its own, then killed."""
+        proc = subprocess.Popen([*self.exec_prefix(host), sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "listening"
+            yield proc
+        finally:
+            deadline = time.monotonic() + seconds
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
     def pids(self, host: str) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", f"emu-{host}"], capture_output=True, text=True).stdout

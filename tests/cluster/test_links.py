@@ -6,7 +6,6 @@ user sets them (docs/cluster.md)."""
 import os
 import subprocess
 import sys
-import time
 
 LISTEN = """
 import socket, sys
@@ -51,21 +50,11 @@ EAGER = {"OMPI_MCA_btl_tcp_eager_limit": "8388608", "OMPI_MCA_btl_tcp_rndv_eager
 
 def _congestion_control_between_hosts(cluster) -> str:
     """The congestion control of a real connection from h1 to h2."""
-    server = subprocess.Popen([*cluster.exec_prefix("h2"), sys.executable, "-c", LISTEN], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    try:
-        assert server.stdout.readline().strip() == "listening"
+    with cluster.serve("h2", LISTEN):
         out = subprocess.run([*cluster.exec_prefix("h1"), sys.executable, "-c", CONNECT], capture_output=True,
                              text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
-    finally:
-        deadline = time.monotonic() + 20
-        while server.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if server.poll() is None:
-            server.kill()
-        server.wait()
 
 
 def test_hosts_talk_tcp_with_cubic_and_status_says_so(emulated_cluster):

@@ -8,7 +8,6 @@ default up to 200 Mbit/s) it waits a few frames."""
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -49,30 +48,14 @@ print(f"{statistics.median(rtt):.3f} {still_sending}", flush=True)
 """
 
 
-def _start(cluster, host, code):
-    proc = subprocess.Popen([*cluster.exec_prefix(host), sys.executable, "-c", code], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert proc.stdout.readline().strip() == "listening"
-    return proc
-
-
 def _rtt_behind_bulk(cluster) -> float:
-    servers = [_start(cluster, "h3", SINK), _start(cluster, "h1", ECHO)]
-    try:
+    with cluster.serve("h3", SINK), cluster.serve("h1", ECHO):
         out = subprocess.run([*cluster.exec_prefix("h2"), sys.executable, "-c", PROBE], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         median, still_sending = out.stdout.split()
         assert still_sending == "True", "the bulk transfer ended before the round trips did"
         return float(median)
-    finally:
-        deadline = time.monotonic() + 20
-        for s in servers:
-            while s.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if s.poll() is None:
-                s.kill()
-            s.wait()
 
 
 @pytest.fixture
