@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._nnls import nonnegative_line
+from .comm import exchange
 from .collectives._buffers import as_flat, reducer
 from .collectives.costs import COSTS, across_path, evaluate
 from .collectives.counting import CountingComm
@@ -126,7 +127,7 @@ def _exchange_times(comm: MPI.Intracomm, sizes: list[int], both: bool, reps: int
             if rank in pair:
                 peer = second if rank == first else first
                 if both:
-                    comm.Sendrecv(send, peer, 21, recv, peer, 21)
+                    exchange(comm, send, peer, recv, peer, 21)
                 elif rank == first:
                     comm.Send(send, peer, 21)
                     comm.Recv(recv, peer, 21)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.comm import agree, expect_world_size, private, world
+from hpcjobs.comm import agree, exchange, expect_world_size, private, world
 
 
 @pytest.mark.mpi(min_size=1)
@@ -63,3 +63,28 @@ def test_agree_names_the_entries_that_differ_across_ranks():
     comm = MPI.COMM_WORLD
     values = np.array([7, comm.Get_rank(), 3], dtype=np.int64)
     assert agree(values, comm).tolist() == [True, comm.Get_size() == 1, True]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("nbytes", [8, (64 << 10) - 4, 64 << 10, 1 << 20])
+def test_exchange_swaps_with_a_partner_and_shifts_around_a_ring(nbytes):
+    """Both of exchange's paths (Sendrecv, and the send posted first for a
+    partner swap of 64 KiB or more) deliver every byte: a pair swap (rank r
+    with r ^ 1, the last rank of an odd count sits out) and a shift to the
+    right neighbour."""
+    comm = private(MPI.COMM_WORLD)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    n = nbytes // 4
+
+    def payload(r):
+        return np.arange(n, dtype=np.int32) * 7 + r
+
+    partner = rank ^ 1
+    if partner < size:
+        got = np.full(n, -1, dtype=np.int32)
+        exchange(comm, payload(rank), partner, got, partner, 5)
+        assert np.array_equal(got, payload(partner))
+    right, left = (rank + 1) % size, (rank - 1) % size
+    got = np.full(n, -1, dtype=np.int32)
+    exchange(comm, payload(rank), right, got, left, 6)
+    assert np.array_equal(got, payload(left))

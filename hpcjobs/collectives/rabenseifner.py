@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ..comm import exchange
 from . import _fold
 from ._buffers import Flat, chunk_bounds, finish_avg, reducer, scratch
 from ._frame import run
@@ -54,7 +55,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
             keep, give = ((mid, hi), (lo, mid)) if newrank & dist else ((lo, mid), (mid, hi))
             (keep_lo, keep_hi), (give_lo, give_hi) = keep, give
             n = b[keep_hi] - b[keep_lo]
-            comm.Sendrecv(wire[b[give_lo]:b[give_hi]], partner, _TAG, tmp[:n].view(wire.dtype), partner, _TAG)
+            exchange(comm, wire[b[give_lo]:b[give_hi]], partner, tmp[:n].view(wire.dtype), partner, _TAG)
             reduce(data[b[keep_lo]:b[keep_hi]], tmp[:n])
             lo, hi = keep_lo, keep_hi
             dist >>= 1
@@ -64,7 +65,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         while dist < p2:
             partner = _fold.real_rank(newrank ^ dist, rem)
             plo, phi = (lo - dist, lo) if newrank & dist else (hi, hi + dist)
-            comm.Sendrecv(wire[b[lo]:b[hi]], partner, _TAG, wire[b[plo]:b[phi]], partner, _TAG)
+            exchange(comm, wire[b[lo]:b[hi]], partner, wire[b[plo]:b[phi]], partner, _TAG)
             lo, hi = min(lo, plo), max(hi, phi)
             dist <<= 1
     _fold.fold_out(flat, comm, rem)

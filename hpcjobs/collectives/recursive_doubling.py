@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from ..comm import exchange
 from . import _fold
 from ._buffers import Flat, finish_avg, reducer, scratch
 from ._frame import run
@@ -45,7 +46,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         mask = 1
         while mask < p2:
             partner = _fold.real_rank(newrank ^ mask, rem)
-            comm.Sendrecv(flat.wire, partner, _TAG, tmp_wire, partner, _TAG)
+            exchange(comm, flat.wire, partner, tmp_wire, partner, _TAG)
             reduce(flat.data, tmp)
             mask <<= 1
         if op == "avg":

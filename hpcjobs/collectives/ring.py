@@ -30,7 +30,9 @@ it is still in cache and while the next one is on the wire. The allgather
 has nothing to overlap and receives whole chunks in place in both modes.
 
 Only buffer-based MPI calls are used (``Sendrecv``, ``Isend``/``Irecv``) on
-the suite's private duplicate of the communicator.
+the suite's private duplicate of the communicator. At 2 ranks each round swaps
+messages with one partner, through :func:`hpcjobs.comm.exchange`, which
+posts a long message's send before its receive (see there).
 
 Steps (``hpcjobs.collectives._frame``), which other modules compose:
 :func:`reduce_scatter`, :func:`allgather`, :func:`allreduce` and
@@ -42,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import private
+from ..comm import exchange, private
 from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, scratch
 from ._frame import run
 from .agreement import agree_or_raise
@@ -94,7 +96,7 @@ def reduce_scatter(flat: Flat, op: str, comm: MPI.Intracomm, segment_bytes: int 
         rlo, rhi = bounds[recv_c], bounds[recv_c + 1]
         if segment_count is None:
             n = rhi - rlo
-            comm.Sendrecv(wire[slo:shi], right, _TAG, tmp[:n].view(wire.dtype), left, _TAG)
+            exchange(comm, wire[slo:shi], right, tmp[:n].view(wire.dtype), left, _TAG)
             reduce(data[rlo:rhi], tmp[:n])
             continue
         sends = [comm.Isend(wire[a:min(a + seg, shi)], right, _TAG) for a in range(slo, shi, seg)]
@@ -125,8 +127,8 @@ def allgather(flat: Flat, comm: MPI.Intracomm) -> None:
     wire = flat.wire
     for s in range(size - 1):
         send_c, recv_c = (rank - s) % size, (rank - s - 1) % size
-        comm.Sendrecv(wire[bounds[send_c]:bounds[send_c + 1]], right, _TAG,
-                      wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
+        exchange(comm, wire[bounds[send_c]:bounds[send_c + 1]], right,
+                 wire[bounds[recv_c]:bounds[recv_c + 1]], left, _TAG)
 
 
 def allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.ndarray]]:
@@ -155,8 +157,8 @@ def allgatherv(parts: list[np.ndarray], comm: MPI.Intracomm) -> list[list[np.nda
     right, left = (rank + 1) % size, (rank - 1) % size
     for s in range(size - 1):
         send_c, recv_c = (rank - s) % size, (rank - s - 1) % size
-        comm.Sendrecv(buf[ends[send_c]:ends[send_c + 1]], right, _TAG,
-                      buf[ends[recv_c]:ends[recv_c + 1]], left, _TAG)
+        exchange(comm, buf[ends[send_c]:ends[send_c + 1]], right,
+                 buf[ends[recv_c]:ends[recv_c + 1]], left, _TAG)
     out = []
     for q in range(size):
         lo, row = int(ends[q]), []
