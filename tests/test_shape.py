@@ -162,3 +162,85 @@ def test_a_lazily_exported_name_is_a_plain_attribute_after_its_first_use():
 def test_the_readme_is_a_guide_of_at_most_300_lines():
     # What is more (flags, results, the doors' details) belongs in docs/.
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+# `hpcjobs ...` in a fenced block of the docs: up to a shell operator, a
+# redirection or a comment; `\` continuations joined.
+_FENCE = re.compile(r"^```[\w-]*\n(.*?)^```", re.S | re.M)
+_SHELL_END = {"|", "||", "&&", ";", "&", "<"}
+_TOP = {c.words[0] for c in COMMANDS}
+
+
+def _documented_commands(doc: Path):
+    """(line, argv after ``hpcjobs``) of every hpcjobs command in ``doc``'s code blocks."""
+    import shlex
+
+    text = doc.read_text()
+    for block in _FENCE.finditer(text):
+        first = text[:block.start()].count("\n") + 2
+        lines = block.group(1).split("\n")
+        k = 0
+        while k < len(lines):
+            start, line = k, lines[k]
+            while line.endswith("\\") and k + 1 < len(lines):
+                k += 1
+                line = line[:-1] + " " + lines[k].strip()
+            k += 1
+            try:
+                words = shlex.split(line, comments=True)
+            except ValueError:
+                continue  # an unclosed quote: not a shell line
+            for i, word in enumerate(words):
+                if word.rsplit("/", 1)[-1] != "hpcjobs" or i + 1 == len(words):
+                    continue
+                argv = []
+                for w in words[i + 1:]:
+                    if w in _SHELL_END or w.startswith((">", "2>", "1>")):
+                        break
+                    argv.append(w)
+                if argv and (argv[0] in _TOP or argv[0].startswith("-")):
+                    yield first + start, argv
+
+
+def _known_flags(argv: list[str]) -> set[str] | None:
+    """Every option string ``hpcjobs ARGV``'s command accepts (and the global ones), or None: no command."""
+    import argparse
+
+    from hpcjobs.cli import _parser_for
+
+    command, parser, _ = _parser_for(argv)
+    if command is None:
+        return None
+    flags = {o for a in parser._actions for o in a.option_strings}
+    for word in command.words:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    return flags | {o for a in parser._actions for o in a.option_strings}
+
+
+_PLACEHOLDER = re.compile(r"\$|<|\.\.\.|…|\[")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_documented_command_parses(doc):
+    """A command the docs show is one the CLI takes: it parses as written
+    (argparse's flags, types and choices), or, where it holds a shell
+    variable or a placeholder, every --flag in it is one its command has.
+    What follows ``--`` is the job's (``slurm render/submit/launch``)."""
+    from hpcjobs.cli import parse_error
+
+    problems = []
+    for line, argv in _documented_commands(doc):
+        argv = argv[:argv.index("--")] if "--" in argv else argv
+        where = f"{doc.relative_to(ROOT)}:{line}: hpcjobs {' '.join(argv)}"
+        if any(_PLACEHOLDER.search(a) for a in argv):
+            flags = _known_flags([a for a in argv if not _PLACEHOLDER.search(a)])
+            if flags is None:
+                problems.append(f"{where}: no such command")
+                continue
+            for a in argv:
+                flag = a.strip("[]").split("=")[0]
+                if flag.startswith("--") and flag not in flags:
+                    problems.append(f"{where}: no flag {flag}")
+        elif (error := parse_error(argv)) is not None:
+            problems.append(f"{where}: {error}")
+    assert not problems, "\n".join(problems)
