@@ -87,7 +87,8 @@ _last: tuple = (None, None)  # (communicator, its duplicate) of the last call on
 
 
 # Open MPI's TCP transport sends a message of up to 64 KiB at once (its eager
-# limit); a longer one is announced and waits for the receiver's answer.
+# limit, its own header included); a longer one is announced and waits for
+# the receiver's answer.
 EXCHANGE_SEND_FIRST_BYTES = 64 << 10
 
 
@@ -104,11 +105,12 @@ def exchange(comm, sendbuf: np.ndarray, dest: int, recvbuf: np.ndarray, source: 
     it: h1 sent h2 its data, then a 344-byte message, and only then did
     h2's data start. Posting the send first, both went at once. At
     50 Mbit/s recursive doubling across 4 hosts took 605-691 ms for 1 MiB
-    in every launch, against 351 ms this way (335.5 ms on the wire), and
+    in each of 5 launches, against 351 ms this way (335.5 ms on the wire), and
     the 2-rank ring lost 41-82 ms in 6 of 8 launches, against none
     (docs/results/multinode.md, "Pairs that take turns"). Shorter messages
-    are sent at once and keep ``Sendrecv``, which costs 0.2-0.3 us less per
-    call in mpi4py."""
+    keep ``Sendrecv``, which costs 0.2-0.3 us less per call in mpi4py; most
+    go at once (the last few bytes under 64 KiB do not, the header counting
+    against the limit, and are left as they were)."""
     if dest == source and sendbuf.nbytes >= EXCHANGE_SEND_FIRST_BYTES:
         request = comm.Isend(sendbuf, dest, tag)
         comm.Recv(recvbuf, source, tag)

@@ -29,7 +29,7 @@ buffered) before the current one is reduced, so a segment is reduced while
 it is still in cache and while the next one is on the wire. The allgather
 has nothing to overlap and receives whole chunks in place in both modes.
 
-Only buffer-based MPI calls are used (``Sendrecv``, ``Isend``/``Irecv``) on
+Only buffer-based MPI calls are used (``Sendrecv``, ``Isend``/``Irecv``, ``Recv``) on
 the suite's private duplicate of the communicator. At 2 ranks each round swaps
 messages with one partner, through :func:`hpcjobs.comm.exchange`, which
 posts a long message's send before its receive (see there).
