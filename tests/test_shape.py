@@ -1,15 +1,17 @@
 """The shape the suite keeps: the library never imports the command line, the
 login-node commands start no MPI, and every link and docs reference resolves."""
 
+import argparse
 import ast
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from hpcjobs.cli import COMMANDS
+from hpcjobs.cli import COMMANDS, _parser_for, parse_error
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hpcjobs"
@@ -168,15 +170,12 @@ def test_the_readme_is_a_guide_of_at_most_300_lines():
 # redirection or a comment; `\` continuations joined.
 _FENCE = re.compile(r"^[ \t]*```[\w-]*\n(.*?)^[ \t]*```", re.S | re.M)  # in list items too
 _SHELL_END = {"|", "||", "&&", ";", "&", "<"}
-_TOP = {c.words[0] for c in COMMANDS}
 # What may stand in front of `hpcjobs` on a command line: a launcher and its flags.
 _LAUNCHERS = ("mpirun", "mpiexec", "srun", "timeout", "python", "python3", "env")
 
 
 def _documented_commands(doc: Path):
     """(line, argv after ``hpcjobs``) of every hpcjobs command in ``doc``'s code blocks."""
-    import shlex
-
     text = doc.read_text()
     for block in _FENCE.finditer(text):
         first = text[:block.start()].count("\n") + 2
@@ -209,10 +208,6 @@ def _documented_commands(doc: Path):
 
 def _known_flags(argv: list[str]) -> set[str] | None:
     """Every option string ``hpcjobs ARGV``'s command accepts (and the global ones), or None: no command."""
-    import argparse
-
-    from hpcjobs.cli import _parser_for
-
     command, parser, _ = _parser_for(argv)
     if command is None:
         return None
@@ -231,8 +226,6 @@ def test_every_documented_command_parses(doc):
     (argparse's flags, types and choices), or, where it holds a shell
     variable or a placeholder, every --flag in it is one its command has.
     What follows ``--`` is the job's (``slurm render/submit/launch``)."""
-    from hpcjobs.cli import parse_error
-
     problems = []
     for line, argv in _documented_commands(doc):
         argv = argv[:argv.index("--")] if "--" in argv else argv
