@@ -101,8 +101,8 @@ def _hierarchical(N: float, P: int, L: int, c: Costing) -> float:
 # Uplinks: the ring crosses each node boundary once (the node's last rank
 # sends all it sends to the next node's first); recursive doubling's rounds
 # at distance >= L cross (log2 M of them, N from each of the L ranks);
-# Rabenseifner halves at the far distances first, so its crossing rounds are
-# the big ones (N/2 ... N/M each way, from each of the L ranks);
+# Rabenseifner halves at the near distances first, so its crossing rounds are
+# the small ones (N/2L ... N/P each way, from each of the L ranks);
 # hierarchical sends N/L per local rank around the inter-node ring.
 _RING = Cost("2(P-1)α + 2(P-1)/P·Nβ + (P-1)/P·Nγ", "2(P-1)/P·N", _ring, "2(P-1)/P·N")
 COSTS = {
@@ -111,7 +111,7 @@ COSTS = {
     "recursive_doubling": Cost("log2(p2)·(α + Nβ + Nγ) + f·(2α + 2Nβ + Nγ)", "log2(P)·N", _recursive_doubling,
                                "L·log2(M)·N"),
     "rabenseifner": Cost("2log2(p2)·α + 2(p2-1)/p2·Nβ + (p2-1)/p2·Nγ + f·(2α + 2Nβ + Nγ)", "2(P-1)/P·N",
-                         _rabenseifner, "2L(M-1)/M·N"),
+                         _rabenseifner, "2(M-1)/M·N"),
     "tree": Cost("2⌈log2(P)⌉·(α + Nβ) + ⌈log2(P)⌉·Nγ", "⌈log2(P)⌉·N", _tree),
     "parameter_server": Cost("2(P-1)·(α + Nβ) + (P-1)·Nγ", "(P-1)·N", _parameter_server),
     "hierarchical": Cost("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)α + 2(M-1)/M·(N/L)β + (M-1)/M·(N/L)γ",
@@ -140,7 +140,7 @@ def uplink_bytes(algorithm: str, N: float, P: int, L: int) -> float | None:
 # Across nodes: two link classes. α, β are a message inside a node (shared
 # memory), A, B one between nodes (the network); M nodes of L consecutive
 # ranks, M > 1. Flows that share a node's uplink at once (the L ranks of a
-# node in recursive doubling's and Rabenseifner's far rounds, hierarchical's
+# node in recursive doubling's and Rabenseifner's rounds across, hierarchical's
 # L inter-node rings) cost as one message of their total bytes: the uplink's
 # bandwidth is what they share. A round whose messages cross the network
 # and stay inside nodes at once (every ring round, with L > 1) costs as its
@@ -164,11 +164,10 @@ def _rd_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
 
 
 def _rabenseifner_across(N: float, P: int, L: int, node: Costing, net: Costing) -> float:
-    M = P // L
-    far = [N / (2 << k) for k in range(_log2_p2(M))]  # N/2 .. N/M: every rank of a node across at once
-    near = [N / (2 << k) for k in range(_log2_p2(M), _log2_p2(P))]  # N/2M .. N/P: inside the node
-    return (sum(2 * net.message(L * h) + node.reduce(h) for h in far)
-            + sum(2 * node.message(h) + node.reduce(h) for h in near))
+    near = [N / (2 << k) for k in range(_log2_p2(L))]  # N/2 .. N/L: inside the node
+    far = [N / (2 << k) for k in range(_log2_p2(L), _log2_p2(P))]  # N/2L .. N/P: a node's L ranks across at once
+    return (sum(2 * node.message(h) + node.reduce(h) for h in near)
+            + sum(2 * net.message(L * h) + node.reduce(h) for h in far))
 
 
 def _hierarchical_node(N: float, L: int, node: Costing) -> float:
@@ -193,7 +192,7 @@ def _pipelined_across(N: float, P: int, L: int, node: Costing, net: Costing, seg
 ACROSS = {
     "ring": Across("2(P-1)·(A + N/P·B) + (P-1)/P·Nγ", _ring_across),
     "recursive_doubling": Across("log2(L)·(α + Nβ) + log2(M)·(A + L·N·B) + log2(P)·Nγ", _rd_across),
-    "rabenseifner": Across("2log2(M)·A + 2L(M-1)/M·N·B + 2log2(L)·α + 2(L-1)/P·Nβ + (P-1)/P·Nγ",
+    "rabenseifner": Across("2log2(L)·α + 2(L-1)/L·Nβ + 2log2(M)·A + 2(M-1)/M·N·B + (P-1)/P·Nγ",
                            _rabenseifner_across),
     "hierarchical": Across("2(L-1)α + 2(L-1)/L·Nβ + (L-1)/L·Nγ + 2(M-1)A + 2(M-1)/M·N·B + (M-1)/M·(N/L)γ",
                            _hierarchical_across),

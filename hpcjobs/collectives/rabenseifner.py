@@ -6,15 +6,23 @@ ranks and N bytes, with the buffer cut into p2 chunks:
 
 1. Fold when P is not a power of two (see ``_fold``): p2 ranks remain.
 2. Reduce-scatter by recursive halving, log2(p2) rounds. In the round with
-   distance d = p2/2, p2/4, ..., 1, rank i pairs with i XOR d; the one with
+   distance d = 1, 2, ..., p2/2, rank i pairs with i XOR d; the one with
    that bit clear keeps the lower half of its current chunk range, the other
    the upper half; each sends the half it gives up and reduces the half it
-   keeps. Afterwards rank i holds chunk i reduced over all ranks (for avg it
-   then divides that chunk, once).
-3. Allgather by recursive doubling, log2(p2) rounds with d = 1, 2, ...,
-   p2/2: partners swap the ranges they hold, which are adjacent, and the
-   range doubles each round.
+   keeps. Afterwards each rank holds one chunk reduced over all ranks (rank
+   i the chunk whose index is i's bits reversed; for avg it then divides
+   that chunk, once).
+3. Allgather by recursive doubling, the same pairs in reverse, d = p2/2,
+   ..., 2, 1: partners swap the ranges they hold, which are adjacent and of
+   one size, and the range doubles each round.
 4. Unfold: the odd ranks return the result to their partners.
+
+The near distances come first, as in MPICH: the biggest halves go to the
+nearest ranks, which mpirun's default placement puts on the same node, and
+only the rounds at d >= L (L ranks per node) cross the network, with
+N/2L, ..., N/P. Each node then sends 2(M-1)/M·N to the others, the
+two-level minimum that ``hierarchical`` also sends, where halving at the
+far distances first sent L times that (docs/results/multinode.md).
 
 Cost: 2·log2(p2) rounds (+2 when folding); each rank sends
 2(p2-1)/p2·N bytes and reduces (p2-1)/p2·N. Model
@@ -48,8 +56,8 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         reduce = reducer(op, flat.dtype)
         tmp = scratch(b[p2 // 2] if p2 > 1 else 0, data.dtype)
         lo, hi = 0, p2  # the chunk range this rank is responsible for
-        dist = p2 >> 1
-        while dist >= 1:
+        dist = 1
+        while dist < p2:
             partner = _fold.real_rank(newrank ^ dist, rem)
             mid = (lo + hi) // 2
             keep, give = ((mid, hi), (lo, mid)) if newrank & dist else ((lo, mid), (mid, hi))
@@ -58,16 +66,17 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
             exchange(comm, wire[b[give_lo]:b[give_hi]], partner, tmp[:n].view(wire.dtype), partner, _TAG)
             reduce(data[b[keep_lo]:b[keep_hi]], tmp[:n])
             lo, hi = keep_lo, keep_hi
-            dist >>= 1
+            dist <<= 1
         if op == "avg":
             finish_avg(data[b[lo]:b[hi]], flat.dtype, comm.Get_size())
-        dist = 1
-        while dist < p2:
+        dist = p2 >> 1
+        while dist >= 1:
             partner = _fold.real_rank(newrank ^ dist, rem)
-            plo, phi = (lo - dist, lo) if newrank & dist else (hi, hi + dist)
+            width = hi - lo
+            plo, phi = (lo - width, lo) if newrank & dist else (hi, hi + width)
             exchange(comm, wire[b[lo]:b[hi]], partner, wire[b[plo]:b[phi]], partner, _TAG)
             lo, hi = min(lo, plo), max(hi, phi)
-            dist <<= 1
+            dist >>= 1
     _fold.fold_out(flat, comm, rem)
 
 
