@@ -36,9 +36,10 @@ DEFAULT_TABLE = {
             {"max_bytes": 16 << 10, "algorithm": "recursive_doubling",
              "candidates": ["recursive_doubling", "tree"]},
             # Rabenseifner, halving near first, sends hierarchical's bytes across in
-            # log rounds: `hpcjobs tune` across 2 emulated hosts x 2 ranks ranked it
-            # first from 64 KB at 1 Gbit/s (hierarchical 1.08x) and at 200 Mbit/s
-            # (hierarchical 0.99x) (docs/results/multinode.md).
+            # log rounds: `hpcjobs tune` across 2 emulated hosts x 2 ranks chose it
+            # from 64 KB at 1 Gbit/s (hierarchical 0.98-1.09x its time at 1-16 MB)
+            # and from 256 KB at 200 Mbit/s (a tie, 0.995-1.02x). Kept second: the
+            # layouts this row stands for (8 ranks a node) cannot be measured here.
             {"max_bytes": None, "algorithm": "hierarchical",
              "candidates": ["hierarchical", "rabenseifner", "ring_pipelined"]}]},
     ],
