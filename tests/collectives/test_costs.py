@@ -6,14 +6,10 @@ import importlib
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.collectives._buffers import as_flat
-from hpcjobs.collectives.costs import ACROSS, COSTS, across_path, evaluate, uplink_bytes
-from hpcjobs.collectives.counting import CountingComm
-from hpcjobs.collectives.messages import message_passing
+from hpcjobs.collectives.costs import ACROSS, COSTS, across_path, evaluate
 from hpcjobs.perfmodel import Machine, count_bytes, formula_bytes, predict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,30 +81,6 @@ def test_the_bytes_formula_is_what_rank_0_sends(name):
     sent, _ = count_bytes(name, nbytes, comm)
     if P & (P - 1) == 0 or name in ("ring", "tree", "parameter_server"):  # the folds send otherwise
         assert comm.Get_rank() != 0 or sent == formula_bytes(name, nbytes, P)
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", ["ring", "ring_pipelined", "recursive_doubling", "rabenseifner"])
-@pytest.mark.parametrize("L", [1, 2])
-def test_the_uplink_formula_is_what_each_node_sends_to_the_others(name, L):
-    """Nodes of L consecutive ranks: the bytes each node's ranks send to
-    ranks off the node, counted, are the uplink formula (at P = 4, L = 2,
-    Rabenseifner halving far first sent twice it)."""
-    comm = MPI.COMM_WORLD
-    P = comm.Get_size()
-    if P % L:
-        pytest.skip(f"{P} ranks do not make whole nodes of {L}")
-    nbytes = 4 * P * 4096  # whole chunks at every P
-    want = uplink_bytes(name, nbytes, P, L)  # 0 on one node
-    if want is None:
-        assert name in ("recursive_doubling", "rabenseifner") and P & (P - 1)
-        pytest.skip(f"{name} has no uplink formula at {P} ranks (not a power of two)")
-    proxy = CountingComm(comm)
-    message_passing(name).bound(as_flat(np.ones(nbytes // 4, dtype=np.float32)), "sum", proxy)
-    sent_to = comm.allgather(proxy.sent_to)
-    per_node = [sum(n for r in range(node * L, (node + 1) * L) for dest, n in sent_to[r].items() if dest // L != node)
-                for node in range(P // L)]
-    assert per_node == [round(want)] * (P // L), (P, L, per_node, want)
 
 
 class Linked(Linear):
