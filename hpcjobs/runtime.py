@@ -124,7 +124,10 @@ def cores_per_rank(comm) -> int:
 
 def set_threads(threads: int | None, comm) -> int:
     """Give torch ``threads`` threads in this rank (None: :func:`cores_per_rank`);
-    returns how many. Collective over ``comm``.
+    returns how many. Collective over ``comm`` where it is not None.
+
+    ``comm`` None: a process alone (``plan --measure``), whose own cores
+    (its affinity) are its default.
 
     Also flushes denormal floats to zero on the CPU (as TensorFlow does), before
     torch starts its threads so that they inherit the setting. Numbers that sink
@@ -134,7 +137,12 @@ def set_threads(threads: int | None, comm) -> int:
     import torch
 
     torch.set_flush_denormal(True)  # False where the CPU cannot: nothing to do then
-    n = threads or cores_per_rank(comm)
+    if threads:
+        n = threads
+    elif comm is None:
+        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    else:
+        n = cores_per_rank(comm)
     torch.set_num_threads(n)
     return n
 

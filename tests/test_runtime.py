@@ -37,6 +37,27 @@ def test_set_threads_flushes_denormals_and_sets_the_threads():
     assert int(threads) == int(torch_threads) == 2
 
 
+_ALONE = """
+import os, torch
+from hpcjobs.runtime import set_threads
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:1])
+print(set_threads(None, None), torch.get_num_threads(), float(torch.tensor([1e-30]) * 1e-10))
+"""
+
+
+def test_set_threads_alone_takes_the_process_cores_and_flushes():
+    """``plan --measure`` runs alone, without a communicator: its default is
+    the cores it may run on (here pinned to one, where torch alone would
+    start as many threads as the machine has), and denormals are flushed as
+    in training, so the step it times is the step train runs."""
+    out = subprocess.run([sys.executable, "-c", _ALONE], env=clean_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    threads, torch_threads, tiny = out.stdout.split()
+    assert int(threads) == int(torch_threads) == 1
+    assert float(tiny) == 0.0
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("machine_by", ["boot id", "shared-memory node"])
 def test_cores_per_rank_divides_the_machines_cpus_among_its_ranks(monkeypatch, machine_by):

@@ -96,7 +96,8 @@ def configure(p) -> None:
     g.add_argument("--backward-share", type=positive_float, default=2 / 3,
                    help="with --throughput: backward's share of the step, over which gradients arrive (2/3)")
     g.add_argument("--measure-steps", type=positive_int, default=10, help="timed steps for --measure (10)")
-    g.add_argument("--threads", type=positive_int, help="torch threads for --measure")
+    g.add_argument("--threads", type=positive_int,
+                   help="torch threads for --measure (default: the cores this process may run on)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where --measure times the step (cuda: the current GPU, each gradient's ready time from "
                         "a CUDA event) (default cpu)")
@@ -189,8 +190,7 @@ def _workload(args):
         from ..bench.profile import profile_step
         from ..runtime import set_threads
 
-        if args.threads:
-            set_threads(args.threads, None)
+        set_threads(args.threads, None)  # default: this process's cores; and denormals flushed, as train does
         on = device + ("" if args.amp == "none" else f", {args.amp}")
         print(f"# plan: measuring {args.model} at batch {args.batch_per_device} on {on} ({args.measure_steps} "
               "steps)", file=sys.stderr, flush=True)
