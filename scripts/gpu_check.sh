@@ -9,7 +9,7 @@
 #
 #   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/
 #   scripts/gpu_check.sh              # on the GPU machine (no internet needed)
-#   scripts/gpu_check.sh --quick      # 2 ranks only, sizes up to 64M
+#   scripts/gpu_check.sh --quick      # tests and tables at 2 ranks, up to 64M; small at 4 only
 #
 # It uses the python3 that has torch with CUDA (HPCJOBS_PYTHON to choose
 # another), and installs what that python lacks (Open MPI, mpi4py, pytest,

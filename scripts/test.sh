@@ -25,7 +25,7 @@ cd "$ROOT"
 logs=$ROOT/.test-logs
 rm -rf "$logs"; mkdir -p "$logs"
 
-# The Horovod baseline: built once (about 3 minutes), then a cached wheel.
+# The Horovod baseline: built once (about 5 minutes on 2 cores), then a cached wheel.
 # Without it its tests skip with the reason, unless HPCJOBS_REQUIRE_HOROVOD=1.
 if ! scripts/install_horovod.sh >"$logs/horovod-build.log" 2>&1; then
     export HPCJOBS_HOROVOD_UNAVAILABLE="scripts/install_horovod.sh failed: $(grep -a '\[hpcjobs\]' "$logs/horovod-build.log" | tail -n 1)"
