@@ -236,17 +236,20 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
     """The system model (module docstring) at ``P`` devices, uncompressed or
     with a compressor's :class:`Payload`. Returns ``iteration_s``,
     ``compute_s``, ``comm_s`` (the buckets' allreduce time, summed),
-    ``exposed_s`` (what did not hide), ``algorithm`` and ``buckets``."""
+    ``exposed_s`` (what did not hide), ``algorithm`` (the one that carried
+    the most bytes: ``auto`` picks per bucket), ``algorithms`` (bytes each
+    carried) and ``buckets``."""
     buckets = bucket_sizes(workload, fusion_bytes, fused=payload is None or payload.fusable)
     if payload is not None and payload.reduce_s_per_byte is not None:
         net = Network(net.devices_per_node, _Reducing(net.node, payload.reduce_s_per_byte),
                       net.net and _Reducing(net.net, payload.reduce_s_per_byte))
-    costs, used = [], "none"
+    costs, carried = [], {}
     for nbytes, _, shape in buckets:
         if payload is None or payload.summable:
             t, used = allreduce_s(payload.nbytes(nbytes, shape) if payload else nbytes, P, net, algorithm)
         else:
             t, used = allgather_s(payload.nbytes(nbytes, shape), P, net), "allgather"
+        carried[used] = carried.get(used, 0) + nbytes
         if payload is not None and payload.codec_s is not None and P > 1:
             t += payload.codec_s(nbytes, shape)
         costs.append(t)
@@ -261,7 +264,8 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
     else:
         total = f + b + sum(costs) + u
     return {"iteration_s": total, "compute_s": workload.step_s, "comm_s": float(sum(costs)),
-            "exposed_s": total - workload.step_s, "algorithm": used, "buckets": len(buckets)}
+            "exposed_s": total - workload.step_s, "algorithm": max(carried, key=carried.get, default="none"),
+            "algorithms": carried, "buckets": len(buckets)}
 
 
 def fit_runs(runs: list[tuple[int, float]]) -> tuple[list[float], object]:

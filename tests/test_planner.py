@@ -11,6 +11,7 @@ import pytest
 from hpcjobs.collectives.costs import ACROSS, COSTS, evaluate
 from hpcjobs.planner import (Linear, Network, Payload, Target, Workload, allreduce_s, bucket_sizes, fit_runs,
                              flat_shapes, iteration, plan, recommend)
+from hpcjobs.cli.plan import table
 from launch import hpcjobs
 
 NODE = Linear(alpha=5e-6, beta=1e-10, gamma=2e-11)  # 10 GB/s inside a node
@@ -70,6 +71,23 @@ def test_across_nodes_the_two_level_formula_is_used():
     # Rabenseifner, halving near first, sends hierarchical's bytes across in
     # 2log2(M) network rounds instead of 2(M-1): the cheaper here.
     assert chosen == "rabenseifner" and each["rabenseifner"] < t
+
+
+def test_auto_names_the_algorithm_that_carried_the_most_bytes():
+    """``auto`` costs each bucket with its cheapest formula, so a step can use
+    two: big buckets bandwidth-bound, a small last one latency-bound. The row
+    names the one that carried most of the gradient, with every algorithm's
+    bytes beside it, not whichever the last bucket took."""
+    tensors = ((4 * MB, 0.5, (MB,)), (4 * MB, 0.9, (MB,)), (1024, 1.0, (256,)))  # the last one small
+    net = Network(1, NODE, NET)
+    r = iteration(step(tensors=tensors), 16, net, "auto", fusion_bytes=MB)
+    picks = [allreduce_s(n, 16, net)[1] for n, _, _ in bucket_sizes(step(tensors=tensors), MB)]
+    assert picks[0] == picks[1] != picks[2]  # the test is only worth having where they differ
+    assert r["algorithm"] == picks[0]
+    assert r["algorithms"] == {picks[0]: 8 * MB, picks[2]: 1024}
+    assert f" {picks[0]}+{picks[2]} |" in table(plan(step(tensors=tensors), [16], net, fusion_bytes=MB))
+    one = iteration(step(tensors=tensors), 16, net, "ring", fusion_bytes=MB)
+    assert one["algorithm"] == "ring" and one["algorithms"] == {"ring": 8 * MB + 1024}
 
 
 @pytest.mark.parametrize("P,net,algorithm,words", [

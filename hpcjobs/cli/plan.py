@@ -354,7 +354,12 @@ def table(rows: list[dict]) -> str:
             ("device_hours", "device-h", "{:.3g}")]
     cols = [c for c in cols if c[0] in rows[0]]
     ms = {"iteration_s", "fit_iteration_s", "exposed_s"}
-    cells = [[c[1] for c in cols]] + [[c[2].format(r[c[0]] * (1e3 if c[0] in ms else 1)) for c in cols] for r in rows]
+    def cell(r, key, fmt):
+        if key == "algorithm" and len(r.get("algorithms", ())) > 1:  # auto took more than one: most bytes first
+            return "+".join(sorted(r["algorithms"], key=r["algorithms"].get, reverse=True))
+        return fmt.format(r[key] * (1e3 if key in ms else 1))
+
+    cells = [[c[1] for c in cols]] + [[cell(r, c[0], c[2]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells)
 
