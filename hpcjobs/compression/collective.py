@@ -125,8 +125,8 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
         parts = payload if isinstance(payload, tuple) else (payload,)
         if compressor.summable:
             # our allreduce works in place: never on the caller's memory
-            parts = tuple(p.clone() if p.data_ptr() in (x.data_ptr(), tensor.data_ptr()) else p.contiguous()
-                          for p in parts)
+            parts = tuple(p.clone(memory_format=torch.contiguous_format)
+                          if p.data_ptr() in (x.data_ptr(), tensor.data_ptr()) else p.contiguous() for p in parts)
             for p in parts:
                 allreduce_mean(p)
             mean = compressor.decompress(parts if isinstance(payload, tuple) else parts[0], ctx)

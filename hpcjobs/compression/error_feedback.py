@@ -11,6 +11,12 @@ For each tensor, by name::
 so g + e_old = D(C(x)) + e_new exactly, at every step: nothing is lost,
 only delayed. The residuals belong to this rank (each rank drops different
 things) and go into checkpoints through ``state_dict``.
+
+A step whose compensated tensor is not finite (an overflow that fp16's loss
+scaling or ``nonfinite="skip"`` then skips) keeps the residual it had: inf
+minus inf kept as the residual would turn every later gradient into NaN.
+Residuals of gradients scaled by a loss scale are in its units: when the
+scale changes, :meth:`rescale` them by new / old.
 """
 
 from __future__ import annotations
@@ -37,8 +43,16 @@ class ErrorFeedback:
         return tensor + e
 
     def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
-        """Keep ``compensated - decompressed`` as ``name``'s residual."""
-        self.residuals[name] = compensated - decompressed
+        """Keep ``compensated - decompressed`` as ``name``'s residual, unless
+        it is not finite: then the residual stays as it was (module docstring)."""
+        e = compensated - decompressed
+        if bool(torch.isfinite(e).all()):
+            self.residuals[name] = e
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (a loss scale's new / old)."""
+        for e in self.residuals.values():
+            e.mul_(factor)
 
     def state_dict(self) -> dict:
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()}}

@@ -1,7 +1,9 @@
 """Half-precision casts: fp16 (10-bit mantissa, range +-65504) and bf16
 (8-bit mantissa, fp32's range). Half the bytes of fp32; summable, so the
-payload goes through the ordinary allreduce. fp16 can overflow where fp32
-gradients exceed 65504, bf16 cannot but keeps ~3 significant digits.
+payload goes through the ordinary allreduce. fp16 can overflow: the sum over
+P ranks travels in fp16 before the average divides it, so where it exceeds
+65504 (a gradient entry above 65504 / P on every rank) the mean is inf. bf16
+cannot overflow but keeps ~3 significant digits.
 """
 
 from __future__ import annotations

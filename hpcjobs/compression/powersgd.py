@@ -70,7 +70,7 @@ class PowerSGDCompressor(Compressor):
             return False
         n = shape[0]
         m = shape.numel() // n if n else 0
-        return n * m >= MIN_COMPRESSION_RATE * (n + m) * self.rank
+        return n * m > 0 and n * m >= MIN_COMPRESSION_RATE * (n + m) * self.rank
 
     def _initial_q(self, name: str | None, m: int, step: int) -> torch.Tensor:
         # From (seed, name[, step]) alone, so every rank starts from the same Q.
@@ -116,7 +116,7 @@ class PowerSGDCompressor(Compressor):
         """
         check_float(self, tensor)
         if step < self.start_iter or not self.compresses(tensor.shape):
-            mean = tensor.clone()
+            mean = tensor.clone(memory_format=torch.contiguous_format)  # the allreduce takes flat memory
             allreduce_mean(mean)
             return mean, tensor
         shape, dtype = tensor.shape, tensor.dtype
@@ -128,7 +128,10 @@ class PowerSGDCompressor(Compressor):
         q = q_local.clone()
         allreduce_mean(q)                                              # 5
         if self.warm_start:                                            # 7
-            self._q[name] = q
+            if bool(torch.isfinite(q).all()):
+                self._q[name] = q
+            else:  # an overflowed step (skipped by the caller): start again from the seed's Q, not from NaN
+                self._q.pop(name, None)
         mean = (p @ q.t()).to(dtype).reshape(shape)                    # 6
         local = (p @ q_local.t()).to(dtype).reshape(shape)
         return mean, local
@@ -141,4 +144,4 @@ class PowerSGDCompressor(Compressor):
 
     def __repr__(self) -> str:
         return (f"PowerSGDCompressor(rank={self.rank}, warm_start={self.warm_start}, "
-                f"start_iter={self.start_iter})")
+                f"start_iter={self.start_iter}, seed={self.seed})")

@@ -76,3 +76,39 @@ def test_warm_start_improves_the_approximation_step_after_step():
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         PowerSGDCompressor(**kw)
+
+
+def test_a_non_finite_step_does_not_become_the_warm_start():
+    """The stored Q is the last step's allreduced Q: an overflowed step (inf
+    in the gradient) would make it NaN, and every later step with it. That
+    step starts the next one from the seed's Q instead, as a first step does."""
+    c, fresh = PowerSGDCompressor(2, seed=3), PowerSGDCompressor(2, seed=3)
+    torch.manual_seed(4)
+    m = torch.randn(12, 9)
+    bad = m.clone()
+    bad[0, 0] = float("inf")
+    c.reduce_mean(bad, lambda buf: None, name="w", step=0)
+    after, _ = c.reduce_mean(m, lambda buf: None, name="w", step=1)
+    first, _ = fresh.reduce_mean(m, lambda buf: None, name="w", step=1)
+    assert torch.isfinite(after).all() and torch.equal(after, first)
+
+
+def test_empty_and_non_contiguous_tensors_and_the_seed_in_the_agreement():
+    """A (0, m) tensor is sent whole (nothing to factor); a transposed view
+    reduces like its contiguous copy; and two seeds are two compressors to
+    the cross-rank check, which compares reprs: ranks seeded apart start
+    from different Q, and the average of M_i Q_i is not a factor of mean(M)."""
+    from mpi4py import MPI
+
+    from hpcjobs.compression import NoneCompressor, compressed_allreduce
+
+    c = PowerSGDCompressor(1)
+    assert not c.compresses(torch.Size((0, 5)))
+    mean, _ = compressed_allreduce(torch.zeros(0, 5), c, name="e", comm=MPI.COMM_SELF)
+    assert mean.shape == (0, 5)
+    t = torch.randn(3, 4).t()
+    for make in (NoneCompressor, lambda: PowerSGDCompressor(1)):
+        got, _ = compressed_allreduce(t, make(), name="t", comm=MPI.COMM_SELF)
+        want, _ = compressed_allreduce(t.contiguous(), make(), name="t", comm=MPI.COMM_SELF)
+        assert torch.equal(got, want)
+    assert repr(PowerSGDCompressor(2, seed=1)) != repr(PowerSGDCompressor(2, seed=2))
