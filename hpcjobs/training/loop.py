@@ -177,6 +177,9 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm,
                         tokens=ds.tokens, layers=cfg.layers, heads=cfg.heads, embed=cfg.embed)
+    # The same model on every rank; what draws from torch's generator after it (QSGD's rounding) draws a
+    # stream of each rank's own, or every rank would round alike and the average's noise would not shrink.
+    torch.manual_seed(int(np.random.SeedSequence([cfg.seed, comm.Get_rank()]).generate_state(1, np.uint64)[0]))
     return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
                 steps_per_epoch(len(ds.train), global_batch), global_batch,
                 scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device,
@@ -293,7 +296,10 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             opt.synchronize()
             run.scaler.unscale_(run.inner)
             run.scaler.step(run.inner)
+            before = run.scaler.get_scale()
             run.scaler.update()
+            if opt.memory is not None and run.scaler.get_scale() != before:
+                opt.memory.rescale(run.scaler.get_scale() / before)  # residuals of scaled gradients: new units
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
             checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {

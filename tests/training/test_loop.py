@@ -86,6 +86,37 @@ def test_resume_with_fp16_ends_where_the_unbroken_run_does(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("compression", ["topk:0.1", "powersgd:1"])
+def test_fp16_with_error_feedback_lives_through_the_scalers_overflows(compression):
+    """fp16's GradScaler starts high and overflows, by design, until it has
+    halved enough; those steps are skipped. Their residuals (inf - inf) and
+    PowerSGD's warm start must not keep NaN, or every later step is NaN and
+    skipped too; and the residuals, kept in the loss scale's units, follow
+    the scale down. The run must learn as it does without the overflows."""
+    comm = MPI.COMM_WORLD
+    history = train(cfg(optimizer="sgd", momentum=0.9, amp="fp16", compression=compression,
+                        error_feedback=True, batch_per_rank=max(1, 16 // comm.Get_size())), comm)
+    losses = [h["loss"] for h in history]
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert history[-1]["test_acc"] > 0.3
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_start_from_one_model_and_then_draw_their_own_random_numbers():
+    """Every rank builds the same model from the seed; what draws from torch's
+    generator after that (QSGD's stochastic rounding) draws per rank, or the
+    ranks' rounding errors would be the same and their average no less noisy."""
+    from hpcjobs.training.loop import _setup
+
+    comm = MPI.COMM_WORLD
+    run = _setup(cfg(compression="qsgd"), comm)
+    flat = torch.cat([p.detach().flatten() for p in run.model.parameters()])
+    assert all(torch.equal(flat, other) for other in comm.allgather(flat))
+    draws = comm.allgather(torch.rand(4))
+    assert not any(torch.equal(draws[0], d) for d in draws[1:])
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_checkpoint_gives_every_rank_the_saved_gradscaler_state(tmp_path_factory):
     """write() saves rank 0's scaler; read() gives its scale and count to a
     fresh scaler on every rank; a checkpoint without one (no fp16, or older)
