@@ -63,6 +63,7 @@ share its cores, emulated hosts and containers included), ``overlap="auto"`` cho
 
 from __future__ import annotations
 
+import math
 import queue
 import sys
 import threading
@@ -117,7 +118,9 @@ class DistributedOptimizer:
             cores; with one core the thread only competes with backward for
             it (``hpcjobs bench train``: "none" was 1.18x faster there).
         noise_scale: sum squared norms of this rank's gradient and of the average in ``stats`` (for the
-            gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks.
+            gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks. A step counts
+            (``noise_steps``) only where the average is finite, the same steps on every rank, and its
+            norms are divided by ``grad_scale`` squared (a loss scaler's scale, set before each step).
 
     Raises:
         ValueError: bad arguments, parameters the optimizer updates that are
@@ -160,6 +163,8 @@ class DistributedOptimizer:
             raise ValueError("noise_scale needs uncompressed gradients on at least 2 ranks (one rank's batch "
                              "against the average over all)")
         self.noise_scale, self.algorithm = bool(noise_scale), algorithm
+        self.grad_scale = 1.0  # the loss scale the gradients carry (fp16's GradScaler): the noise scale's units
+        self._sq_step = [0.0, 0.0]  # this step's squared norms, rank's and average's, until the step ends
         self.compression = compression
         self.memory = ErrorFeedback() if error_feedback else None
         self._fused = compression is None or compression.fusable
@@ -266,7 +271,7 @@ class DistributedOptimizer:
         t0 = time.perf_counter()
         bucket.before_reduce()
         if self.noise_scale:  # this rank's gradient, before it is averaged (convergence.noise_scale)
-            self.stats["grad_sq_rank"] += float(bucket.buffer.double().square().sum())
+            self._sq_step[0] += float(bucket.buffer.double().square().sum())
         if self.compression is not None:
             single = len(bucket.slots) == 1
             tensor = bucket.buffer.view(bucket.slots[0].param.shape) if single else bucket.buffer
@@ -281,7 +286,7 @@ class DistributedOptimizer:
         else:
             allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
         if self.noise_scale:
-            self.stats["grad_sq_avg"] += float(bucket.buffer.double().square().sum())
+            self._sq_step[1] += float(bucket.buffer.double().square().sum())
         bucket.after_reduce()
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["allreduces"] += 1
@@ -315,6 +320,13 @@ class DistributedOptimizer:
         self._finish_step(t0)
 
     def _finish_step(self, t0: float) -> None:
+        if self.noise_scale:
+            rank_sq, avg_sq = self._sq_step
+            if math.isfinite(avg_sq) and math.isfinite(rank_sq):  # an overflow counts nowhere, on every rank
+                self.stats["grad_sq_rank"] += rank_sq / self.grad_scale ** 2
+                self.stats["grad_sq_avg"] += avg_sq / self.grad_scale ** 2
+                self.stats["noise_steps"] += 1
+            self._sq_step = [0.0, 0.0]
         self._reset_buckets()
         self._step += 1
         self.stats["wait_s"] += time.perf_counter() - t0
@@ -349,9 +361,10 @@ class DistributedOptimizer:
         """Zero the counters: ``comm_s`` (time in allreduce, on the thread), ``wait_s`` (time ``step()`` spent
         before the optimizer ran), ``steps``, ``skipped_steps`` (non-finite gradients), ``allreduces``,
         ``sent_bytes`` (bytes this rank sent, counted with compression or a message-passing algorithm, else 0),
-        ``grad_sq_rank``/``grad_sq_avg`` (with ``noise_scale``: squared norms summed over steps)."""
+        ``grad_sq_rank``/``grad_sq_avg`` (with ``noise_scale``: squared norms summed over ``noise_steps``,
+        the steps whose average was finite)."""
         self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0,
-                      "skipped_steps": 0, "grad_sq_rank": 0.0, "grad_sq_avg": 0.0}
+                      "skipped_steps": 0, "grad_sq_rank": 0.0, "grad_sq_avg": 0.0, "noise_steps": 0}
 
     @property
     def counts_bytes(self) -> bool:

@@ -293,6 +293,7 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         if run.scaler is None:
             opt.step()
         else:  # the scaler unscales the averages, identical on every rank: all skip alike
+            opt.grad_scale = run.scaler.get_scale()  # the noise scale's norms: in the gradient's own units
             opt.synchronize()
             run.scaler.unscale_(run.inner)
             run.scaler.step(run.inner)
@@ -329,9 +330,10 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
         record["skipped_steps"] = opt.stats["skipped_steps"]
     if opt.counts_bytes:  # the busiest rank's bytes sent this epoch
         record["sent_bytes"] = int(times[3])
-    if opt.noise_scale and opt.stats["steps"]:  # this epoch's mean squared norms (convergence.noise_scale)
-        rank_sq = comm.allreduce(opt.stats["grad_sq_rank"]) / (run.size * opt.stats["steps"])
-        record.update(noise_scale(rank_sq, opt.stats["grad_sq_avg"] / opt.stats["steps"],
+    steps = opt.stats["noise_steps"]  # the epoch's steps with a finite average, the same on every rank
+    if opt.noise_scale and steps:  # this epoch's mean squared norms (convergence.noise_scale)
+        rank_sq = comm.allreduce(opt.stats["grad_sq_rank"]) / (run.size * steps)
+        record.update(noise_scale(rank_sq, opt.stats["grad_sq_avg"] / steps,
                                   run.global_batch // run.size, run.global_batch))
     # plain Python numbers: the checkpoint is loaded with weights_only=True
     return {k: (v if v is None else int(v) if isinstance(v, (int, np.integer)) else float(v))

@@ -88,6 +88,38 @@ def test_the_optimizer_sums_each_ranks_and_the_averaged_squared_norms(overlap):
     opt.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_loss_scaled_and_overflowed_steps_do_not_bend_the_norms():
+    """fp16's loss scaler multiplies the gradients by its scale S until it
+    unscales the averages: the norms are divided by S² (``grad_scale``, set
+    before each step). A step whose average overflowed (inf on one rank)
+    counts nowhere, on every rank alike, and ``noise_steps`` says how many did."""
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x, y = global_data(2, 8 * size)
+    model = fresh_model(0).double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(), comm=comm,
+                               fusion_bytes=4096, overlap="none", noise_scale=True)
+    n = x.shape[1] // size
+    for step, scale in ((0, 1024.0), (None, 512.0), (1, 512.0)):  # the middle step overflows on rank 0
+        opt.zero_grad()
+        opt.grad_scale = scale
+        i = 0 if step is None else step
+        loss = torch.nn.functional.cross_entropy(model(x[i, rank * n:(rank + 1) * n].double()),
+                                                 y[i, rank * n:(rank + 1) * n])
+        (loss * (float("inf") if step is None and rank == 0 else scale)).backward()
+        opt.synchronize()  # as the loop does with a scaler, which then skips the overflowed step
+    want_rank, want_avg = 0.0, 0.0
+    for step in range(2):
+        grads = rank_gradients(x[step], y[step], size)
+        want_rank += float(grads[rank].square().sum())
+        want_avg += float((sum(grads) / size).square().sum())
+    assert opt.stats["noise_steps"] == 2 and opt.stats["steps"] == 3
+    assert opt.stats["grad_sq_rank"] == pytest.approx(want_rank, rel=1e-9)
+    assert opt.stats["grad_sq_avg"] == pytest.approx(want_avg, rel=1e-9)
+    opt.close()
+
+
 @pytest.mark.mpi(min_size=1)
 def test_the_noise_scale_needs_two_ranks_and_exact_averages():
     comm = MPI.COMM_WORLD
