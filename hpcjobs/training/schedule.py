@@ -18,7 +18,10 @@ ImageNet in 1 Hour" (arXiv:1706.02677)::
    ``"gradual"`` starts at ``base_lr`` and adds a constant amount every
    iteration so that it reaches the peak at the end of warmup; ``"constant"``
    holds ``base_lr`` for the whole warmup and then jumps to the peak (Goyal
-   shows this fails for large k); ``"none"`` starts at the peak.
+   shows this fails for large k); ``"none"`` starts at the peak. Where the
+   global batch is at most ``base_batch`` (k <= 1) the peak is not above
+   ``base_lr`` and there is nothing to warm up to: warmup holds the peak
+   rather than starting higher and falling to it.
 3. **Decay** after warmup: ``"step"`` multiplies by ``gamma`` at every epoch
    in ``milestones`` (Goyal: /10 at 30, 60, 80), ``"cosine"`` anneals from the
    peak to ``final_lr`` over the remaining iterations, ``"none"`` holds it.
@@ -132,9 +135,10 @@ def lr_at(step: int, steps_per_epoch: int, cfg: ScheduleConfig) -> float:
     # 2) warmup, per iteration
     n_warm = warmup_steps(steps_per_epoch, cfg)
     if step < n_warm:
+        start = min(cfg.base_lr, peak)  # k < 1: the peak is below base_lr, and warmup never climbs down
         if cfg.warmup == "constant":
-            return cfg.base_lr
-        return cfg.base_lr + (peak - cfg.base_lr) * step / n_warm
+            return start
+        return start + (peak - start) * step / n_warm
     # 3) decay after warmup
     if cfg.decay == "step":
         epoch = step / steps_per_epoch

@@ -71,6 +71,15 @@ def test_k_equal_one_makes_every_warmup_the_same():
         assert {lr_at(s, 5, cfg) for s in range(40)} == {0.3}
 
 
+def test_below_the_base_batch_warmup_holds_the_peak_and_never_climbs_down():
+    """k < 1 (a global batch smaller than base_batch): the linear rule puts the
+    peak below base_lr, and a warmup from base_lr would start above the peak
+    and fall to it, the opposite of a warmup. Every warmup holds the peak."""
+    for warmup in ("none", "constant", "gradual"):
+        cfg = ScheduleConfig(base_lr=0.1, base_batch=256, global_batch=64, warmup=warmup, warmup_epochs=1)
+        assert [lr_at(s, 4, cfg) for s in range(6)] == pytest.approx([0.025] * 6)
+
+
 @pytest.mark.parametrize("bad", [dict(warmup="linear"), dict(decay="exp"), dict(base_lr=0), dict(base_batch=0),
                                  dict(global_batch=-1), dict(warmup_epochs=-1), dict(gamma=0), dict(epochs=0)])
 def test_bad_config_is_refused(bad):
