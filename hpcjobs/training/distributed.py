@@ -334,7 +334,17 @@ class DistributedOptimizer:
 
     def step(self, closure=None):
         """Average the gradients over the ranks, then step the wrapped optimizer
-        (or not: see ``nonfinite``)."""
+        (or not: see ``nonfinite``).
+
+        Raises:
+            TypeError: a ``closure``. It would compute this rank's own
+                gradients again after the averages, and the wrapped optimizer
+                would step on those: the ranks' steps would differ.
+        """
+        if closure is not None:
+            raise TypeError("DistributedOptimizer.step() takes no closure: the closure's backward would replace the "
+                            "averaged gradients with this rank's own (optimizers that re-evaluate, such as LBFGS, "
+                            "are not supported); call backward, then step()")
         self.synchronize()
         if self.nonfinite != "ignore":
             bad = self.nonfinite_parameters()
@@ -347,7 +357,7 @@ class DistributedOptimizer:
                 if self.rank == 0:
                     print(f"hpcjobs: warning: {what}; step skipped", file=sys.stderr, flush=True)
                 return None
-        return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
+        return self._optimizer.step()
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose averaged gradient (after

@@ -137,6 +137,19 @@ def test_unused_parameters_contribute_zeros(comm):
     opt.close()
 
 
+def test_a_closure_is_refused_before_anything_moves():
+    """A closure's backward, run after the averages, would leave this rank's
+    own gradients for the wrapped optimizer: ranks would step apart."""
+    model = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
+                               comm=MPI.COMM_SELF)
+    before = model.weight.detach().clone()
+    with pytest.raises(TypeError, match="takes no closure"):
+        opt.step(lambda: model(torch.ones(1, 3)).sum())
+    assert torch.equal(model.weight, before)
+    opt.close()
+
+
 def test_buckets_follow_fusion_bytes_and_dtype():
     model = torch.nn.Sequential(torch.nn.Linear(100, 100), torch.nn.Linear(100, 10))  # 10100 + 1010 floats
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
