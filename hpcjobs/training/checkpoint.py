@@ -26,10 +26,11 @@ from .config import TrainConfig
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read"]
 
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
-# A resumed run must be the same experiment: these fields may not change.
+# A resumed run must be the same experiment: these fields may not change. The optimizer's own settings
+# among them: its saved state_dict brings back the saved ones, and a changed flag would be silently ignored.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
-                "backward_passes_per_step", "optimizer", "compression", "error_feedback", "seq_len", "layers",
-                "heads", "embed")
+                "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
+                "compression", "error_feedback", "seq_len", "layers", "heads", "embed")
 
 
 class CheckpointError(RuntimeError):

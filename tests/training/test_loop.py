@@ -160,6 +160,9 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     train(cfg(checkpoint=f"{d}/o.pt", epochs=1), comm)
     with pytest.raises(CheckpointError, match="another experiment: model 'mlp' -> 'cnn1d'"):
         train(cfg(checkpoint=f"{d}/o.pt", resume=True, model="cnn1d"), comm)
+    # the optimizer's saved settings would come back with its state and overrule the flag: refused, not ignored
+    with pytest.raises(CheckpointError, match="another experiment: momentum 0.9 -> 0.5"):
+        train(cfg(checkpoint=f"{d}/o.pt", resume=True, momentum=0.5), comm)
 
 
 @pytest.mark.mpi(min_size=1)
