@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import math
+from fractions import Fraction
 
 import torch
 
@@ -81,5 +82,7 @@ def check_ratio(ratio) -> float:
 
 
 def kept(ratio: float, numel: int) -> int:
-    """How many of ``numel`` elements a ratio keeps: ceil(ratio * numel), at least 1."""
-    return min(numel, max(1, math.ceil(ratio * numel))) if numel else 0
+    """How many of ``numel`` elements a ratio keeps: ceil(ratio * numel), at least 1.
+    The ratio as it is written (0.07 is 7/100): in binary floating point
+    0.07 * 100 is 7.000000000000001, which would keep 8."""
+    return min(numel, max(1, math.ceil(Fraction(repr(float(ratio))) * numel))) if numel else 0
