@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .collectives.costs import COSTS, across_path
+from .collectives.costs import COSTS, across_path, hierarchical_segments
 
 __all__ = ["ALGORITHMS", "Linear", "Network", "Payload", "Target", "Workload", "allgather_s", "allreduce_s",
            "bucket_sizes", "fit_runs", "flat_shapes", "iteration", "plan", "recommend"]
@@ -83,16 +83,20 @@ class Linear:
 @dataclass(frozen=True)
 class Payload:
     """What a compressor sends for a bucket: ``nbytes(bytes, shape)`` per
-    device, through an allreduce (``summable``) or an allgather; ``fusable``:
-    buckets may hold several tensors; ``codec_s(bytes, shape)``: seconds to
-    compress and decompress it; ``reduce_s_per_byte``: seconds to reduce a
-    byte of the payload's dtype (None: the links' γ)."""
+    device, through an allreduce (``summable``) or an allgather of ``parts``
+    arrays a device (after a ring allgather of their sizes, as
+    ``ring.allgatherv`` does); ``fusable``: buckets may hold several tensors;
+    ``codec_s(bytes, shape, P)``: seconds to compress it and decode the
+    result at P devices (an allgather's: every device's payload decompressed
+    and added); ``reduce_s_per_byte``: seconds to reduce a byte of the
+    payload's dtype (None: the links' γ)."""
 
     nbytes: object
     summable: bool
     fusable: bool
     codec_s: object = None
     reduce_s_per_byte: float | None = None
+    parts: int = 1
 
 
 class _Reducing:
@@ -211,7 +215,8 @@ def allreduce_s(nbytes: float, P: int, net: Network, algorithm: str = "auto") ->
     best = None
     for name in (ALGORITHMS if algorithm == "auto" else (algorithm,)):
         t = (COSTS[name].path(float(nbytes), P, L, net.node) if L == P
-             else across_path(name, float(nbytes), P, L, net.node, net.net))
+             else across_path(name, float(nbytes), P, L, net.node, net.net,
+                              hierarchical_segments(nbytes, L) if name == "hierarchical" else 1))
         if t is not None and (best is None or t < best[0]):
             best = (t, name)
     if best is None:
@@ -221,14 +226,16 @@ def allreduce_s(nbytes: float, P: int, net: Network, algorithm: str = "auto") ->
     return best
 
 
-def allgather_s(nbytes: float, P: int, net: Network) -> float:
-    """A ring allgather of ``nbytes`` per device: P - 1 steps of one payload,
-    each at the slowest link it crosses."""
+def allgather_s(nbytes: float, P: int, net: Network, parts: int = 1) -> float:
+    """A ring allgather of ``nbytes`` per device in ``parts`` arrays, as
+    ``ring.allgatherv`` runs it: P - 1 steps of the size table's rows (8
+    bytes an array), then P - 1 of one payload, each at the slowest link it
+    crosses."""
     if P == 1:
         return 0.0
     L = _layout(P, net)
     link = net.node if L == P else net.net
-    return (P - 1) * link.message(float(nbytes))
+    return (P - 1) * (link.message(8.0 * parts) + link.message(float(nbytes)))
 
 
 def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto", overlap: bool = True,
@@ -248,10 +255,10 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
         if payload is None or payload.summable:
             t, used = allreduce_s(payload.nbytes(nbytes, shape) if payload else nbytes, P, net, algorithm)
         else:
-            t, used = allgather_s(payload.nbytes(nbytes, shape), P, net), "allgather"
+            t, used = allgather_s(payload.nbytes(nbytes, shape), P, net, payload.parts), "allgather"
         carried[used] = carried.get(used, 0) + nbytes
         if payload is not None and payload.codec_s is not None and P > 1:
-            t += payload.codec_s(nbytes, shape)
+            t += payload.codec_s(nbytes, shape, P)
         costs.append(t)
     f, b, u = workload.forward_s, workload.backward_s, workload.update_s
     if P == 1 and payload is None:
@@ -346,8 +353,10 @@ def plan(workload: Workload, devices: list[int], net: Network, algorithm: str = 
 
 def recommend(rows: list[dict], slack: float = 0.10) -> dict:
     """The fastest device count (least time to target, else most samples/s)
-    and the cheapest within ``slack`` of it (fewest device-hours, else the
-    fewest devices, whose efficiency is highest)."""
+    and the cheapest within ``slack`` of it: the fewest device-hours, else
+    the highest efficiency (device-hours per sample are 1 / efficiency; not
+    always the fewest devices: a power of two can beat the count below it),
+    ties to fewer devices."""
     finite = [r for r in rows if "time_to_target_s" in r and math.isfinite(r["time_to_target_s"])]
     if finite:
         fastest = min(finite, key=lambda r: r["time_to_target_s"])
@@ -357,6 +366,6 @@ def recommend(rows: list[dict], slack: float = 0.10) -> dict:
     else:
         fastest = max(rows, key=lambda r: r["samples_per_s"])
         near = [r for r in rows if r["samples_per_s"] >= fastest["samples_per_s"] / (1 + slack)]
-        cheapest = min(near, key=lambda r: r["devices"])
+        cheapest = min(near, key=lambda r: (-r["efficiency"], r["devices"]))
         by = "samples/s"
     return {"fastest": fastest["devices"], "cheapest_within": slack, "cheapest": cheapest["devices"], "by": by}

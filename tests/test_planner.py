@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hpcjobs.collectives.costs import ACROSS, COSTS, evaluate
+from hpcjobs.collectives.costs import ACROSS, COSTS, across_path, evaluate
 from hpcjobs.planner import (Linear, Network, Payload, Target, Workload, allreduce_s, bucket_sizes, fit_runs,
                              flat_shapes, iteration, plan, recommend)
 from hpcjobs.cli.plan import table
@@ -60,7 +60,9 @@ def test_across_nodes_the_two_level_formula_is_used():
     t, name = allreduce_s(N, P, Network(L, NODE, NET), "hierarchical")
     want = evaluate(ACROSS["hierarchical"].formula, P=P, L=L, N=N, alpha=NODE.alpha, beta=NODE.beta,
                     gamma=NODE.gamma, net_alpha=NET.alpha, net_beta=NET.beta)
-    assert name == "hierarchical" and t == pytest.approx(want, rel=1e-12)
+    assert across_path("hierarchical", N, P, L, NODE, NET) == pytest.approx(want, rel=1e-12)  # in one piece
+    assert name == "hierarchical" and t == pytest.approx(across_path("hierarchical", N, P, L, NODE, NET, 8),
+                                                         rel=1e-12)  # pipelined in 8 segments of 1 MiB
     t_ring, _ = allreduce_s(N, P, Network(L, NODE, NET), "ring")
     assert t_ring == pytest.approx(evaluate(ACROSS["ring"].formula, P=P, L=L, N=N, gamma=NODE.gamma,
                                             net_alpha=NET.alpha, net_beta=NET.beta), rel=1e-12)
@@ -71,6 +73,28 @@ def test_across_nodes_the_two_level_formula_is_used():
     # Rabenseifner, halving near first, sends hierarchical's bytes across in
     # 2log2(M) network rounds instead of 2(M-1): the cheaper here.
     assert chosen == "rabenseifner" and each["rabenseifner"] < t
+
+
+def test_hierarchical_across_nodes_is_costed_pipelined_as_it_runs():
+    """Across real nodes hierarchical pipelines a buffer in segments of
+    1/32 of it, at least 1 MiB (hierarchical.py): the planner costs it so,
+    and a small bucket in one piece."""
+    net = Network(4, NODE, NET)
+    for N, segments in ((16 * MB, 16), (64 * MB, 32), (MB // 2, 1)):
+        t, _ = allreduce_s(N, 16, net, "hierarchical")
+        assert t == pytest.approx(across_path("hierarchical", N, 16, 4, NODE, NET, segments), rel=1e-12)
+
+
+def test_the_cheapest_is_the_most_efficient_within_reach_not_the_fewest_devices():
+    """Without a time to target, device-hours per sample are 1 / efficiency:
+    of the counts within 10% of the fastest, the most efficient, which need
+    not be the fewest (a fold makes 15 devices less efficient than 16)."""
+    rows = [{"devices": 15, "samples_per_s": 95.0, "efficiency": 0.95},
+            {"devices": 16, "samples_per_s": 100.0, "efficiency": 0.97},
+            {"devices": 14, "samples_per_s": 85.0, "efficiency": 0.99}]  # 85 < 100 / 1.1: out of reach
+    assert recommend(rows) == {"fastest": 16, "cheapest_within": 0.1, "cheapest": 16, "by": "samples/s"}
+    rows[0]["efficiency"] = 0.97  # a tie goes to fewer devices
+    assert recommend(rows)["cheapest"] == 15
 
 
 def test_auto_names_the_algorithm_that_carried_the_most_bytes():
@@ -116,14 +140,31 @@ def test_a_summable_compressor_reduces_its_payload_and_the_others_gather_it():
                      payload=Payload(lambda n, shape: n // 2, True, True))
     assert half["comm_s"] == pytest.approx(ring(MB // 2, 4), rel=1e-12)
     gathered = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
-                         payload=Payload(lambda n, shape: 1000, False, False))
-    assert gathered["comm_s"] == pytest.approx(3 * (NODE.alpha + 1000 * NODE.beta), rel=1e-12)
+                         payload=Payload(lambda n, shape: 1000, False, False, parts=2))
+    # P - 1 rows of the size table (8 bytes a part), then P - 1 payloads (ring.allgatherv)
+    assert gathered["comm_s"] == pytest.approx(3 * (2 * NODE.alpha + (16 + 1000) * NODE.beta), rel=1e-12)
     assert gathered["algorithm"] == "allgather"
     # a measured codec time per bucket, and the payload's own cost per byte reduced
     slow = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
-                     payload=Payload(lambda n, shape: n // 2, True, True, lambda n, shape: 0.25, 5e-9))
+                     payload=Payload(lambda n, shape: n // 2, True, True, lambda n, shape, P: 0.25, 5e-9))
     want = evaluate(COSTS["ring"].formula, P=4, N=MB // 2, alpha=NODE.alpha, beta=NODE.beta, gamma=5e-9)
     assert slow["comm_s"] == pytest.approx(want + 0.25, rel=1e-12)
+
+
+def test_a_gathered_payload_is_decoded_once_per_device_and_a_summed_one_once():
+    """compressed_allreduce decompresses and adds every device's payload when
+    it gathers them (top-k, QSGD, sign): the measured codec grows by one
+    decompress and one add a device. A summable payload (fp16, PowerSGD's
+    factors) is decoded once, whatever P. The payload's arrays are counted
+    for the size table the allgather sends first."""
+    from hpcjobs.cli.plan import _payload
+
+    gathered, summed = _payload("topk:0.01", True), _payload("fp16", True)
+    assert gathered.parts == 2 and not gathered.summable and summed.parts == 1
+    n, shape = 4 * 65536, (65536,)
+    c2, c3, c4 = (gathered.codec_s(n, shape, P) for P in (2, 3, 4))
+    assert c4 - c3 == pytest.approx(c3 - c2, rel=1e-9) and c3 > c2 > 0
+    assert summed.codec_s(n, shape, 2) == summed.codec_s(n, shape, 64) > 0
 
 
 def test_the_black_box_fit_recovers_its_terms_and_stays_non_negative():
@@ -156,8 +197,8 @@ def test_time_to_target_scales_epochs_by_the_noise_scale_and_recommends():
     assert best["fastest"] == fastest["devices"] and best["by"] == "time to target"
     near = [r for r in rows if r["time_to_target_s"] <= 1.1 * fastest["time_to_target_s"]]
     assert best["cheapest"] == min(near, key=lambda r: r["device_hours"])["devices"]
-    no_target = recommend([{"devices": 1, "samples_per_s": 100.0}, {"devices": 2, "samples_per_s": 195.0},
-                           {"devices": 4, "samples_per_s": 210.0}])
+    no_target = recommend([{"devices": d, "samples_per_s": s, "efficiency": s / (100.0 * d)}
+                           for d, s in ((1, 100.0), (2, 195.0), (4, 210.0))])
     assert no_target == {"fastest": 4, "cheapest_within": 0.1, "cheapest": 2, "by": "samples/s"}
 
 

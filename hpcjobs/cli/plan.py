@@ -228,15 +228,21 @@ def _payload(spec: str | None, measure: bool):
             sizes[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
         return sizes[(n, shape)]
 
-    def codec_s(n: int, shape: tuple) -> float:
+    def codec_s(n: int, shape: tuple, P: int) -> float:  # compress, decompress, add: medians of 3
         if (n, shape) not in times:
             x, spent = torch.randn(*shape), []
             for _ in range(3):
                 t0 = time.perf_counter()
-                comp.decompress(*comp.compress(x, name="plan", step=0))
-                spent.append(time.perf_counter() - t0)
-            times[(n, shape)] = statistics.median(spent)
-        return times[(n, shape)]
+                payload, ctx = comp.compress(x, name="plan", step=0)
+                t1 = time.perf_counter()
+                out = comp.decompress(payload, ctx)
+                t2 = time.perf_counter()
+                out.add_(x)
+                spent.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+            times[(n, shape)] = [statistics.median(s) for s in zip(*spent)]
+        c, d, a = times[(n, shape)]
+        # an allgather's payloads are each decompressed and summed on every device (compressed_allreduce)
+        return c + d if comp.summable else c + P * d + (P - 1) * a
 
     per_byte = None
     if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
@@ -244,7 +250,9 @@ def _payload(spec: str | None, measure: bool):
         dtype = (payload[0] if isinstance(payload, tuple) else payload).numpy().dtype
         a, b, add = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), reducer("sum", dtype.name)
         per_byte = statistics.median(timeit.repeat(lambda: add(a, b), number=1, repeat=5)) / a.nbytes
-    return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte)
+    payload, _ = compressed((1 << 10,))
+    parts = len(payload) if isinstance(payload, tuple) else 1
+    return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte, parts)
 
 
 def _target(args):

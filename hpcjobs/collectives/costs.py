@@ -64,8 +64,9 @@ class Cost:
 
 
 def _fold(N: float, P: int, c: Costing) -> float:
+    # _fold.fold_in and fold_out: a plain Send one way each, not an exchange
     p2 = 1 << (P.bit_length() - 1)
-    return 0.0 if p2 == P else 2 * c.message(N) + c.reduce(N)
+    return 0.0 if p2 == P else 2 * c.oneway(N) + c.reduce(N)
 
 
 def _log2_p2(P: int) -> int:
@@ -96,6 +97,33 @@ def _parameter_server(N: float, P: int, L: int, c: Costing) -> float:
 def _hierarchical(N: float, P: int, L: int, c: Costing) -> float:
     M = -(-P // L)
     return _ring(N, L, L, c) + _ring(N / L, M, M, c)
+
+
+# Hierarchical's pipeline across real nodes (hierarchical.py). Measured on the
+# emulated cluster (2 hosts x 2 ranks, 1 Gbit/s links; docs/results/multinode.md,
+# "Pipelined hierarchical"): 1 MiB segments took 16 MiB from 1.37x
+# MPI_Allreduce's time to 1.01x; at 64 MiB 2 MiB segments did better than 1 MiB
+# (1.03x against 1.19x, two runs alike): about 32 segments, none under 1 MiB.
+# On nodes simulated on one host (--ranks-per-node) every step competes for the
+# same cores and pipelining cost 13-26%, so there it is off unless asked for.
+MIN_SEGMENT_BYTES = 1 << 20
+SEGMENTS = 32
+
+
+def default_segment_bytes(nbytes: int) -> int:
+    """The pipelined path's segment for a buffer of ``nbytes`` across real
+    nodes: ``nbytes / SEGMENTS``, at least ``MIN_SEGMENT_BYTES``."""
+    return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
+
+
+def hierarchical_segments(nbytes: float, L: int, itemsize: int = 4) -> int:
+    """The segments hierarchical pipelines ``nbytes`` in across real nodes of
+    ``L`` ranks, by default (1: one piece, too small to pipeline), as
+    ``hierarchical.segment_elements`` cuts the node-divisible main part."""
+    count = int(nbytes) // itemsize
+    main = count // L * L
+    per = max(L, default_segment_bytes(count * itemsize) // itemsize // L * L)
+    return -(-main // per) if main > per else 1
 
 
 # Uplinks: the ring crosses each node boundary once (the node's last rank

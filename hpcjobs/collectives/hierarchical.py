@@ -56,6 +56,7 @@ import functools
 
 from . import cuda_ipc, ring, shm, staged, tree
 from ._buffers import Flat, chunk_bounds, finish_avg
+from .costs import default_segment_bytes
 from .device import DeviceFlat, divide
 from ._frame import run
 from .messages import message_passing
@@ -130,21 +131,8 @@ def _threads_everywhere(comm: MPI.Intracomm) -> bool:
         comm.Set_attr(_THREADS_KEYVAL, ok)
     return ok
 
-# Measured on the emulated cluster (2 hosts x 2 ranks, 1 Gbit/s links;
-# docs/results/multinode.md, "Pipelined hierarchical"): 1 MiB segments took
-# 16 MiB from 1.37x MPI_Allreduce's time to 1.01x; at 64 MiB 2 MiB segments
-# did better than 1 MiB (1.03x against 1.19x, two runs alike): about 32
-# segments, none under 1 MiB. On nodes simulated on one host
-# (--ranks-per-node) every step competes for the same cores and pipelining
-# cost 13-26%, so there it is off unless asked for.
-MIN_SEGMENT_BYTES = 1 << 20
-SEGMENTS = 32
-
-
-def default_segment_bytes(nbytes: int) -> int:
-    """The pipelined path's segment for a buffer of ``nbytes`` across real
-    nodes: ``nbytes / SEGMENTS``, at least ``MIN_SEGMENT_BYTES``."""
-    return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
+# The segments across real nodes (MIN_SEGMENT_BYTES, SEGMENTS,
+# default_segment_bytes) live in costs.py, which the planner reads without MPI.
 
 
 def segment_elements(count: int, itemsize: int, L: int, simulated: bool, segment_bytes: int | None = None) -> int:
