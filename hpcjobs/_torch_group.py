@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from .collectives.agreement import agree_or_raise
 from .collectives.watchdog import guard
-from ._torch_mpi import MPIOps, _cpu, _host, _into, _multiple, _same_shapes
+from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes
 from .comm import private
 
 BACKEND = "hpcjobs"
@@ -121,6 +121,45 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             self._queue.put((run, fut, result, what))
         return _Work(fut)
 
+    def _submit_requests(self, post, result, tensors=(), finish=None) -> dist.Work:
+        """Queue ``post`` (it starts nonblocking MPI requests and returns them)
+        in order with the collectives; the Work completes when the requests
+        have, then ``finish()``, waited for on a thread of its own. Blocking
+        there instead would let a queued isend hold the worker while the
+        matching irecv waits behind it: an exchange both ways deadlocked."""
+        what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"
+        devices = {t.device for t in tensors if t.device.type == "cuda"}
+        fut: Future = Future()
+
+        def wait(reqs):
+            try:
+                with guard(what):
+                    MPI.Request.Waitall(reqs)
+                    if finish is not None:
+                        finish()
+                    for d in devices:
+                        torch.cuda.current_stream(d).synchronize()
+            except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+        def start():
+            try:
+                for d in devices:
+                    torch.cuda.current_stream(d).synchronize()
+                reqs = post()
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+                return
+            threading.Thread(target=wait, args=(reqs,), name="hpcjobs-torch-p2p", daemon=True).start()
+
+        if threading.current_thread() is self._worker:
+            start()
+        else:
+            self._queue.put((start, Future(), None, what))
+        return _Work(fut)
+
     def _agree(self, what: str, check=None, **fields) -> None:
         """Every rank has the same ``fields`` and passed ``check`` (a callable
         raising ValueError/TypeError/NotImplementedError on bad input), or
@@ -169,6 +208,13 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         return self._submit(lambda: [self._allreduce_one(t, op) for t in tensors], tensors, tensors)
 
     def _allreduce_one(self, t: torch.Tensor, op) -> None:
+        if t.dtype == torch.bool:  # as torch's NCCL backend: sum is any (max), product all (min), on the bytes
+            def check():
+                if op == ReduceOp.AVG:
+                    raise NotImplementedError("all_reduce of bool tensors with AVG: there is no bool average")
+            self._agree("allreduce", check, dtype="torch.bool", op=str(op))
+            op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
+            t = t.view(torch.uint8)
         if op in _BITWISE:
             self._agree("allreduce", count=t.numel(), dtype=str(t.dtype), op=str(op))
             work = _cpu(t)
@@ -223,7 +269,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             if op in _BITWISE:
                 raise NotImplementedError(f"the hpcjobs backend does not implement reduce_scatter with {op}")
         self._agree("reduce_scatter", check, count=flat.numel(), dtype=str(flat.dtype), op=str(op))
-        work = flat.detach().to("cpu").contiguous()  # a copy: the input is not ours to change
+        work = flat.detach().to("cpu", copy=True).contiguous()  # a copy: the input is not ours to change
         ring_reduce_scatter(work, _OPS[op], self._comm)
         n = out.numel()
         out.copy_(work[self.rank() * n:(self.rank() + 1) * n].view_as(out))
@@ -259,6 +305,9 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
     def _allgather_into(self, outs: list[torch.Tensor], inp: torch.Tensor) -> None:
         from .collectives import ring_allgather, ring_allgatherv
 
+        if inp.dtype == torch.bool and all(o.dtype == torch.bool for o in outs):
+            outs, inp = [_bytes(o) for o in outs], _bytes(inp)
+
         def check():
             if len(outs) != self.size():
                 raise ValueError(f"rank {self.rank()}: {len(outs)} output tensors for {self.size()} ranks")
@@ -293,19 +342,23 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
                 self._allgather_into(list(outs), inp)
         return self._submit(run, output_lists, [*input_tensors, *[o for os_ in output_lists for o in os_]])
 
+    def _gather_into_tensor(self, output: torch.Tensor, inp: torch.Tensor) -> None:
+        self._agree("all_gather_into_tensor", lambda: _multiple(output, inp, self.size()))
+        # chunks of a view: a non-contiguous output would reshape to a copy, and the results land there
+        flat = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        self._allgather_into(list(flat.reshape(-1).chunk(self.size())), inp)
+        if flat is not output:
+            output.copy_(flat)
+
     def all_gather_single(self, output, input, opts=None):  # noqa: A002 -- torch's name
-        def run():
-            self._agree("all_gather_into_tensor", lambda: _multiple(output, input, self.size()))
-            self._allgather_into(list(output.reshape(-1).chunk(self.size())), input)
-        return self._submit(run, output, [output, input])
+        return self._submit(lambda: self._gather_into_tensor(output, input), output, [output, input])
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         def run():
             for o, i in zip(outputs, inputs):
-                self._agree("all_gather_into_tensor", lambda: _multiple(o, i, self.size()))
-                self._allgather_into(list(o.reshape(-1).chunk(self.size())), i)
+                self._gather_into_tensor(o, i)
         return self._submit(run, outputs, [*outputs, *inputs])
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced

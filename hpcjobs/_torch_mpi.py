@@ -12,10 +12,16 @@ from mpi4py import MPI
 from .collectives._buffers import as_flat
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``, a bool tensor as its bytes (uint8, the same memory): moving
+    data, a bool is a byte (DDP broadcasts bool buffers)."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     """The bytes MPI moves for a contiguous CPU tensor: the collectives'
-    wire view (bfloat16 too), without a copy."""
-    return as_flat(t).wire
+    wire view (bfloat16 and bool too), without a copy."""
+    return as_flat(_bytes(t)).wire
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -123,19 +129,28 @@ class MPIOps:
 
     # -- point to point -----------------------------------------------------
 
+    # Nonblocking, completed off the worker (``_submit_requests``): isend and
+    # irecv both ways between two ranks, as batch_isend_irecv posts them,
+    # would otherwise block each worker in its Send.
     def send(self, tensors, dst: int, tag: int):
-        def run():
-            for t in tensors:
-                self._comm.Send(_host(_cpu(t)), dest=dst, tag=tag)
-        return self._submit(run, None, tensors)
+        bufs = []  # host copies made on the worker, after the ops queued before; alive until sent
+
+        def post():
+            bufs.extend(_cpu(t) for t in tensors)
+            return [self._comm.Isend(_host(b), dest=dst, tag=tag) for b in bufs]
+        return self._submit_requests(post, None, tensors)
 
     def recv(self, tensors, src: int, tag: int):
-        def run():
-            for t in tensors:
-                work = _cpu(t)
-                self._comm.Recv(_host(work), source=src, tag=tag)
+        works = []
+
+        def post():
+            works.extend(_cpu(t) for t in tensors)
+            return [self._comm.Irecv(_host(w), source=src, tag=tag) for w in works]
+
+        def finish():
+            for t, work in zip(tensors, works):
                 _into(t, work)
-        return self._submit(run, tensors, tensors)
+        return self._submit_requests(post, tensors, tensors, finish)
 
     def recv_anysource(self, tensors, tag: int):
         raise NotImplementedError("the hpcjobs backend does not implement recv from any source; name the source")

@@ -59,6 +59,9 @@ assert [o.tolist() for o in uneven] == [[q] * (q + 1) for q in range(P)]
 o = torch.zeros(2 * P)
 dist.all_gather_into_tensor(o, full(float(r), 2))
 assert o.tolist() == [q for q in range(P) for _ in range(2)]
+o = torch.zeros(2, P).t()  # not contiguous: the results land in it, not in a reshaped copy
+dist.all_gather_into_tensor(o, full(float(r), 2))
+assert o.reshape(-1).tolist() == [q for q in range(P) for _ in range(2)]
 gathered = [None] * P
 dist.all_gather_object(gathered, ("r", r, "x" * r))
 assert gathered == [("r", q, "x" * q) for q in range(P)]
@@ -68,6 +71,7 @@ out = torch.zeros(2)
 dist.reduce_scatter_tensor(out, inp)
 total = P * torch.arange(2. * P) + P * (P - 1) / 2
 assert out.tolist() == total[2 * r:2 * r + 2].tolist()
+assert inp.tolist() == (torch.arange(2. * P) + r).tolist()  # the input is the caller's: left as it was
 out = torch.zeros(2)
 dist.reduce_scatter(out, [full(float(q + r), 2) for q in range(P)])
 assert out.tolist() == [P * r + P * (P - 1) / 2] * 2
@@ -106,7 +110,32 @@ x = torch.zeros(1)
 dist.irecv(x, src=(r - 1) % P).wait()
 req.wait()
 assert x.item() == (r - 1) % P
+# both ways between neighbours, posted as batch_isend_irecv posts them, 16 MiB each: far above the eager
+# limit, where blocking sends queued before the receives left every rank waiting in its send
+if P > 1:  # torch refuses a rank's P2POp to itself
+    big = [full(float(r), 1 << 22), torch.zeros(1 << 22), torch.zeros(1 << 22)]
+    ops = [dist.P2POp(dist.isend, big[0], (r + 1) % P), dist.P2POp(dist.isend, big[0], (r - 1) % P),
+           dist.P2POp(dist.irecv, big[1], (r - 1) % P), dist.P2POp(dist.irecv, big[2], (r + 1) % P)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert big[1][0] == big[1][-1] == (r - 1) % P and big[2][0] == big[2][-1] == (r + 1) % P
 dist.barrier()
+
+# bool tensors (DDP broadcasts bool buffers): moved as bytes; a bool all_reduce's SUM is any, PRODUCT all
+flags = torch.tensor([r == root, True, False]) if r == root else torch.zeros(3, dtype=torch.bool)
+dist.broadcast(flags, src=root)
+assert flags.tolist() == [True, True, False]
+bools = [torch.zeros(2, dtype=torch.bool) for _ in range(P)]
+dist.all_gather(bools, torch.tensor([r % 2 == 1, True]))
+assert [b.tolist() for b in bools] == [[q % 2 == 1, True] for q in range(P)]
+anyone, everyone = torch.tensor([r == 0, False]), torch.tensor([r == 0, True])
+dist.all_reduce(anyone)
+dist.all_reduce(everyone, op=R.PRODUCT)
+assert anyone.tolist() == [True, False] and everyone.tolist() == [P == 1, True]
+masked = torch.nn.Linear(2, 2)
+masked.register_buffer("mask", torch.tensor([r == 0, True]))
+ddp = torch.nn.parallel.DistributedDataParallel(masked)  # broadcasts rank 0's buffers, the bool one too
+assert ddp.module.mask.tolist() == [True, True]
 
 # a subgroup: the even ranks
 evens = list(range(0, P, 2))
