@@ -65,17 +65,21 @@ def broadcast_optimizer_state(optimizer, root_rank: int, model=None) -> None:
 
 
 def _initialize_state(optimizer) -> None:
-    """Horovod's state initialization: zero gradients where none are, and
-    one step of the wrapped optimizer alone (no reduction, so no rank waits
-    on another)."""
+    """Horovod's state initialization: every gradient set to zeros (sparse
+    ones for ``SparseAdam``, which takes no other), and one step of the
+    wrapped optimizer alone (no reduction, so no rank waits on another).
+    Zeros everywhere, as Horovod does: a gradient left from a backward would
+    step each rank by its own, and the ranks would part."""
     from ..training.distributed import DistributedOptimizer as Engine
     from ._optimizer import _DistributedOptimizer
 
     inner = optimizer.optimizer if isinstance(optimizer, Engine) else optimizer
     for group in inner.param_groups:
         for p in group["params"]:
-            if p.requires_grad and p.grad is None:
+            if p.requires_grad:
                 p.grad = torch.zeros_like(p)
+                if isinstance(inner, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
     if isinstance(inner, _DistributedOptimizer):
         super(_DistributedOptimizer, inner).step()
     else:

@@ -227,6 +227,25 @@ def test_reducescatter_gives_the_first_ranks_the_extra_rows():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_broadcast_optimizer_state_initializes_as_horovod_does():
+    """A fresh optimizer's state is made by one local step on zero gradients,
+    every gradient set to zeros as Horovod sets them: a gradient left from a
+    backward would step each rank by its own and part them. SparseAdam takes
+    only sparse gradients, so its zeros are sparse."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((1, 3), float(hvd.rank() + 1))).sum().backward()  # a different gradient on every rank
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(same_on_every_rank(sgd.state[p]["momentum_buffer"]) for p in model.parameters())
+    emb = torch.nn.Embedding(5, 2, sparse=True)
+    hvd.broadcast_optimizer_state(torch.optim.SparseAdam(emb.parameters()), root_rank=0)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_objects_barrier_and_join():
     size, rank = hvd.size(), hvd.rank()
     got = hvd.broadcast_object({"from": rank, "data": list(range(rank + 2))}, root_rank=size - 1)
