@@ -108,18 +108,22 @@ class ShardUpdate:
         self.mu, self.wd = np.float32(cfg.momentum), np.float32(cfg.weight_decay)
         self.state = np.zeros_like(shard)
 
-    def apply(self, g: np.ndarray, lr: float) -> None:
+    def apply(self, g: np.ndarray, lr: float, share: float = 1.0) -> None:
+        """One push of ``g`` at rate ``lr``; ``share``: the weight of this
+        gradient alone (staleness-aware: 1/τ, Zhang et al. 2016). With
+        momentum the gradient enters the buffer at that weight, so a stale
+        one is damped and the fresh ones already in the buffer are not."""
         if self.wd:
             g = g + self.wd * self.p
         if self.adagrad:
             self.state += g * g
-            self.p -= np.float32(lr) * g / (np.sqrt(self.state) + np.float32(1e-10))
+            self.p -= np.float32(lr * share) * g / (np.sqrt(self.state) + np.float32(1e-10))
         elif self.mu:
             self.state *= self.mu
-            self.state += g
+            self.state += g if share == 1.0 else np.float32(share) * g
             self.p -= np.float32(lr) * self.state
         else:
-            self.p -= np.float32(lr) * g
+            self.p -= np.float32(lr * share) * g
 
 
 @dataclass

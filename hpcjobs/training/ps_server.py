@@ -120,10 +120,9 @@ class Server:
         if self.ctx.elastic:
             self.shard += grad  # the center moves by the worker's elastic step e
         else:
-            lr = self.ctx.lr(self.version)
-            if self.cfg.staleness_lr:
-                lr /= max(1, staleness)
-            self.update.apply(grad, lr)
+            # staleness-aware: this gradient at lr/τ (its weight in the momentum buffer, not the buffer's)
+            share = 1.0 / max(1, staleness) if self.cfg.staleness_lr else 1.0
+            self.update.apply(grad, self.ctx.lr(self.version), share)
         self.applied_sum += grad
         self.applied_by[w] += 1
         self.clocks[w] += 1

@@ -52,6 +52,19 @@ def test_the_servers_update_is_torchs(optimizer):
     np.testing.assert_allclose(shard, t.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_stale_gradient_is_damped_and_the_momentum_before_it_is_not():
+    """Staleness-aware SGD applies each gradient at lr/τ (Zhang et al. 2016).
+    With momentum that is the gradient's weight in the buffer: u = μu + g/τ,
+    p -= lr u. Dividing the step's rate instead would damp every gradient
+    still in the buffer by the newest one's staleness."""
+    cfg = TrainConfig(optimizer="sgd", momentum=0.9)
+    p = np.zeros(2, dtype=np.float32)
+    ours = ShardUpdate(cfg, p)
+    ours.apply(np.array([1, 0], np.float32), 0.1, share=1 / 4)  # τ = 4
+    ours.apply(np.array([0, 1], np.float32), 0.1)               # fresh
+    np.testing.assert_allclose(p, [-0.1 * (0.25 + 0.9 * 0.25), -0.1], rtol=1e-6)
+
+
 def test_flatten_makes_the_parameters_views_of_one_vector():
     torch.manual_seed(0)
     model = build_model("mlp", (40,), 10, width=8)
