@@ -41,6 +41,7 @@ class Server:
         self.applied_by, self.applied_sum = np.zeros(self.W, np.int64), np.zeros(m, np.float64)
         self.last_lr = np.full(self.W, np.nan)  # the rate of each elastic worker's last step (its TAG_DONE)
         self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
+        self.stop_mask = None  # server k: the workers server 0 counted done when it said stop
         self.alive_reqs, self.alive_buf, self.next_alive = [], np.zeros(8), 0.0
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
@@ -60,6 +61,10 @@ class Server:
             if self.k == 0 and self._all_in() and not self.pending:
                 self._finish()
                 break
+            if self.stop_mask is not None and self._stop_ready():
+                self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
+                self.stopped = True
+                break
             if self.k and now - self.heard0 > self.cfg.peer_timeout:
                 raise PeerLost(f"server rank 0 sent nothing for {self.cfg.peer_timeout:g} s: presumed lost")
             time.sleep(IDLE_S)
@@ -68,7 +73,15 @@ class Server:
     def _all_in(self) -> bool:
         return len(self.done) + len(self.lost - set(self.done)) == self.W
 
+    def _stop_ready(self) -> bool:
+        """Server k, told to stop: every worker server 0 counted done has told
+        this server so too (MPI orders no two senders' messages: a worker's
+        DONE here can come after server 0's STOP), or is lost here."""
+        return not self.pending and all(w in self.done or w in self.lost for w in np.flatnonzero(self.stop_mask))
+
     def _handle(self, src: int, tag: int, count: int) -> None:
+        if count > self.inbuf.nbytes:  # server 0's stop names every worker: more than a shard's bytes at most
+            self.inbuf = np.empty(count, np.uint8)
         req = self.comm.Irecv([self.inbuf, count, MPI.BYTE], source=src, tag=tag)
         deadline = time.monotonic() + self.cfg.peer_timeout
         while not req.Test():  # a large message flows only while its sender lives
@@ -87,13 +100,14 @@ class Server:
             return
         if tag == TAG_SNAP:
             out = np.empty(HDR + 4 * self.shard.size, np.uint8)
-            out[:HDR].view(np.float64)[0] = self.version
+            # the version, and this shard's bytes since the last snapshot: server 0's epoch line counts every shard's
+            out[:HDR].view(np.float64)[:3] = self.version, self.ep.bytes_in, self.ep.bytes_out
+            self.ep.bytes_in = self.ep.bytes_out = 0
             out[HDR:].view(np.float32)[:] = self.shard
             self.comm.Send(out, dest=0, tag=TAG_SHARD)
             return
-        if tag == TAG_STOP:
-            self.stopped = True
-            self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
+        if tag == TAG_STOP:  # the audit waits for the DONEs of the workers server 0 counted (_stop_ready)
+            self.stop_mask = self.inbuf[:count].copy()
             return
         w = src - self.S
         if w in self.lost:
@@ -195,7 +209,8 @@ class Server:
             self._answer_deferred()
 
     def _snapshot(self) -> None:
-        """Server 0: the other servers' shards into the model, for testing."""
+        """Server 0: the other servers' shards into the model, for testing,
+        and their bytes moved since the last snapshot into this epoch's."""
         for k in range(1, self.S):
             sl = self.ctx.shard(k)
             buf = np.empty(HDR + 4 * (sl.stop - sl.start), np.uint8)
@@ -203,6 +218,8 @@ class Server:
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_SNAP)
             _await(self.comm, [req], [k], self.cfg.peer_timeout, {k: time.monotonic()})
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
+            self.ep.bytes_in += int(buf[:HDR].view(np.float64)[1])
+            self.ep.bytes_out += int(buf[:HDR].view(np.float64)[2])
 
     def _record(self, epoch: float, show: bool = True) -> None:
         now, ep = time.monotonic(), self.ep  # the times leave out the test (the workers go on meanwhile)
@@ -243,8 +260,10 @@ class Server:
             per_epoch = self.ctx.spe * self.W / self.ctx.steps_per_push
             self._record(self.cfg.epochs if done else round(self.version / per_epoch, 3), show=False)
         audits = [self._audit()]
+        finished = np.zeros(self.W, np.uint8)
+        finished[list(self.done)] = 1
         for k in range(1, self.S):
-            self.comm.Send(self.alive_buf, dest=k, tag=TAG_STOP)
+            self.comm.Send(finished, dest=k, tag=TAG_STOP)
             audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout))
         last = self.history[-1]
         diffs = [a["diff"] for a in audits if a["diff"] is not None]

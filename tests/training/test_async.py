@@ -109,6 +109,11 @@ def test_fixed_delay_async_is_the_single_process_reference():
     cfg = TrainConfig(**TINY, mode="async", servers=servers, fixed_delay=2, epochs=1)
     history, flat = run_async(cfg, private(comm))
     assert history[-1]["staleness_max_run"] == 2  # gradient i on version i - 2, from the third on
+    # each push sends the whole gradient, a shard to each server: every server's bytes count (with 2 servers,
+    # server 0's alone were half); the headers, pulls and the audit add a little
+    for h in history:
+        gradients = 4 * flat.size * h["pushes"] / workers
+        assert gradients <= h["sent_bytes"] < 1.25 * gradients, (h["sent_bytes"], gradients, servers)
     if comm.Get_rank() == 0:  # server 0 holds every shard, as last tested: the final parameters
         np.testing.assert_allclose(flat, reference_fixed_delay(cfg, workers), rtol=0, atol=1e-6)
 
