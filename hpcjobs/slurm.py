@@ -217,8 +217,10 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     hpcjobs = [sys.executable, "-m", "hpcjobs", *[a.replace("{job_dir}", str(job_dir)) for a in args]]
     launcher = env.get("HPCJOBS_LAUNCHER", "srun")
     if launcher == "srun":
-        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")),
-               *hpcjobs]
+        # since Slurm 22.05 srun no longer takes --cpus-per-task from the job: each task would get one core
+        cpus = env.get("SLURM_CPUS_PER_TASK", "")
+        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", *([f"--cpus-per-task={cpus}"] if cpus else []),
+               *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")), *hpcjobs]
     elif launcher == "mpirun":
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         mapping = ["--map-by", f"ppr:{per_node}:node"] if per_node.isdigit() else []

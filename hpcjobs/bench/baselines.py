@@ -277,6 +277,12 @@ def _nccl_unavailable(comm: MPI.Intracomm) -> str | None:
     """Why this rank cannot run the nccl baseline, or None. Collective (the
     node layout): NCCL wants a GPU of its own for every rank of a node."""
     local_size = detect_private(comm).local_size
+    # Slurm jobs bind each rank to a GPU of its own (runtime.bind_gpu): each then sees one, device 0; distinct
+    # where the ranks of a node were bound to different ones
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    bound = node.allgather(os.environ.get("CUDA_VISIBLE_DEVICES", "")
+                           if os.environ.get("HPCJOBS_BIND_GPU") == "1" else None)
+    node.Free()
     try:
         import torch
         import torch.distributed as dist
@@ -286,7 +292,10 @@ def _nccl_unavailable(comm: MPI.Intracomm) -> str | None:
         return "no CUDA GPU is visible here (nccl reduces GPU memory)"
     if not dist.is_nccl_available():
         return "this torch was built without NCCL"
-    if torch.cuda.device_count() < local_size:
+    if None not in bound:
+        if len(set(bound)) < len(bound):
+            return f"{len(set(bound))} GPU(s) bound on a node for {len(bound)} ranks; nccl needs one GPU per rank"
+    elif torch.cuda.device_count() < local_size:
         return (f"{torch.cuda.device_count()} GPU(s) on a node for {local_size} ranks; "
                 "nccl needs one GPU per rank")
     return None
