@@ -62,9 +62,13 @@ if [ -z "$wheel" ]; then
     wheel=$(ls "$cache"/horovod-$version-*.whl | head -n 1)
     say "built $(basename "$wheel"), cached in $cache"
 fi
-if ! installed; then
+# The wheel installed is the one built for this Python, torch and MPI (its cache folder): a rebuild, or a
+# new key (another torch or MPI), replaces what an older build put in the venv.
+marker="$("$py" -c 'import sys; print(sys.prefix)')/.hpcjobs-horovod-wheel"
+if ! installed || [ "$(cat "$marker" 2>/dev/null)" != "$wheel" ]; then
     say "installing $(basename "$wheel")"
-    "$py" -m pip install -q --no-deps "$wheel"
+    "$py" -m pip install -q --no-deps --force-reinstall "$wheel"
+    echo "$wheel" >"$marker"
     # Horovod's own run-time dependencies (not torch: that stays pinned).
     "$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
 fi
