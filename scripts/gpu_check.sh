@@ -101,7 +101,7 @@ failed=0
 tests() {  # tests <ranks>
     local n=$1 log=$OUT/np$1.log
     # --durations: which tests took the time (2-3 ranks took 80-86 s on 2026-11-27 against 25-28 s before)
-    timeout "$T" mpirun --oversubscribe -n "$n" scripts/rank_pytest.sh -p no:cacheprovider -q --with-mpi \
+    timeout -k 15 "$T" mpirun --oversubscribe -n "$n" scripts/rank_pytest.sh -p no:cacheprovider -q --with-mpi \
         --durations=10 --durations-min=1 -m "cuda or mpi" tests/gpu tests/collectives/test_device.py tests/training/test_model_equivalence.py \
         >"$log" 2>&1
     local rc=$? line
@@ -112,7 +112,7 @@ tests() {  # tests <ranks>
 }
 if [[ " $PHASES " == *" tests "* ]]; then
     # ResNets against torchvision itself (it imports here), the GPT's shape
-    "$PY" -m pytest -p no:cacheprovider -q tests/training/test_resnet.py tests/training/test_gpt.py \
+    timeout -k 15 "$T" "$PY" -m pytest -p no:cacheprovider -q tests/training/test_resnet.py tests/training/test_gpt.py \
         >"$OUT/models.log" 2>&1 || failed=1
     say "models vs torchvision: $(tail -n 1 "$OUT/models.log")"
     for n in $TEST_RANKS; do tests "$n"; done
@@ -120,7 +120,7 @@ fi
 
 bench() {  # bench <ranks>
     local n=$1
-    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce --device cuda \
+    timeout -k 15 "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce --device cuda \
         --impl cuda_ipc,ring,rabenseifner,recursive_doubling,auto --baselines mpi,gloo,nccl \
         --min 4 --max "$MAX" --factor 4 --json "$OUT/bench-np$n.json" >"$OUT/bench-np$n.txt" 2>&1
     local rc=$?
@@ -132,17 +132,17 @@ MAX=256M
 [ $QUICK = 1 ] && MAX=64M
 if [[ " $PHASES " == *" bench "* ]]; then
     for n in $BENCH_RANKS; do bench "$n"; done
-    timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench staging --bytes 64M >"$OUT/staging.txt" 2>&1 \
+    timeout -k 15 "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench staging --bytes 64M >"$OUT/staging.txt" 2>&1 \
         || failed=1
     tail -n 3 "$OUT/staging.txt" | tee -a "$OUT/summary.txt" >&2
-    timeout "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench compression --device cuda \
+    timeout -k 15 "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench compression --device cuda \
         --elements 1000000,25000000 --no-progress >"$OUT/compression.txt" 2>&1 || failed=1
     say "bench compression --device cuda at 2 ranks: $OUT/compression.txt"
 fi
 train() {  # train <name> <ranks> <hpcjobs args...>: one training run, its table kept
     local name=$1 n=$2
     shift 2
-    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs "$@" >"$OUT/train-$name.txt" 2>&1
+    timeout -k 15 "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs "$@" >"$OUT/train-$name.txt" 2>&1
     local rc=$?
     say "$name ($n ranks): rc $rc ($OUT/train-$name.txt)"
     grep -a '^  \|^# train: final' "$OUT/train-$name.txt" | tee -a "$OUT/summary.txt" >&2
@@ -154,7 +154,7 @@ if [[ " $PHASES " == *" train "* ]]; then
     train resnet50-bf16 1 $R50 --impl single,ours:auto --amp bf16       # 1.20x fp32's single on an H100
     train resnet50-fp16 1 $R50 --impl single,ours:auto --amp fp16
     # the planner's one-device step timed on the GPU (CUDA events), beside bench train's "single" above
-    timeout "$T" "$PY" -m hpcjobs plan --model resnet50 --measure --device cuda --batch-per-device 64 \
+    timeout -k 15 "$T" "$PY" -m hpcjobs plan --model resnet50 --measure --device cuda --batch-per-device 64 \
         --devices 1,8 --devices-per-node 8 --intra-bw 450 --algorithm ring --fusion-bytes 25M \
         >"$OUT/plan-resnet50.txt" 2>&1 || failed=1
     say "plan --measure --device cuda: $(grep -a '^# plan: resnet50' "$OUT/plan-resnet50.txt" | cut -c1-220)"
@@ -165,7 +165,7 @@ if [[ " $PHASES " == *" train "* ]]; then
 fi
 small() {  # small <ranks>: one-node small messages on host memory, oneshot against MPI_Allreduce
     local n=$1
-    timeout "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce \
+    timeout -k 15 "$T" mpirun --oversubscribe -n "$n" "$PY" -m hpcjobs bench allreduce \
         --impl oneshot,recursive_doubling,auto,auto+check --min 8 --max 32K --factor 8 --passes 3 \
         --json "$OUT/small-np$n.json" >"$OUT/small-np$n.txt" 2>&1
     local rc=$?

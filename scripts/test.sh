@@ -52,6 +52,8 @@ timeout -k 15 "$serial_timeout_s" python -m pytest --with-mpi "${pytest_args[@]}
 rc=${PIPESTATUS[0]}
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     say "serial pytest timed out after ${serial_timeout_s}s (HPCJOBS_SERIAL_TIMEOUT)"
+    # killed, its fixtures did not tear down: the emulated hosts, their Slurm daemons and /etc/hosts lines
+    if [ "$(id -u)" = 0 ]; then scripts/emulated_cluster.sh down >/dev/null 2>&1 && say "emulated cluster taken down"; fi
 fi
 [ "$rc" = 0 ] || status=1
 summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
