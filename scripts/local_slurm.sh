@@ -144,7 +144,8 @@ wait_idle() {
     local n=$1 logs=$2 idle
     shift 2
     for _ in $(seq 150); do
-        idle=$("$@" sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}')
+        # slurmctld may not answer yet: under pipefail a failing sinfo must not end the script here
+        idle=$("$@" sinfo -h -N -o '%N %t' 2>/dev/null | awk '$2 == "idle" {c++} END {print c + 0}') || idle=0
         [ "$idle" -ge "$n" ] && return 0
         sleep 0.2
     done

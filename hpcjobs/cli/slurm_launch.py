@@ -32,7 +32,8 @@ def run(args) -> int:
         raise UsageError(f"the ranks' command would fail: {error}")
     with usage():
         cmd, env = launch_command(dict(os.environ), list(args.passthrough))
-    env.setdefault("MASTER_ADDR", master_address(os.environ.get("SLURM_JOB_NODELIST", "")))
+    if "MASTER_ADDR" not in env:  # asks scontrol: only where the job did not set it
+        env["MASTER_ADDR"] = master_address(os.environ.get("SLURM_JOB_NODELIST", ""))
     Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)
     if cmd[0] == "mpirun":
         stale = clear_stale_mpi_sessions(env.get("TMPDIR"))
