@@ -302,9 +302,29 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
 
     Raises:
         ValueError: unknown name or bad sizes; FileNotFoundError: files
-        missing. With ``comm``, every rank raises when rank 0 fails to
-        generate the cache.
+        missing. With ``comm``, every rank raises when one rank fails (files
+        on one node only, a cache another node cannot see yet), naming it:
+        alone, it would leave the others waiting in the job's next collective.
     """
+    if comm is None:
+        return _load(name, None, data_dir, num_samples, seed, seq_len)
+    ds, error = None, None
+    try:
+        ds = _load(name, comm, data_dir, num_samples, seed, seq_len)
+    except (OSError, ValueError, RuntimeError) as e:
+        error = (type(e).__name__, str(e))
+    failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
+    if failed:
+        kinds = {"FileNotFoundError": FileNotFoundError, "ValueError": ValueError}
+        (rank, (kind, message)), alike = failed[0], len({e for _, e in failed}) == 1
+        if not (alike and len(failed) == comm.Get_size()):  # not every rank alike: say which
+            message = f"on rank {rank}{f' and {len(failed) - 1} other(s)' if len(failed) > 1 else ''}: {message}"
+        raise kinds.get(kind, RuntimeError)(message)
+    return ds
+
+
+def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len: int) -> Dataset:
+    """:func:`load_dataset` on this rank (``comm``: for MNIST-1D's cache)."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if num_samples is not None and num_samples < 10:

@@ -1,6 +1,7 @@
 """Datasets, readers and the per-epoch sharding."""
 
 import gzip
+import re
 import struct
 
 import numpy as np
@@ -55,6 +56,25 @@ def test_mnist_missing_files_say_what_is_missing(tmp_path):
         load_dataset("mnist", data_dir=tmp_path)
     with pytest.raises(ValueError, match="data_dir"):
         load_dataset("mnist")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_files_on_one_node_only_fail_every_rank_naming_the_ranks(tmp_path_factory):
+    """--data-dir read by every rank: where the files are on rank 0's node
+    only, the ranks that cannot read them must not leave rank 0 waiting in
+    the job's next collective. Every rank raises, naming them."""
+    comm = MPI.COMM_WORLD
+    mine = tmp_path_factory.mktemp("mnist-here")  # each rank's own folder: rank 0's alone has the files
+    if comm.rank == 0:
+        for prefix, n in (("train", 12), ("t10k", 5)):
+            write_idx(mine / f"{prefix}-images-idx3-ubyte", np.zeros((n, 28, 28), np.uint8))
+            write_idx(mine / f"{prefix}-labels-idx1-ubyte", (np.arange(n) % 10).astype(np.uint8))
+    others = "" if comm.size == 2 else f" and {comm.size - 2} other(s)"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"on rank 1{others}: ") + ".*train-images-idx3-ubyte"):
+        load_dataset("mnist", comm=comm, data_dir=mine)
+    nowhere = comm.bcast(str(mine / "nowhere"))  # every rank fails alike: the message as it is
+    with pytest.raises(FileNotFoundError, match="^" + re.escape(f"{nowhere}: no train-images-idx3-ubyte")):
+        load_dataset("mnist", comm=comm, data_dir=nowhere)
 
 
 def test_cifar10_binary_batches(tmp_path):
