@@ -176,10 +176,12 @@ def device_candidates(nbytes: int, dtype: str, one_node: bool) -> list[str]:
 
 
 def same_bits(dtype: str, op: str, ranks: int) -> bool:
-    """Whether every algorithm gives bitwise the same result: min and max,
-    integers (wrap-around sums and products do not depend on order), and any
-    op at two ranks (a + b, once). Floating-point sums over three or more
-    ranks round differently in different orders."""
+    """Whether every algorithm gives the same result: min and max, integers
+    (wrap-around sums and products do not depend on order), and any op at
+    two ranks (a + b, once): the same values, bit for bit but for the sign of
+    a zero min or max and a NaN's payload, which follow the operands' order.
+    Floating-point sums over three or more ranks round differently in
+    different orders."""
     return op in ("min", "max") or ranks <= 2 or not (dtype == "bfloat16" or dtype.startswith("float"))
 
 

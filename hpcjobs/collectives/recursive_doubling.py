@@ -8,8 +8,9 @@ Steps, for P ranks and a buffer of N bytes (Thakur, Rabenseifner & Gropp 2005):
 2. log2(p2) rounds. In round k, rank i exchanges its *whole* current buffer
    with rank i XOR 2^k and reduces the two. After round k each rank holds the
    reduction over a group of 2^(k+1) ranks; after the last, over all.
-   Partners compute a⊕b and b⊕a, which are bitwise equal for our ops, so
-   every rank ends with the same bits.
+   Both partners compute lower ⊕ upper, in that order: min and max of +0
+   and -0, and a sum of two NaNs, keep the first operand's bits, and with
+   a⊕b on one and b⊕a on the other the ranks ended with different bits.
 3. Unfold: the odd ranks return the result to their partners.
 
 Cost: log2(p2) rounds (+2 when folding); each rank sends N·log2(p2) bytes
@@ -47,7 +48,11 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm) -> None:
         while mask < p2:
             partner = _fold.real_rank(newrank ^ mask, rem)
             exchange(comm, flat.wire, partner, tmp_wire, partner, _TAG)
-            reduce(flat.data, tmp)
+            if newrank & mask:  # the upper partner: lower ⊕ upper, as the lower one computes it
+                reduce(tmp, flat.data)
+                flat.data[...] = tmp
+            else:
+                reduce(flat.data, tmp)
             mask <<= 1
         if op == "avg":
             finish_avg(flat.data, flat.dtype, comm.Get_size())

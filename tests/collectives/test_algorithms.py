@@ -46,3 +46,28 @@ def test_public_functions_reduce_in_place_and_return_the_buffer(fn, comm):
     buf = np.arange(1000, dtype=np.int64) + rank
     assert fn(buf, "sum", comm) is buf
     np.testing.assert_array_equal(buf, np.arange(1000) * size + size * (size - 1) // 2)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("algorithm", FAMILY + ["ring", "ring_pipelined"])
+def test_every_rank_ends_with_the_same_bits_where_order_picks_them(algorithm, dtype, comm):
+    """min and max of +0 and -0, and sums of NaNs, keep one operand's bits:
+    each is right, but every rank must keep the same one. Recursive doubling's
+    partners computed a⊕b and b⊕a, and kept opposite zeros."""
+    import torch
+
+    rank = comm.Get_rank()
+    zeros = np.array([0.0, -0.0, 1.0, 0.0], dtype=np.float64)  # rank r holds +0 or -0 by parity, with others
+    for op, values in (("min", np.where(np.arange(4) % 2 == rank % 2, zeros, -zeros)),
+                       ("max", np.where(np.arange(4) % 2 == rank % 2, -zeros, zeros)),
+                       ("sum", np.array([np.nan if rank % 2 else -np.nan, 1.0, np.nan, 2.0]))):
+        if dtype == "bfloat16":
+            buf = torch.tensor(values, dtype=torch.bfloat16)
+            bits = lambda b: b.view(torch.int16).numpy().tobytes()  # noqa: E731
+        else:
+            buf = values.astype(dtype)
+            bits = lambda b: b.tobytes()  # noqa: E731
+        allreduce(buf, op, algorithm, comm)
+        everyone = comm.allgather(bits(buf))
+        assert all(b == everyone[0] for b in everyone), (op, everyone)
