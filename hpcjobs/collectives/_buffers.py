@@ -279,8 +279,10 @@ def finish_avg(data: np.ndarray, dtype: str, size: int) -> None:
         _float16_div(data, size)
     elif dtype.startswith("float"):
         np.true_divide(data, data.dtype.type(size), out=data)
-    else:
+    elif size <= np.iinfo(data.dtype).max:
         np.floor_divide(data, data.dtype.type(size), out=data)
+    else:  # more ranks than the dtype counts to (int8 from 128: numpy refuses the cast): |v| < size
+        np.copyto(data, np.where(data < 0, -1, 0), casting="unsafe")
 
 
 def chunk_bounds(count: int, parts: int) -> list[int]:

@@ -118,3 +118,18 @@ def test_bad_torch_tensors_are_refused():
 def test_bad_arguments_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ring_allreduce(np.zeros(4), **kwargs)
+
+
+@pytest.mark.parametrize("dtype,size", [("int8", 128), ("int8", 1000), ("uint8", 256), ("int16", 40000),
+                                        ("int8", 127)])
+def test_an_integer_average_over_more_ranks_than_the_dtype_counts_to(dtype, size):
+    """avg divides the integer sum by the ranks with floor division; from 128
+    ranks int8 cannot hold the divisor (numpy raised OverflowError, on the
+    ranks that divide: under the tree and the parameter server, only the
+    root, and the others waited for it)."""
+    info = np.iinfo(dtype)
+    data = np.array(sorted({info.min, -1 if info.min else 0, 0, 1, info.max}), dtype=dtype)
+    want = [int(v) // size for v in data]
+    finish_avg(data, dtype, size)
+    assert data.tolist() == want and data.dtype == np.dtype(dtype)
+    finish_avg(np.zeros(0, dtype), dtype, size)  # an empty chunk too
