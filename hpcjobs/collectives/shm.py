@@ -221,6 +221,9 @@ def _shm(flat: Flat, op: str, comm: MPI.Intracomm, block_bytes: int = DEFAULT_BL
         alloc, bufs = zero_copy
         _two_shot(flat, op, comm, alloc.win, bufs, block_bytes, reduce_only, gather_only)
         return
+    # a stage holds one piece per rank, a piece at least one element: a smaller block_bytes
+    # (9 float64 ranks at 64) left the last rank's slot empty and its reduce failing alone
+    block_bytes = max(block_bytes, -(-comm.Get_size() * flat.itemsize // 8) * 8)
     state = _windows(comm, block_bytes)
     plan = _Plan(flat, comm, block_bytes)
     r, data = plan.rank, flat.data

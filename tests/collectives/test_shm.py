@@ -1,5 +1,7 @@
 """Shared-memory allreduce: halves, block sizes, window reuse and release."""
 
+import textwrap
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -56,3 +58,25 @@ def test_window_is_reused_across_calls_and_block_sizes_and_freed_with_the_comm()
 def test_bad_block_size_is_refused(bad):
     with pytest.raises(ValueError, match="block_bytes"):
         shm_allreduce(np.zeros(4), block_bytes=bad)
+
+
+def test_more_ranks_than_a_small_block_has_slots_for():
+    """A stage holds a piece of every rank's shard, at least one element
+    each: 9 ranks of float64 need 72 bytes. At block_bytes=64 the last rank's
+    slot was empty: the others' pieces for it were dropped, its reduce raised
+    and the rest waited at the next barrier. Now the stage grows to fit."""
+    from launch import mpirun_script
+
+    out = mpirun_script(9, textwrap.dedent("""
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import shm_allreduce
+        comm = MPI.COMM_WORLD
+        buf = np.arange(50, dtype=np.float64) * (comm.rank + 1)
+        want = buf.copy()
+        comm.Allreduce(MPI.IN_PLACE, want)
+        shm_allreduce(buf, "sum", comm, block_bytes=64)
+        assert np.array_equal(buf, want)
+        print("rank", comm.rank, "ok")
+        """), timeout=60)  # the old stage hung here
+    assert out.returncode == 0 and out.stdout.count(" ok") == 9, out.stdout[-2000:] + out.stderr[-3000:]
