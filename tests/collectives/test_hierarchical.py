@@ -98,3 +98,16 @@ def test_pipelined_segments_match_closed_form(ranks_per_node, op, inter, intra, 
 def test_bad_segment_sizes_are_refused(bad):
     with pytest.raises(ValueError, match=r"segment_bytes must be an integer >= 0 \(0: not pipelined\) or None"):
         hierarchical_allreduce(np.zeros(4), segment_bytes=bad)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_segment_size_on_some_ranks_only_is_a_mismatch_on_every_rank():
+    """segment_bytes=None (the default) on one rank and a size on another
+    would pipeline on one and not the other: the options the check compares
+    differ (None is left out of them, and then they differ by a key)."""
+    from hpcjobs.collectives.agreement import MismatchError
+
+    comm = MPI.COMM_WORLD
+    buf = np.ones(4096)
+    with pytest.raises(MismatchError, match="segment_bytes"):
+        hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, segment_bytes=None if comm.rank else 1 << 12)
