@@ -67,4 +67,4 @@ class RandomKCompressor(Compressor):
         return out.reshape(shape)
 
     def __repr__(self) -> str:
-        return f"RandomKCompressor(ratio={self.ratio:g}, seed={self.seed}, unbiased={self.unbiased})"
+        return f"RandomKCompressor(ratio={self.ratio!r}, seed={self.seed}, unbiased={self.unbiased})"

@@ -58,4 +58,4 @@ class TopKCompressor(Compressor):
         return out.reshape(shape)
 
     def __repr__(self) -> str:
-        return f"TopKCompressor(ratio={self.ratio:g})"
+        return f"TopKCompressor(ratio={self.ratio!r})"

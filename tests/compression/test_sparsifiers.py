@@ -77,3 +77,13 @@ def test_randomk_default_keeps_values_unscaled_a_contraction():
     kept = back != 0
     assert kept.sum() == 100 and torch.equal(back[kept], x[kept])
     assert (x - back).norm() < x.norm()
+
+
+def test_ratios_that_keep_other_counts_are_other_compressors_to_the_check():
+    """The cross-rank check compares reprs: 0.01 and 0.01000001 keep 10,000
+    and 10,001 of a million, and printed to 6 digits they looked alike."""
+    from hpcjobs.compression import RandomKCompressor, TopKCompressor
+
+    for make in (RandomKCompressor, TopKCompressor):
+        assert repr(make(0.01)) != repr(make(0.01000001))
+        assert repr(make(0.01)) == repr(make(0.01))
