@@ -89,7 +89,7 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
 
 
 _timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
-_warning = env_number("HPCJOBS_STALL_WARNING", DEFAULT_WARNING)
+_warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))  # before the abort
 _inflight: dict[int, tuple[str, int, float]] = {}  # thread id -> (collective, call number, start)
 _last: tuple[str, int, float] | None = None  # the collective entered last, in flight or not
 _calls = itertools.count(1)
@@ -102,12 +102,14 @@ _guardian = None  # this rank's hpcjobs._reaper, started by attach() in an mpiru
 
 def set_timeout(seconds: float, warning: float | None = None) -> None:
     """Abort after ``seconds`` in one collective (0: never); warn after
-    ``warning`` (default: min(60 s, seconds / 2))."""
+    ``warning`` (default: ``HPCJOBS_STALL_WARNING``, else min(60 s, seconds / 2))."""
     global _timeout, _warning
     if seconds < 0 or (warning is not None and warning < 0):
         raise ValueError("timeouts must be >= 0 seconds")
     _timeout = float(seconds)
-    _warning = float(warning) if warning is not None else min(DEFAULT_WARNING, _timeout / 2)
+    if warning is None:
+        warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))
+    _warning = float(warning)
 
 
 def timeout() -> float:

@@ -2,11 +2,13 @@
 one rank misbehaving, the job must end non-zero in bounded time."""
 
 import re
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
-from launch import hpcjobs, mpirun_script
+from launch import clean_env, hpcjobs, mpirun_script
 
 TIMEOUT = 3  # seconds, the collective timeout these jobs run with
 SLACK = 10   # the bar: every rank gone within timeout + 10 s
@@ -144,3 +146,22 @@ def test_a_rank_that_leaves_a_torch_distributed_script_ends_the_job():
 def test_a_bad_timeout_is_a_usage_error(args, words):
     out = hpcjobs(*args)
     assert out.returncode == 2 and words in out.stderr
+
+
+@pytest.mark.parametrize("env,args,want", [
+    ({"HPCJOBS_TIMEOUT": "30"}, None, (30.0, 15.0)),            # below 2 minutes: the warning at half
+    ({"HPCJOBS_TIMEOUT": "600"}, None, (600.0, 60.0)),
+    ({"HPCJOBS_TIMEOUT": "30", "HPCJOBS_STALL_WARNING": "5"}, None, (30.0, 5.0)),
+    ({"HPCJOBS_STALL_WARNING": "5"}, 20, (20.0, 5.0)),          # --timeout keeps the variable's warning
+    ({}, 20, (20.0, 10.0)),
+])
+def test_the_warning_comes_before_the_abort(env, args, want):
+    """A warning first, then the abort: with a timeout under 2 minutes the
+    default warning (60 s) came after it or never."""
+    script = ("from hpcjobs.collectives import watchdog as w\n"
+              + (f"w.set_timeout({args})\n" if args is not None else "")
+              + "print(w._timeout, w._warning)")
+    base = {k: v for k, v in clean_env().items() if k not in ("HPCJOBS_TIMEOUT", "HPCJOBS_STALL_WARNING")}
+    out = subprocess.run([sys.executable, "-c", script], env=base | env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert tuple(map(float, out.stdout.split())) == want
