@@ -134,22 +134,31 @@ def symmetric_empty(shape, dtype=np.float32, comm: MPI.Comm | None = None):
     """
     global _last_id
     comm = private(comm)
-    np_dtype, torch_dtype = _dtype(dtype)
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
-    if any(s < 0 for s in shape):
-        raise ValueError(f"shape {shape} has a negative dimension")
+    error = None
+    try:  # a refusal on one rank is told to all below: alone, it left the others waiting
+        np_dtype, torch_dtype = _dtype(dtype)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape {shape} has a negative dimension")
+    except (TypeError, ValueError) as e:
+        error, np_dtype, torch_dtype, shape = e, np.dtype(np.uint8), None, (0,)
     nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
     if not is_single_node(comm):
         raise ValueError("symmetric buffers live in shared memory: every rank of the communicator must be on one "
                          "node (allocate on the node's communicator, hpcjobs.topology.detect().node_comm)")
-    lo, hi = extremes(signature([nbytes, f"{np_dtype} {torch_dtype}", _last_id + 1]), comm)
-    if lo[0] != hi[0] or lo[1] != hi[1]:
-        raise ValueError(f"symmetric_empty: the ranks asked for different sizes or dtypes (this rank: shape "
-                         f"{shape}, {torch_dtype or np_dtype}; bytes range {lo[0]}-{hi[0]} over the ranks)")
+    lo, hi = extremes(signature([error is not None, nbytes, f"{shape} {np_dtype} {torch_dtype}", _last_id + 1]),
+                      comm)
+    if error is not None:
+        raise error
+    if hi[0]:
+        raise ValueError("symmetric_empty: another rank's shape or dtype was refused (its error says which)")
+    if lo[1] != hi[1] or lo[2] != hi[2]:
+        raise ValueError(f"symmetric_empty: the ranks asked for different shapes or dtypes (this rank: shape "
+                         f"{shape}, {torch_dtype or np_dtype}; bytes range {lo[1]}-{hi[1]} over the ranks)")
     # The largest next id of any rank: a rank in two allocations sees two ids,
     # so ranks of one communicator that report the same id hold the same
     # allocation (shm's placement exchange relies on it).
-    _last_id = int(hi[2])
+    _last_id = int(hi[3])
     win, segments = shared_window(nbytes, comm)
     own = segments[comm.Get_rank()]
     alloc = _Allocation(_last_id, win, comm, own.__array_interface__["data"][0], nbytes, segments)

@@ -170,10 +170,15 @@ def test_mismatched_shapes_are_refused_on_every_rank(comm):
     rank = comm.Get_rank()
     if comm.Get_size() == 1:
         pytest.skip("a rank alone on its half of the split has nobody to disagree with")
-    with pytest.raises(ValueError, match="different sizes or dtypes"):
+    with pytest.raises(ValueError, match="different shapes or dtypes"):
         symmetric_empty(10 + (rank == 0), np.float32, comm)
-    with pytest.raises(ValueError, match="different sizes or dtypes"):
+    with pytest.raises(ValueError, match="different shapes or dtypes"):
         symmetric_empty(10, np.float32 if rank else np.int32, comm)
+    with pytest.raises(ValueError, match="different shapes or dtypes"):  # the same bytes, another shape
+        symmetric_empty((2, 3) if rank else (3, 2), np.float32, comm)
+    # a refusal on one rank reaches every rank (alone, it left the others waiting in the next step)
+    with pytest.raises(ValueError, match="negative dimension" if rank == 0 else "another rank's shape or dtype"):
+        symmetric_empty(-1 if rank == 0 else 4, np.float32, comm)
 
 
 @pytest.mark.mpi(min_size=1)
