@@ -1,6 +1,7 @@
 """Timing shared by every benchmark: per-iteration wall times in interleaved
-rounds (:mod:`hpcjobs.timing`), summarised the nccl-tests way (each rank's
-median, then the maximum over ranks)."""
+rounds (:mod:`hpcjobs.timing`), summarised as each rank's median, then the
+maximum over ranks (the slowest rank's; nccl-tests averages the ranks'
+times instead)."""
 
 from __future__ import annotations
 

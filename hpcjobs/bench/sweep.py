@@ -349,7 +349,8 @@ def _wire_model(wire, label: str, impl, nbytes: int, dtype: str, op: str, comm, 
 
 def _record(nbytes: int, count: int, dtype: str, op: str, impl: str, ranks: int, iters: int, time_us: float,
             wrong: int, wire_hosts: list[float] | None = None, wire_model: float | None = None) -> Record:
-    """A Record with its bandwidths: algbw = bytes / time, busbw = algbw·2(P-1)/P."""
+    """A Record with its bandwidths: algbw = bytes / time, busbw = algbw·2(P-1)/P
+    (at one rank algbw itself, where nccl-tests' factor would give 0)."""
     algbw = nbytes / time_us / 1e3
     return Record(nbytes, count, dtype, op, impl, ranks, iters, time_us, algbw,
                   algbw * (2 * (ranks - 1) / ranks if ranks > 1 else 1.0), wrong, wire_hosts,

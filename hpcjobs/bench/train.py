@@ -76,10 +76,11 @@ class _Runner:
     """One implementation: a model, an optimizer, a step function."""
 
     def __init__(self, name, model, step, alone=False, close=lambda: None, block=False, leave=lambda: None,
-                 comm_s=None):
+                 comm_s=None, settled=lambda: True):
         self.name, self.model, self.step, self.alone, self.close = name, model, step, alone, close
         self.block, self.leave = block, leave  # block: measured alone first, then leave()
         self.comm_s = comm_s  # ours: () -> seconds its optimizer has spent in allreduce so far
+        self.settled = settled  # ours:auto: () -> whether auto is done measuring (the same on every rank)
 
 
 @contextlib.contextmanager
@@ -113,7 +114,7 @@ def _build(name: str, w: Workload, comm, seed_state, x, y) -> _Runner:
                                    compression=make_compressor(compression), fusion_bytes=w.fusion_bytes,
                                    overlap=overlap)
         return _Runner(name, model, loss_step(opt, ("ours", sgd)), close=opt.close,
-                       comm_s=lambda: opt.stats["comm_s"])
+                       comm_s=lambda: opt.stats["comm_s"], settled=_auto_settled(opt, algorithm, compression))
     if name in ("ddp", "ddp-hpcjobs"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -209,6 +210,22 @@ def _time_round(runner: _Runner, comm, batches: int, batch_size: int) -> float:
     return batches * batch_size / dt
 
 
+def _auto_settled(opt, algorithm: str, compression: str | None):
+    """Whether ``auto`` under ``opt`` is done measuring its candidates on
+    every bucket, so the rounds time what it settled on (as the allreduce
+    sweep does): from its buckets' sizes; a compressed payload's sizes are
+    the compressor's, so there after as many steps as the most candidates
+    take (3 × 21 calls a size)."""
+    if algorithm != "auto":
+        return lambda: True
+    if compression not in (None, "none"):
+        steps = iter(range(64))
+        return lambda: next(steps, None) is None
+    from ..collectives.auto import settled
+
+    return lambda: all(settled(b.buffer, "avg", opt._user_comm) for b in opt._buckets)
+
+
 def _params_agree(runner: _Runner, comm) -> bool:
     flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).cpu().numpy()
     return bool(agree(flat, comm).all())
@@ -222,6 +239,10 @@ def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: 
                 _time_round(r, comm, 1, w.batch_size)
             else:
                 r.step()
+        for _ in range(200):  # auto's measuring steps, untimed (bounded: a table row needs about 21 a size)
+            if r.settled():
+                break
+            r.step()
 
     def round_of(r):
         _time_round(r, comm, 1, w.batch_size)  # untimed

@@ -4,7 +4,7 @@ payloads weigh, results identical on every rank, and the training study."""
 import json
 
 import pytest
-from launch import mpirun
+from launch import mpirun, mpirun_script
 
 
 def test_bench_compression_tensors_and_training(tmp_path):
@@ -34,3 +34,20 @@ def test_bench_compression_tensors_and_training(tmp_path):
 def test_bad_arguments_are_usage_errors(flag, value, message):
     out = mpirun(2, "bench", "compression", flag, value)
     assert out.returncode == 2 and message in out.stderr
+
+
+def test_the_auto_row_is_timed_after_auto_has_settled():
+    """auto measures its candidates in place for its first calls at a size
+    (at 2 ranks a float32 average has three); the fp32 auto row is timed
+    after that, as the allreduce sweep is, not over its trials."""
+    out = mpirun_script(2, """
+import torch
+from mpi4py import MPI
+from hpcjobs.bench.compression import _shape, tensor_rows
+from hpcjobs.collectives import auto
+comm = MPI.COMM_WORLD
+rows = tensor_rows(comm, [20_000], ["fp16"], 2, "ring")
+assert auto.settled(torch.zeros(_shape(20_000)), "avg", comm) and len(rows) == 3
+print("ok", comm.rank)
+""", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout[-2000:] + out.stderr[-3000:]

@@ -141,3 +141,32 @@ def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank():
     assert "raised:" not in out.stdout
     alone = mpirun_script(1, _GREEDY.replace("GREEDY", "(0,)"))
     assert alone.returncode == 0 and "raised: " + words.format(0) in alone.stdout, alone.stderr
+
+
+def test_auto_rows_are_timed_after_auto_has_settled():
+    """auto measures its candidates in place for its first calls at a size;
+    the ours:auto rows are timed after that (as the allreduce sweep is), or
+    their first rounds time auto's trials. The warmup steps until every
+    bucket's size is settled."""
+    out = mpirun_script(2, """
+import torch
+from mpi4py import MPI
+import hpcjobs.bench.train as bench
+from hpcjobs.collectives import auto
+seen = []
+real = bench._auto_settled
+def spy(opt, algorithm, compression):
+    check = real(opt, algorithm, compression)
+    seen.append(opt)
+    return check
+bench._auto_settled = spy
+torch.set_num_threads(1)
+w = bench.Workload(model="mlp", width=64, batch_norm=False, input_size=40, image_size=0, num_classes=10, batch_size=8,
+                   fusion_bytes=1 << 12, lr=0.01, seed=0)
+results = bench.bench_train(MPI.COMM_WORLD, ["ours:auto"], w, 1, 1, 1)  # one warmup step: far from settled
+opt = seen[0]
+assert opt.num_buckets > 1 and results["ours:auto"].wrong == 0
+assert all(auto.settled(b.buffer, "avg", opt._user_comm) for b in opt._buckets)
+print("ok", MPI.COMM_WORLD.Get_rank())
+""", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout[-2000:] + out.stderr[-3000:]
