@@ -356,8 +356,9 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
                          efficiency=eff, vs_ddp=vs_ddp, vs_horovod=vs_hvd, wrong=res.wrong, rounds=res.per_rank_sps,
                          comm_share=share))
-    lines.append("# samples/s/rank: median over rounds; efficiency = total / (ranks x single); "
-                 "ratios are of medians from this run")
+    lines.append("# samples/s/rank: median over rounds; +-95%: 1.96 x the rounds' standard deviation (one round's "
+                 "spread, as Horovod's synthetic benchmark prints it, not the median's interval); "
+                 "efficiency = total / (ranks x single); ratios are of medians from this run")
     if any(results[n].comm_shares for n in order):
         lines.append("# comm: our optimizer's time in allreduce over the step time, median over rounds "
                      "(overlapped with backward where it runs /thread)")
