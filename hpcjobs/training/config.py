@@ -199,6 +199,9 @@ class TrainConfig:
             raise ValueError(f"unknown mode {self.mode!r}; choose from {', '.join(MODES)}")
         if self.straggler is not None:
             parse_straggler(self.straggler)
+        if (self.decay == "step") != bool(self.milestones):  # either alone did nothing, silently
+            raise ValueError("decay step multiplies the rate by gamma at each of milestones (e.g. 30,60,80): "
+                             "give both or neither")
         knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"),
                  "local": ("post_local_epochs", "average_momentum"), "easgd": ("elastic_alpha", "easgd_form"),
                  "hogwild": ("hogwild_lock",)}

@@ -64,6 +64,8 @@ def test_resnet18_trains_on_cifar10_format_images(tmp_path_factory):
     (dict(model="mlp", layers=2), "layers shapes the GPTs"),
     (dict(amp="fp16", nonfinite="skip"), "leave nonfinite at 'ignore'"),
     (dict(amp="fp8"), "unknown amp 'fp8'"),
+    (dict(decay="step"), "decay step multiplies the rate by gamma at each of milestones"),
+    (dict(milestones=(30.0,)), "give both or neither"),
 ])
 def test_models_the_data_or_options_do_not_fit(kw, match):
     base = dict(num_samples=200, epochs=1, quiet=True, progress=False)
