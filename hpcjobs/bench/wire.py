@@ -32,7 +32,10 @@ CALLS = 3  # calls per row in the counted pass
 
 def host_tx_bytes(path: str = "/proc/net/dev") -> int | None:
     """Bytes this host's network stack has transmitted, summed over every
-    interface but loopback; None where the counters cannot be read."""
+    interface but loopback; None where the counters cannot be read. Right
+    where a host sends through one interface each, as the emulated hosts do;
+    stacked ones (a bond and its members, a VLAN and its device, ifb) count
+    the same bytes on each, which this sum does not tell apart."""
     try:
         with open(path) as f:
             lines = f.readlines()[2:]
