@@ -54,10 +54,14 @@ def rss_bytes() -> int:
     return 0
 
 
-def _values(rng: np.random.Generator, count: int, dtype: str, op: str) -> np.ndarray:
+def _values(rng: np.random.Generator, count: int, dtype: str, op: str, size: int) -> np.ndarray:
     if op == "prod":
         return rng.integers(1, 3, count)                 # <= 2**size: exact, no overflow at size <= 6
     hi = 4 if dtype in ("int8", "uint8") else 64         # sums stay inside int8 / uint8 / float16
+    if op in ("sum", "avg") and dtype in ("float16", "bfloat16"):
+        # every partial sum an integer the format holds exactly (2048, 256), in any order: at 6 ranks values
+        # up to 64 rounded bfloat16's partial sums, and the sum in another order was not wrong
+        hi = max(1, min(hi, (2048 if dtype == "float16" else 256) // size))
     lo = 0 if dtype == "uint8" or op in ("sum", "avg") and dtype == "int8" else -hi
     return rng.integers(lo, hi, count)
 
@@ -147,7 +151,7 @@ def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed:
         op = OPS[shared.integers(len(OPS))]
         count = int(math.exp(shared.uniform(0, math.log(max_count + 1)))) - 1
         torch_buffer = bool(shared.integers(2))
-        values = _values(mine, count, dtype, op)
+        values = _values(mine, count, dtype, op, size)
         buf = _buffer(values, dtype, torch_buffer)
         allreduce(buf, op=op, algorithm=alg, comm=comm)
         want = _expected(values, dtype, op, comm)

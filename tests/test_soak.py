@@ -36,3 +36,22 @@ def test_a_wrong_result_makes_the_soak_command_fail(monkeypatch, capsys):
     args = argparse.Namespace(ops=20, max_count=100, seed=1, max_rss_growth=10.0, json=None, progress=False)
     assert command.run(args) == 1
     assert "wrong results: 0 operations" not in capsys.readouterr().out
+
+
+def test_half_precision_sums_are_exact_in_any_order_at_many_ranks():
+    """The soak knows the exact answer only where every partial sum is an
+    integer the format holds (bfloat16 to 256, float16 to 2048): at 6 ranks
+    values up to 64 rounded bfloat16's partial sums, and it counted a sum
+    taken in another order as wrong. The values shrink with the ranks."""
+    import numpy as np
+    import torch
+
+    for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        for size in (2, 6, 8, 16, 40):
+            vals = [hpcjobs.soak._values(np.random.default_rng([1, r]), 4096, dtype, "sum", size) for r in range(size)]
+            exact = torch.tensor(np.sum(vals, axis=0).astype(np.float32)).to(torch_dtype)
+            for order in (vals, vals[::-1]):
+                acc = torch.tensor(order[0], dtype=torch.float32).to(torch_dtype)
+                for v in order[1:]:
+                    acc = acc + torch.tensor(v, dtype=torch.float32).to(torch_dtype)
+                assert torch.equal(acc, exact), (dtype, size)
