@@ -63,15 +63,28 @@ def load_tuning(path: str | None) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"tuning table {path} is not JSON: {e}") from None
     tables = data.get("tables") if isinstance(data, dict) else None
-    if not tables:
+    if not tables or not isinstance(tables, list):
         raise ValueError(f"tuning table {path} has no 'tables'")
     for t in tables:
-        for row in t.get("rows", []):
-            for name in [row.get("algorithm"), *row.get("candidates", [])]:
+        # every field the lookups read, checked here: a hand-edited table failed later, inside a collective
+        if not isinstance(t, dict) or not isinstance(t.get("ranks"), int) or not isinstance(t.get("nodes"), int):
+            raise ValueError(f"tuning table {path}: each table needs integer 'ranks' and 'nodes'")
+        rows = t.get("rows")
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"tuning table {path}: each table needs 'rows'")
+        bounds = [r.get("max_bytes") for r in rows]
+        if bounds[-1] is not None:
+            raise ValueError(f"tuning table {path}: each table's last row needs max_bytes null (no upper bound)")
+        if (not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds[:-1])
+                or bounds[:-1] != sorted(set(bounds[:-1]))):
+            raise ValueError(f"tuning table {path}: max_bytes must be integers, increasing row by row, {bounds}")
+        for row in rows:
+            candidates = row.get("candidates", [])
+            if not isinstance(candidates, list):
+                raise ValueError(f"tuning table {path}: 'candidates' must be a list, got {candidates!r}")
+            for name in [row.get("algorithm"), *candidates]:
                 if name not in ALGORITHMS:
                     raise ValueError(f"tuning table {path}: unknown algorithm {name!r}")
-        if not t.get("rows") or t["rows"][-1].get("max_bytes") is not None:
-            raise ValueError(f"tuning table {path}: each table's last row needs max_bytes null (no upper bound)")
     return data
 
 

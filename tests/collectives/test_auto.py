@@ -82,6 +82,18 @@ def test_only_algorithms_with_bitwise_equal_results_are_compared(dtype, op, rank
     (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "ring",
                                                               "candidates": ["ring", "warp"]}]}]}),
      "unknown algorithm 'warp'"),
+    # hand-edited tables that failed later, inside a collective, with a KeyError or TypeError
+    (json.dumps({"tables": [{"ranks": 2, "rows": [{"max_bytes": None, "algorithm": "ring"}]}]}),
+     "integer 'ranks' and 'nodes'"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "ring",
+                                                              "candidates": None}]}]}), "'candidates' must be a list"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": "1M", "algorithm": "ring"},
+                                                              {"max_bytes": None, "algorithm": "ring"}]}]}),
+     "max_bytes must be integers, increasing"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": 100, "algorithm": "ring"},
+                                                              {"max_bytes": 50, "algorithm": "ring"},
+                                                              {"max_bytes": None, "algorithm": "ring"}]}]}),
+     "max_bytes must be integers, increasing"),
 ])
 def test_bad_tuning_files_are_refused_clearly(tmp_path, content, words):
     path = tmp_path / "t.json"
