@@ -33,7 +33,7 @@ from mpi4py import MPI
 from .collectives import ALGORITHMS, OPS, allreduce
 from .collectives.names import SHARED_MEMORY
 from .collectives._buffers import OP_TABLE, finish_avg
-from .topology import detect_private
+from .collectives._shared import is_single_node
 
 __all__ = ["DTYPES", "SoakResult", "algorithms", "soak", "rss_bytes"]
 
@@ -127,8 +127,12 @@ class SoakResult:
 
 
 def algorithms(comm: MPI.Intracomm) -> list[str]:
-    """Every algorithm soaked on ``comm``: all of ours and auto, shm only on one node."""
-    return [a for a in (*ALGORITHMS, "auto") if a not in SHARED_MEMORY or detect_private(comm).num_nodes == 1]
+    """Every algorithm soaked on ``comm``: all of ours and auto, the shared-memory
+    ones where every rank can map the others' memory (the test they make
+    themselves, not the topology: nodes simulated with HPCJOBS_RANKS_PER_NODE
+    still share it, and an override spanning real hosts does not)."""
+    single = is_single_node(comm)
+    return [a for a in (*ALGORITHMS, "auto") if a not in SHARED_MEMORY or single]
 
 
 def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed: int = 0,

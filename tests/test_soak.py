@@ -3,6 +3,8 @@ and the soak itself notices a wrong result."""
 
 import json
 
+import pytest
+
 import hpcjobs.soak
 from launch import mpirun
 from hpcjobs.comm import private
@@ -55,3 +57,18 @@ def test_half_precision_sums_are_exact_in_any_order_at_many_ranks():
                 for v in order[1:]:
                     acc = acc + torch.tensor(v, dtype=torch.float32).to(torch_dtype)
                 assert torch.equal(acc, exact), (dtype, size)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shared_memory_algorithms_are_soaked_where_memory_is_shared(monkeypatch):
+    """Nodes simulated on one host (HPCJOBS_RANKS_PER_NODE) still share its
+    memory: shm and oneshot run there and are soaked; the topology's node
+    count had left them out."""
+    from mpi4py import MPI
+
+    from hpcjobs.collectives.names import SHARED_MEMORY
+
+    monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", "1")
+    comm = private(MPI.COMM_WORLD)
+    assert set(SHARED_MEMORY) <= set(hpcjobs.soak.algorithms(comm))
+    comm.Free()
