@@ -131,3 +131,16 @@ def test_a_table_tuned_on_simulated_nodes_is_kept_apart_from_one_on_real_hosts(t
 
     assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(2, 2), simulated=False)[0] == "hierarchical"
     assert candidates(1 << 20, 4, 2, tuning=data, local_sizes=(2, 2), simulated=True)[0] == "ring"
+
+
+def test_an_out_file_that_is_not_a_tuning_file_is_refused_before_measuring(tmp_path):
+    """The new table is added to --out after every pass; a file there that
+    cannot take it (truncated, hand-broken) is refused first, on every rank,
+    instead of losing the run at the end on rank 0."""
+    from launch import mpirun
+
+    broken = tmp_path / "t.json"
+    broken.write_text('{"tables": [')
+    out = mpirun(2, "tune", "--out", str(broken), "--max", "4K")
+    assert out.returncode == 2 and "exists and is not a tuning file to add to" in out.stderr, out.stderr
+    assert "pass 1" not in out.stdout

@@ -78,5 +78,5 @@ def test_more_ranks_than_a_small_block_has_slots_for():
         shm_allreduce(buf, "sum", comm, block_bytes=64)
         assert np.array_equal(buf, want)
         print("rank", comm.rank, "ok")
-        """), timeout=60)  # the old stage hung here
+        """), timeout=120)  # the old stage hung here (9 ranks start slowly on 2 cores)
     assert out.returncode == 0 and out.stdout.count(" ok") == 9, out.stdout[-2000:] + out.stderr[-3000:]
