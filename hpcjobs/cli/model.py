@@ -50,13 +50,11 @@ def run(args) -> int:
         for name in ("ring", "recursive_doubling", "parameter_server"):
             sent, received = count_bytes(name, nbytes, comm)
             counted.append({"size_bytes": nbytes, "algorithm": name, "sent": sent, "received": received})
-            if P & (P - 1):  # the formulas count a power of two (rank 0 of a fold sends once, sits out)
-                print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} "
-                       f"(the formula is for powers of two; {P} ranks)")
-                continue
             want = formula_bytes(name, nbytes, P)
-            print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} = {want}"
-                   f" ({'matches' if sent == want else f'counted {sent}'})")
+            # the formulas count a power of two: elsewhere rank 0 of a fold sends once and sits out
+            verdict = ("matches" if sent == want else f"counted {sent}"
+                       + ("; the formula is for powers of two" if P & (P - 1) else ""))
+            print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} = {want} ({verdict})")
     if args.out and comm.Get_rank() == 0:
         write(args.out, m, rows, counted, P)
         print0(f"# written to {args.out}/model.json and {args.out}/model.png")
