@@ -106,6 +106,7 @@ def test_a_rank_that_never_arrives_in_oneshot_is_the_usual_timeout():
         from mpi4py import MPI
         from hpcjobs.collectives import oneshot_allreduce
         x = np.ones(10)
+        MPI.COMM_WORLD.Barrier()  # past the imports on every rank: 3 ranks on 2 cores start seconds apart
         oneshot_allreduce(x)
         if MPI.COMM_WORLD.rank == 2:
             time.sleep(600)

@@ -16,7 +16,10 @@ def test_none_round_trip_is_exact_and_the_same_tensor():
                                           (BF16Compressor, torch.bfloat16, 2.0 ** -8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cast_round_trip_within_precision(cls, wire, eps, dtype):
-    t = torch.randn(1000, dtype=dtype) * 100
+    # seeded, and no value below fp16's normal range (6.1e-5), where the relative bound does not hold:
+    # an unseeded draw had one in about 1,500 runs
+    t = torch.randn(1000, dtype=dtype, generator=torch.Generator().manual_seed(0)) * 100
+    t = torch.where(t.abs() < 1e-3, torch.ones_like(t), t)
     c = cls()
     assert c.summable
     payload, ctx = c.compress(t)
