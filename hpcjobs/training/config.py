@@ -161,6 +161,9 @@ class TrainConfig:
         shaped = [f for f in ("layers", "heads", "embed") if getattr(self, f) is not None]
         if shaped and self.model not in GPT_MODELS:
             raise ValueError(f"{shaped[0]} shapes the GPTs ({', '.join(GPT_MODELS)}), not {self.model}")
+        if self.model not in MODELS and (self.width is not None or self.batch_norm):  # ignored there, silently
+            raise ValueError(f"{'width' if self.width is not None else 'batch_norm'} shapes {' and '.join(MODELS)},"
+                             f" not {self.model} (the ResNets always have BatchNorm, the GPTs LayerNorm)")
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r}; choose from {', '.join(DEVICES)}")
         if self.amp not in AMP:

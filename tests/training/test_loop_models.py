@@ -65,6 +65,8 @@ def test_resnet18_trains_on_cifar10_format_images(tmp_path_factory):
     (dict(amp="fp16", nonfinite="skip"), "leave nonfinite at 'ignore'"),
     (dict(amp="fp8"), "unknown amp 'fp8'"),
     (dict(decay="step"), "decay step multiplies the rate by gamma at each of milestones"),
+    (dict(model="resnet18", dataset="cifar10", width=64), "width shapes mlp and cnn1d, not resnet18"),
+    (dict(model="gpt-mini", dataset="text", batch_norm=True), "batch_norm shapes mlp and cnn1d, not gpt-mini"),
     (dict(milestones=(30.0,)), "give both or neither"),
 ])
 def test_models_the_data_or_options_do_not_fit(kw, match):
