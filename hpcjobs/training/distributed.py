@@ -14,47 +14,35 @@
         opt.step()                       # waits for the last bucket, then steps
 
 How it works, per step:
-
-1. **Buckets** (:mod:`hpcjobs.training.buckets`). At construction the
-   parameters are laid out, in reverse order of ``named_parameters``
-   (roughly the order backward produces their gradients), into flat buckets
-   of at most ``fusion_bytes`` per dtype, as DDP and Horovod's tensor fusion
-   do: one allreduce per bucket instead of one per tensor. Every rank checks
-   with one small ``MPI_Allreduce`` that all ranks built the same layout.
-2. **Hooks.** A ``post_accumulate_grad`` hook on each parameter copies its
-   gradient into the bucket on the last of ``backward_passes_per_step``
-   passes (earlier passes just accumulate in ``.grad``, as torch does).
-3. **Overlap.** When a bucket is full it is handed to a communication thread
-   which allreduces it (``op="avg"``, our algorithms) while backward goes on
-   computing the next gradients. Buckets are launched strictly in index
-   order on every rank -- a bucket waits for the ones before it -- so the
-   collectives match across ranks whatever order the hooks fire in.
-   ``overlap="none"`` instead reduces every bucket in ``step()`` after
+1. **Buckets** (:mod:`hpcjobs.training.buckets`). At construction the parameters are laid out, in reverse order
+   of ``named_parameters`` (roughly the order backward produces their gradients), into flat buckets of at most
+   ``fusion_bytes`` per dtype, as DDP and Horovod's tensor fusion do: one allreduce per bucket instead of one
+   per tensor. Every rank checks with one small ``MPI_Allreduce`` that all ranks built the same layout.
+2. **Hooks.** A ``post_accumulate_grad`` hook on each parameter copies its gradient into the bucket on the last
+   of ``backward_passes_per_step`` passes (earlier passes just accumulate in ``.grad``, as torch does).
+3. **Overlap.** When a bucket is full it is handed to a communication thread which allreduces it (``op="avg"``,
+   our algorithms) while backward goes on computing the next gradients. Buckets are launched strictly in index
+   order on every rank -- a bucket waits for the ones before it -- so the collectives match across ranks
+   whatever order the hooks fire in. ``overlap="none"`` instead reduces every bucket in ``step()`` after
    backward (``hpcjobs bench train`` measures both).
-4. **Step.** ``step()`` launches the buckets whose gradients never arrived
-   (unused parameters contribute zeros), waits for all, copies the averages
-   back into ``.grad`` and calls the wrapped optimizer.
+4. **Step.** ``step()`` launches the buckets whose gradients never arrived (unused parameters contribute zeros),
+   waits for all, copies the averages back into ``.grad`` and calls the wrapped optimizer.
 
-On one rank without compression the gradients are their own average:
-nothing is copied or reduced (unused parameters still get zeros).
+On one rank without compression the gradients are their own average: nothing is copied or reduced (unused
+parameters still get zeros). With P ranks each on b samples and a loss averaged over its b samples, the averaged
+gradient is the gradient of the mean loss over all P*b samples, so training computes what one process computes
+with batch P*b. With ``backward_passes_per_step=k`` the k gradients are summed (torch's own accumulation):
+divide the loss by k for a mean over P*k*b samples.
 
-With P ranks each on b samples and a loss averaged over its b samples, the averaged gradient is the
-gradient of the mean loss over all P*b samples, so training computes what one process computes with batch
-P*b. With ``backward_passes_per_step=k`` the k gradients are summed (torch's own accumulation): divide
-the loss by k for a mean over P*k*b samples.
-
-Compression (``compression=``, any :mod:`hpcjobs.compression` compressor)
-sends each bucket through :func:`~hpcjobs.compression.compressed_allreduce`.
-The casts (fp16, bf16) compress fused buckets whole; the others need one
-tensor at a time (top-k per layer, PowerSGD's matrices), so with them every
-parameter is its own bucket. ``error_feedback=True`` keeps each bucket's
-residual (:class:`~hpcjobs.compression.ErrorFeedback`, by parameter name);
-:meth:`DistributedOptimizer.compression_state_dict` carries the residuals,
-the compressor's state and the step count into checkpoints.
+Compression (``compression=``, any :mod:`hpcjobs.compression` compressor) sends each bucket through
+:func:`~hpcjobs.compression.compressed_allreduce`. The casts (fp16, bf16) compress fused buckets whole; the
+others need one tensor at a time (top-k per layer, PowerSGD's matrices), so with them every parameter is its own
+bucket. ``error_feedback=True`` keeps each bucket's residual (:class:`~hpcjobs.compression.ErrorFeedback`, by
+parameter name); :meth:`DistributedOptimizer.compression_state_dict` carries the residuals, the compressor's
+state and the step count into checkpoints.
 
 BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
-
 The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py asks for ``MULTIPLE``); the
 main thread makes no MPI call on this communicator between backward and ``step()``. With a lower thread
 level, or a rank with less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one machine
@@ -118,9 +106,7 @@ class DistributedOptimizer:
             cores; with one core the thread only competes with backward for
             it (``hpcjobs bench train``: "none" was 1.18x faster there).
         noise_scale: sum squared norms of this rank's gradient and of the average in ``stats`` (for the
-            gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks. A step counts
-            (``noise_steps``) only where the average is finite, the same steps on every rank, and its
-            norms are divided by ``grad_scale`` squared (a loss scaler's scale, set before each step).
+            gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks (``reset_stats``).
 
     Raises:
         ValueError: bad arguments, parameters the optimizer updates that are
@@ -163,8 +149,8 @@ class DistributedOptimizer:
             raise ValueError("noise_scale needs uncompressed gradients on at least 2 ranks (one rank's batch "
                              "against the average over all)")
         self.noise_scale, self.algorithm = bool(noise_scale), algorithm
-        self.grad_scale = 1.0  # the loss scale the gradients carry (fp16's GradScaler): the noise scale's units
-        self._sq_step = [0.0, 0.0]  # this step's squared norms, rank's and average's, until the step ends
+        # the loss scale the gradients carry (fp16's GradScaler, set before each step); this step's squared norms
+        self.grad_scale, self._sq_step = 1.0, [0.0, 0.0]
         self.compression = compression
         self.memory = ErrorFeedback() if error_feedback else None
         self._fused = compression is None or compression.fusable
@@ -320,11 +306,10 @@ class DistributedOptimizer:
         self._finish_step(t0)
 
     def _finish_step(self, t0: float) -> None:
-        if self.noise_scale:
-            rank_sq, avg_sq = self._sq_step
-            if math.isfinite(avg_sq) and math.isfinite(rank_sq):  # an overflow counts nowhere, on every rank
-                self.stats["grad_sq_rank"] += rank_sq / self.grad_scale ** 2
-                self.stats["grad_sq_avg"] += avg_sq / self.grad_scale ** 2
+        if self.noise_scale:  # a step whose average overflowed counts nowhere, the same on every rank
+            if all(map(math.isfinite, self._sq_step)):
+                for key, sq in zip(("grad_sq_rank", "grad_sq_avg"), self._sq_step):
+                    self.stats[key] += sq / self.grad_scale ** 2  # in the gradient's own units
                 self.stats["noise_steps"] += 1
             self._sq_step = [0.0, 0.0]
         self._reset_buckets()
@@ -334,17 +319,10 @@ class DistributedOptimizer:
 
     def step(self, closure=None):
         """Average the gradients over the ranks, then step the wrapped optimizer
-        (or not: see ``nonfinite``).
-
-        Raises:
-            TypeError: a ``closure``. It would compute this rank's own
-                gradients again after the averages, and the wrapped optimizer
-                would step on those: the ranks' steps would differ.
-        """
-        if closure is not None:
-            raise TypeError("DistributedOptimizer.step() takes no closure: the closure's backward would replace the "
-                            "averaged gradients with this rank's own (optimizers that re-evaluate, such as LBFGS, "
-                            "are not supported); call backward, then step()")
+        (or not: see ``nonfinite``). A ``closure`` is refused (TypeError)."""
+        if closure is not None:  # its backward would replace the averages with this rank's own gradients
+            raise TypeError("DistributedOptimizer.step() takes no closure: its backward would replace the averaged "
+                            "gradients with this rank's own (LBFGS and the like are not supported)")
         self.synchronize()
         if self.nonfinite != "ignore":
             bad = self.nonfinite_parameters()
@@ -371,8 +349,7 @@ class DistributedOptimizer:
         """Zero the counters: ``comm_s`` (time in allreduce, on the thread), ``wait_s`` (time ``step()`` spent
         before the optimizer ran), ``steps``, ``skipped_steps`` (non-finite gradients), ``allreduces``,
         ``sent_bytes`` (bytes this rank sent, counted with compression or a message-passing algorithm, else 0),
-        ``grad_sq_rank``/``grad_sq_avg`` (with ``noise_scale``: squared norms summed over ``noise_steps``,
-        the steps whose average was finite)."""
+        ``grad_sq_rank``/``grad_sq_avg`` (``noise_scale``: squared norms over ``noise_steps``, finite ones)."""
         self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0,
                       "skipped_steps": 0, "grad_sq_rank": 0.0, "grad_sq_avg": 0.0, "noise_steps": 0}
 
