@@ -201,3 +201,14 @@ def test_topology_prints_the_simulated_layout():
     out = _mpirun(5, "topology", "--ranks-per-node", "2")
     assert out.returncode == 0, out.stderr
     assert "5 ranks on 3 node(s) [2, 2, 1], source: override" in out.stdout
+
+
+def test_auto_alone_is_timed_at_once_not_after_settling():
+    """One rank reduces nothing, so auto never settles there: the benchmarks
+    waited for it forever (bench allreduce --impl auto alone spun until
+    killed; bench compression too)."""
+    out = _hpcjobs("bench", "allreduce", "--impl", "auto", "--max", "64")
+    assert out.returncode == 0 and "#wrong" in out.stdout, out.stderr
+    out = _hpcjobs("bench", "compression", "--elements", "1000", "--iters", "2", "--compressors", "fp16",
+                  "--no-progress")
+    assert out.returncode == 0 and "fp32 auto" in out.stdout, out.stderr
