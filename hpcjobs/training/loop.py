@@ -275,6 +275,8 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         first, elapsed = run.start_step, run.partial["elapsed"]
         sums[:] = run.partial["sums"]
         opt.stats.update(run.partial["stats"])
+        if "noise_steps" not in run.partial["stats"]:  # a checkpoint from before it was counted: every step
+            opt.stats["noise_steps"] = opt.stats["steps"]
     run.comm.Barrier()
     t0 = time.perf_counter()
     for s in range(first, spe):
