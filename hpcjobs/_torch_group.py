@@ -144,10 +144,11 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             else:
                 fut.set_result(result)
 
+        for d in devices:  # on the caller's thread and stream, as _submit does
+            torch.cuda.current_stream(d).synchronize()
+
         def start():
             try:
-                for d in devices:
-                    torch.cuda.current_stream(d).synchronize()
                 reqs = post()
             except BaseException as e:  # noqa: BLE001
                 fut.set_exception(e)

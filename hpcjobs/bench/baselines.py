@@ -280,8 +280,8 @@ def _nccl_unavailable(comm: MPI.Intracomm) -> str | None:
     # Slurm jobs bind each rank to a GPU of its own (runtime.bind_gpu): each then sees one, device 0; distinct
     # where the ranks of a node were bound to different ones
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    bound = node.allgather(os.environ.get("CUDA_VISIBLE_DEVICES", "")
-                           if os.environ.get("HPCJOBS_BIND_GPU") == "1" else None)
+    bound = node.allgather(os.environ.get("CUDA_VISIBLE_DEVICES", "")  # bind_gpu bound it (and set LOCAL_RANK)
+                           if os.environ.get("HPCJOBS_BIND_GPU") == "1" and "LOCAL_RANK" in os.environ else None)
     node.Free()
     try:
         import torch
