@@ -311,7 +311,7 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
     ds, error = None, None
     try:
         ds = _load(name, comm, data_dir, num_samples, seed, seq_len)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 -- told to every rank, raised there (a truncated .gz: EOFError)
         error = (type(e).__name__, str(e))
     failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
     if failed:
@@ -344,11 +344,11 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
     target = _mnist1d_dir(cache, n, seed)
     error = None
     if comm is None or comm.Get_rank() == 0:
-        if not target.exists():
-            try:
+        try:  # the look too: rank 0 must reach the bcast below whatever fails
+            if not target.exists():
                 _generate_mnist1d(target, n, seed)
-            except Exception as e:  # told to every rank below, then raised
-                error = f"generating MNIST-1D into {target} failed: {type(e).__name__}: {e}"
+        except Exception as e:  # told to every rank below, then raised
+            error = f"generating MNIST-1D into {target} failed: {type(e).__name__}: {e}"
     if comm is not None:
         error = comm.bcast(error, root=0)
     if error:
