@@ -53,7 +53,8 @@ def run(args) -> int:
             want = formula_bytes(name, nbytes, P)
             # the formulas count a power of two: elsewhere rank 0 of a fold sends once and sits out
             verdict = ("matches" if sent == want else f"counted {sent}"
-                       + ("; the formula is for powers of two" if P & (P - 1) else ""))
+                       + ("; the formula is for powers of two" if P & (P - 1) and name == "recursive_doubling"
+                          else ""))
             print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} = {want} ({verdict})")
     if args.out and comm.Get_rank() == 0:
         write(args.out, m, rows, counted, P)

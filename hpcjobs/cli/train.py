@@ -139,7 +139,7 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--staleness-bound", type=nonnegative_int, metavar="S",
                    help="async: a worker more than S pushes ahead of the slowest waits (0: lockstep; default none)")
     g.add_argument("--staleness-lr", action="store_true",
-                   help="async: divide the rate by each gradient's staleness (Zhang et al. 2016)")
+                   help="async: weigh each gradient by 1/its staleness, in the momentum buffer too (Zhang et al. 2016)")
     g.add_argument("--fixed-delay", type=nonnegative_int, metavar="K",
                    help="async, deterministic: gradient i is computed on version i-K and applied in order")
     g.add_argument("--local-steps", type=positive_int, default=DEFAULTS.local_steps, metavar="H",

@@ -129,7 +129,7 @@ class TrainConfig:
     mode: str = "sync"
     servers: int = 1  # async: the first S ranks serve a shard of the parameters each
     staleness_bound: int | None = None  # async: a worker more than s pushes ahead of the slowest waits
-    staleness_lr: bool = False  # async: divide the rate by each gradient's staleness (Zhang et al. 2016)
+    staleness_lr: bool = False  # async: each gradient weighed by 1/its staleness (Zhang et al. 2016)
     fixed_delay: int | None = None  # async: gradient i is computed on version i - k, applied in order i
     local_steps: int = 8  # local: steps between averages; easgd: between elastic moves
     post_local_epochs: int = 0  # local: average every step for this many epochs first (Lin et al. 2020)

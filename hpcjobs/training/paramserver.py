@@ -30,7 +30,8 @@ knobs:
 - ``staleness_bound`` s: a pull from a worker more than s pushes ahead of
   the slowest live worker waits for it (s = 0: every worker pulls only
   once all have pushed the same number of gradients);
-- ``staleness_lr``: each gradient is applied with lr / max(1, staleness),
+- ``staleness_lr``: each gradient is applied with lr / max(1, staleness)
+  (with momentum, it enters the buffer weighed so: ``ShardUpdate.apply``),
   lr being the schedule's rate for b samples (with the synchronous rate
   for W x b samples in its place, the fresh gradients' steps diverged);
 - ``fixed_delay`` k: gradient i (worker w's t-th, i = t * W + w) is
