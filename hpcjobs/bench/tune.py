@@ -105,6 +105,18 @@ def _shape(t: dict) -> tuple:
     return t["ranks"], t["nodes"], tuple(t.get("local_sizes") or ()), t.get("layout") == "override"
 
 
+def merge_problem(flag: str, path: str) -> str | None:
+    """Why the file at ``path`` cannot take a table (:func:`merge`), or None."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{flag} {path} exists and is not a tuning file to add to ({e}); move it or name another"
+    if not isinstance(data, dict) or not isinstance(data.get("tables", []), list):
+        return f"{flag} {path} exists and is not a tuning file to add to (no list of 'tables'); move it or name another"
+    return None
+
+
 def merge(path: str, table: dict, environment: dict) -> dict:
     """The tuning file at ``path`` with ``table`` added or replacing the one
     of the same ranks, nodes and ranks per node, simulated or real."""

@@ -131,16 +131,20 @@ def _output_problem(flag: str, path: str, directory: bool) -> str | None:
     return None
 
 
-def check_outputs(comm, outputs: list[tuple[str, str | None, bool]]) -> None:
+def check_outputs(comm, outputs: list[tuple]) -> None:
     """Before anything is measured: rank 0 makes sure every output it will
-    write can be written (``(flag, path, is a directory)``; None paths are
-    skipped), creating the directories they need, and every rank raises the
-    same usage error if one cannot. ``comm`` None: this process alone."""
+    write can be written (``(flag, path, is a directory[, check])``; None
+    paths are skipped; ``check(flag, path)``: why an existing file there
+    cannot be added to, or None), creating the directories they need, and
+    every rank raises the same usage error if one cannot. ``comm`` None:
+    this process alone."""
     problem = None
     if comm is None or comm.Get_rank() == 0:
-        for flag, path, directory in outputs:
+        for flag, path, directory, *check in outputs:
             if path and problem is None:
                 problem = _output_problem(flag, path, directory)
+                if problem is None and check and os.path.isfile(path):
+                    problem = check[0](flag, path)
     if comm is not None:
         problem = comm.bcast(problem, root=0)
     if problem:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .args import UsageError, add_sweep_arguments, apply_placement, check_outputs, positive_int, sweep_sizes
+from .args import add_sweep_arguments, apply_placement, check_outputs, positive_int, sweep_sizes
 
 # Sweeps per `hpcjobs tune`. Two runs here 15 s apart disagreed at 16 MB (shm
 # 1.59x ahead of the ring in one, behind in the next); three passes give a
@@ -34,19 +34,8 @@ def run(args) -> int:
     apply_placement(args)
     unchecked_benchmarks()
     comm = private()
-    check_outputs(comm, [("--out", args.out, False)])
     # the table is added to an existing file after every pass: one that cannot take it is refused now
-    problem = None
-    if comm.Get_rank() == 0 and os.path.exists(args.out):
-        from ..collectives.tuning import load_tuning
-
-        try:
-            load_tuning(os.path.abspath(args.out))
-        except ValueError as e:
-            problem = f"--out {args.out} exists and is not a tuning file to add to ({e}); move it or name another"
-    problem = comm.bcast(problem, root=0)
-    if problem:
-        raise UsageError(problem)
+    check_outputs(comm, [("--out", args.out, False, tune.merge_problem)])
     topo = detect_private(comm)
     names, left_out = tune.applicable(is_single_node(comm), topo.num_nodes)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
