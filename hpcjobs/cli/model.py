@@ -68,7 +68,7 @@ def _across(args, comm, topo, sizes) -> int:
     from ..bench.sweep import implementations
     from ..bench.sweep import run as sweep
     from ..collectives.costs import ACROSS
-    from ..collectives.hierarchical import segment_elements
+    from ..collectives.costs import segment_elements
     from ..comm import print0
     from ..perfmodel import compare_across, measure_links, write
 

@@ -116,13 +116,23 @@ def default_segment_bytes(nbytes: int) -> int:
     return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
 
 
+def segment_elements(count: int, itemsize: int, L: int, simulated: bool, segment_bytes: int | None = None) -> int:
+    """Elements per segment of the uniform path for ``count`` elements on
+    nodes of ``L`` ranks (a multiple of L); the whole main part, count // L
+    * L, when not pipelined. ``segment_bytes``: as :func:`hierarchical_allreduce`
+    takes it (None: the default, off on ``simulated`` nodes)."""
+    if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
+        segment_bytes = 0 if simulated else default_segment_bytes(count * itemsize)
+    return count // L * L if not segment_bytes else max(L, segment_bytes // itemsize // L * L)
+
+
 def hierarchical_segments(nbytes: float, L: int, itemsize: int = 4) -> int:
     """The segments hierarchical pipelines ``nbytes`` in across real nodes of
-    ``L`` ranks, by default (1: one piece, too small to pipeline), as
-    ``hierarchical.segment_elements`` cuts the node-divisible main part."""
+    ``L`` ranks, by default (1: one piece, too small to pipeline): the
+    node-divisible main part cut as :func:`segment_elements` cuts it."""
     count = int(nbytes) // itemsize
     main = count // L * L
-    per = max(L, default_segment_bytes(count * itemsize) // itemsize // L * L)
+    per = segment_elements(count, itemsize, L, False)
     return -(-main // per) if main > per else 1
 
 

@@ -56,7 +56,7 @@ import functools
 
 from . import cuda_ipc, ring, shm, staged, tree
 from ._buffers import Flat, chunk_bounds, finish_avg
-from .costs import default_segment_bytes
+from .costs import default_segment_bytes, segment_elements
 from .device import DeviceFlat, divide
 from ._frame import run
 from .messages import message_passing
@@ -131,18 +131,8 @@ def _threads_everywhere(comm: MPI.Intracomm) -> bool:
         comm.Set_attr(_THREADS_KEYVAL, ok)
     return ok
 
-# The segments across real nodes (MIN_SEGMENT_BYTES, SEGMENTS,
-# default_segment_bytes) live in costs.py, which the planner reads without MPI.
-
-
-def segment_elements(count: int, itemsize: int, L: int, simulated: bool, segment_bytes: int | None = None) -> int:
-    """Elements per segment of the uniform path for ``count`` elements on
-    nodes of ``L`` ranks (a multiple of L); the whole main part, count // L
-    * L, when not pipelined. ``segment_bytes``: as :func:`hierarchical_allreduce`
-    takes it (None: the default, off on ``simulated`` nodes)."""
-    if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
-        segment_bytes = 0 if simulated else default_segment_bytes(count * itemsize)
-    return count // L * L if not segment_bytes else max(L, segment_bytes // itemsize // L * L)
+# The segments across real nodes (MIN_SEGMENT_BYTES, SEGMENTS, default_segment_bytes,
+# segment_elements) live in costs.py, which the planner reads without MPI.
 
 
 def _network_step(seg: Flat, op: str, topo: Topology, inter_step, size: int) -> None:
