@@ -33,6 +33,14 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed")
 
 
+def _used(key: str, optimizer: str) -> bool:
+    """Whether ``optimizer`` takes the setting ``key`` (momentum: the SGDs,
+    RMSprop and LARS; the trust coefficient: LARS): one it ignores may change."""
+    if key == "momentum":
+        return optimizer in ("sgd", "nesterov", "rmsprop", "lars")
+    return key != "trust_coefficient" or optimizer == "lars"
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: truncated, corrupt, or from another experiment."""
 
@@ -116,7 +124,8 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
             state = load_checkpoint(cfg.checkpoint)
             old = state["config"]
             defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
-            changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)]
+            changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)
+                       and _used(k, cfg.optimizer)]
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))

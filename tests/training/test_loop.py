@@ -163,6 +163,9 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     # the optimizer's saved settings would come back with its state and overrule the flag: refused, not ignored
     with pytest.raises(CheckpointError, match="another experiment: momentum 0.9 -> 0.5"):
         train(cfg(checkpoint=f"{d}/o.pt", resume=True, momentum=0.5), comm)
+    # a setting the optimizer does not take may change (plain SGD has no trust coefficient)
+    history = train(cfg(checkpoint=f"{d}/o.pt", resume=True, epochs=2, trust_coefficient=0.01), comm)
+    assert [h["epoch"] for h in history] == [1, 2]
 
 
 @pytest.mark.mpi(min_size=1)
