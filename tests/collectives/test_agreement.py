@@ -24,7 +24,7 @@ def _raises_everywhere(call, comm, *words):
     assert len(set(messages)) == 1, messages
     for w in words:
         assert w in messages[0], messages[0]
-    assert max(comm.allgather(elapsed)) < 5.0
+    assert max(comm.allgather(elapsed)) < 30.0  # at once, not at the watchdog's 300 s (5 ranks share 2 cores)
     # nothing was sent: the communicator still works
     x = np.ones(5)
     ring_allreduce(x, comm=comm)
