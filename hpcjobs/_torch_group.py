@@ -129,31 +129,25 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         matching irecv waits behind it: an exchange both ways deadlocked."""
         what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"
         devices = {t.device for t in tensors if t.device.type == "cuda"}
-        fut: Future = Future()
-
-        def wait(reqs):
-            try:
-                with guard(what):
-                    MPI.Request.Waitall(reqs)
-                    if finish is not None:
-                        finish()
-                    for d in devices:
-                        torch.cuda.current_stream(d).synchronize()
-            except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-
         for d in devices:  # on the caller's thread and stream, as _submit does
             torch.cuda.current_stream(d).synchronize()
+        fut: Future = Future()
+
+        def complete(reqs):
+            MPI.Request.Waitall(reqs)
+            if finish is not None:
+                finish()
+            for d in devices:
+                torch.cuda.current_stream(d).synchronize()
 
         def start():
             try:
                 reqs = post()
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
                 fut.set_exception(e)
                 return
-            threading.Thread(target=wait, args=(reqs,), name="hpcjobs-torch-p2p", daemon=True).start()
+            threading.Thread(target=self._run, args=(lambda: complete(reqs), fut, result, what),
+                             name="hpcjobs-torch-p2p", daemon=True).start()
 
         if threading.current_thread() is self._worker:
             start()

@@ -101,6 +101,13 @@ def _kernel_id() -> str | None:
         return None
 
 
+def _own_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity; all of them where it cannot be read)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def cores_per_rank(comm) -> int:
     """Cores this rank may use: the CPUs that the ranks of ``comm`` on this
     machine may run on (their affinities together: a launcher's binding, a
@@ -111,8 +118,7 @@ def cores_per_rank(comm) -> int:
     shared-memory node stands for the machine. At least 1. Collective over ``comm``."""
     from mpi4py import MPI  # comm exists, so MPI is up already
 
-    cpus = os.cpu_count() or 1
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpus))
+    mine = _own_cpus()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     node.Free()
@@ -140,7 +146,7 @@ def set_threads(threads: int | None, comm) -> int:
     if threads:
         n = threads
     elif comm is None:
-        n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        n = len(_own_cpus())
     else:
         n = cores_per_rank(comm)
     torch.set_num_threads(n)

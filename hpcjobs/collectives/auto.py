@@ -337,8 +337,11 @@ def settled(buf, op: str = "sum", comm: MPI.Comm | None = None) -> bool:
     """Whether ``auto`` has done measuring for ``buf``'s size and dtype and
     ``op`` on ``comm``: its next such call runs the algorithm it kept (until
     the next measurement, :data:`REMEASURE_EVERY` calls on). False before the
-    first call. The same on every rank, so ranks may loop on it, as
+    first call; always True on one rank, which reduces nothing and so has
+    nothing to measure. The same on every rank, so ranks may loop on it, as
     ``hpcjobs bench`` does to time what ``auto`` settles on."""
+    if private(comm).Get_size() == 1:
+        return True
     device = is_device_buffer(buf)
     flat = as_device_flat(buf) if device else as_flat(buf)
     timing = _decision(flat.nbytes, flat.dtype, op, comm, device)

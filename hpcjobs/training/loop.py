@@ -299,10 +299,9 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             opt.synchronize()
             run.scaler.unscale_(run.inner)
             run.scaler.step(run.inner)
-            before = run.scaler.get_scale()
             run.scaler.update()
-            if opt.memory is not None and run.scaler.get_scale() != before:
-                opt.memory.rescale(run.scaler.get_scale() / before)  # residuals of scaled gradients: new units
+            if opt.memory is not None and run.scaler.get_scale() != opt.grad_scale:  # residuals: in the new units
+                opt.memory.rescale(run.scaler.get_scale() / opt.grad_scale)
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
             checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {

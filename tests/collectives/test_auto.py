@@ -271,3 +271,11 @@ def test_bench_times_what_auto_settles_on_not_its_measuring_calls(timed_table):
     (record,) = run(comm, [4096], implementations(["auto"]), dtype="int32", iters=5, warmup=1)
     assert calls == _measuring(["tree", "ring"], 4096) + ["ring"] * 6  # then warmup + iters
     assert record.wrong == 0 and record.iters == 5
+
+
+def test_one_rank_has_nothing_to_measure():
+    """auto measures nothing on one rank (nothing is reduced): settled says
+    so from the start, and the benchmarks that wait for it go on at once."""
+    from hpcjobs.collectives.auto import settled
+
+    assert settled(np.ones(16), "sum", MPI.COMM_SELF)
