@@ -244,6 +244,19 @@ cmd_link() {  # cmd_link up|down HOST
     [ -n "$h" ] || die "usage: $([ "$how" = down ] && echo cut || echo heal) HOST"
     check_host "$h"
     ip -n "$SW" link set "$h" "$how"
+    [ "$how" = up ] || return 0
+    # What the cut left in the neighbour (ARP) tables: an address the host
+    # was still resolving when its link went down stays INCOMPLETE with its
+    # probes spent, and fails the next connection to it (EHOSTUNREACH) once
+    # those run out -- a daemon's connect back to mpirun, seen in about 1
+    # heal in 4. A real switch port coming back has the same stale entries;
+    # forgetting them makes "healed" mean "reachable at once".
+    local other i
+    ip -n "$(ns "$h")" neigh flush dev eth0
+    for i in $(seq 1 "$(hosts)"); do
+        other=h$i
+        [ "$other" = "$h" ] || ip -n "$(ns "$other")" neigh flush to "$NET.${h#h}"
+    done
 }
 
 cmd_mpirun() {

@@ -172,12 +172,11 @@ def test_a_host_cut_mid_allreduce_ends_the_job_and_names_its_ranks(emulated_clus
     finally:
         emulated_cluster.heal("h2")
     assert emulated_cluster.wait_no_processes("h2", "loop.py", 30) == []
-    # The cut job's daemon and reapers on h2 end once they give up on its mpirun; a new job's daemon started
-    # there before that failed to report back (once, on a loaded 2-core machine): the check is of the healed
-    # cluster, so it waits for them first, as the killed-rank test below waits for its reapers.
+    # The cut job's daemon and reapers on h2 end once they give up on its mpirun.
     for needle in ("prte", "_reaper.py"):
         assert emulated_cluster.wait_no_processes("h2", needle, 60) == [], needle
-    # The healed cluster runs jobs again.
+    # The healed cluster runs jobs again, at once: heal forgets the neighbour entries the cut left half-resolved
+    # (without that, about 1 heal in 4 had the new daemon's connect from h2 to h1 fail with EHOSTUNREACH).
     again = emulated_cluster.mpirun("h1:1,h2:1,h3:1", 3, "hpcjobs", "info", "--all-ranks")
     _ok(again)
     assert "rank 1 of 3 on h2" in again.stdout
