@@ -136,6 +136,8 @@ def test_info_names_every_rank():
     assert "ranks: 3" in out.stdout
     assert [l.split()[:4] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
         ["rank", str(r), "of", "3"] for r in range(3)]
+    # auto's tuning table, which must be the same on every rank
+    assert [l.rsplit(", ", 1)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == ["tuning built in"] * 3
 
 
 def test_bench_report_with_gloo_and_bad_baselines(tmp_path):

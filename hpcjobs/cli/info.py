@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def configure(p) -> None:
     p.add_argument("--all-ranks", action="store_true", help="print a line from every rank, not only rank 0")
@@ -20,8 +22,9 @@ def run(args) -> int:
     for line in _gpu_lines():
         print0(line)
     cores = cores_per_rank(comm)  # collective: every rank, --all-ranks or not
+    tuning = os.environ.get("HPCJOBS_TUNING") or "built in"  # auto's table: the same everywhere, or auto refuses
     lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}, "
-                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads)", root=0)
+                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads), tuning {tuning}", root=0)
     if args.all_ranks and comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)
     return 0

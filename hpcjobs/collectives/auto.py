@@ -52,6 +52,7 @@ from ._buffers import Flat, as_flat
 from . import oneshot
 from ._frame import Algorithm
 from ._shared import is_single_node
+from .agreement import ranks_text
 from .tuning import DEFAULT_TABLE, _pick_table, load_tuning
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
@@ -254,8 +255,27 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
+    _agree_on(names, flat, comm)
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)
     return timing
+
+
+def _agree_on(names: list[str], flat: Flat, comm: MPI.Intracomm) -> None:
+    """Raise on every rank where the ranks' tuning tables give them
+    different candidates at this size (a table on some hosts only, or
+    another one there): each would run its own algorithm, and the job would
+    hang or, where their messages happen to match, reduce wrongly. Once
+    per size on a communicator, whatever the agreement checks are set to."""
+    everyone = comm.allgather(names)
+    if all(theirs == names for theirs in everyone):
+        return
+    seen: dict[str, list[int]] = {}
+    for r, theirs in enumerate(everyone):
+        seen.setdefault(", ".join(theirs), []).append(r)
+    raise ValueError(f"auto at {flat.nbytes} bytes: the ranks' tuning tables give different algorithms -- "
+                     + "; ".join(f"{ranks_text(rs)}: {v}" for v, rs in seen.items())
+                     + " -- give every rank the same table (HPCJOBS_TUNING or set_tuning; `hpcjobs info "
+                       "--all-ranks` names each rank's)")
 
 
 def _waited(fn):

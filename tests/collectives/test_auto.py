@@ -121,6 +121,37 @@ def test_auto_follows_the_tuning_file(tmp_path_factory, monkeypatch):
         set_tuning(None)
 
 
+
+@pytest.mark.mpi(min_size=2)
+def test_tuning_tables_that_differ_across_ranks_are_refused_on_every_rank(tmp_path_factory):
+    """A table on some hosts only, or another one there: each rank would run
+    its own algorithm (the job hung until the watchdog). Every rank raises,
+    naming which ranks' tables give what, before anything is sent; a size
+    where the tables agree still runs."""
+    comm = MPI.COMM_WORLD.Dup()
+    rank = comm.Get_rank()
+    path = tmp_path_factory.mktemp(f"differ{rank}") / "t.json"
+    small = "tree" if rank == 0 else "ring"  # rank 0's table differs up to 1 KB, agrees above
+    path.write_text(json.dumps({"version": 1, "tables": [{"ranks": comm.Get_size(), "nodes": 1, "rows": [
+        {"max_bytes": 1024, "algorithm": small}, {"max_bytes": None, "algorithm": "recursive_doubling"}]}]}))
+    try:
+        set_tuning(str(path))
+        buf = np.full(16, rank + 1.0)
+        with pytest.raises(ValueError) as e:
+            allreduce(buf, "sum", "auto", comm)
+        others = "rank 1" if comm.Get_size() == 2 else f"ranks {','.join(map(str, range(1, comm.Get_size())))}"
+        assert str(e.value) == ("auto at 128 bytes: the ranks' tuning tables give different algorithms -- rank 0: "
+                                f"tree; {others}: ring -- give every rank the same table (HPCJOBS_TUNING or "
+                                "set_tuning; `hpcjobs info --all-ranks` names each rank's)")
+        assert (buf == rank + 1).all()  # nothing was sent
+        big = np.full(1000, rank + 1.0)
+        allreduce(big, "sum", "auto", comm)
+        assert (big == comm.Get_size() * (comm.Get_size() + 1) / 2).all()
+    finally:
+        set_tuning(None)
+        comm.Free()
+
+
 SLOW = 0.1  # seconds
 
 
