@@ -25,7 +25,8 @@ Inside a job (the last line of every template)::
 4. asks each rank to bind to its GPU by local rank (``HPCJOBS_BIND_GPU``,
    read by :func:`hpcjobs.runtime.bind_gpu` in every rank) unless
    ``HPCJOBS_CPU=1``;
-5. execs ``srun --mpi=$HPCJOBS_SRUN_MPI`` (default pmix) or, with
+5. execs ``srun --mpi=$HPCJOBS_SRUN_MPI`` (default pmix;
+   ``--kill-on-bad-exit=1``: a rank that fails ends the job) or, with
    ``HPCJOBS_LAUNCHER=mpirun``, ``mpirun`` over the allocation.
 
 Which ``--mpi`` goes with which MPI: docs/cluster.md, "Which launcher with
@@ -219,8 +220,10 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     if launcher == "srun":
         # since Slurm 22.05 srun no longer takes --cpus-per-task from the job: each task would get one core
         cpus = env.get("SLURM_CPUS_PER_TASK", "")
-        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", *([f"--cpus-per-task={cpus}"] if cpus else []),
-               *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")), *hpcjobs]
+        # --kill-on-bad-exit: a rank that exits non-zero ends the step, as mpirun does. Without it a rank that
+        # failed before MPI started (bad input on one node) left the others in MPI_Init until the time limit.
+        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", "--kill-on-bad-exit=1",
+               *([f"--cpus-per-task={cpus}"] if cpus else []), *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")), *hpcjobs]
     elif launcher == "mpirun":
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         mapping = ["--map-by", f"ppr:{per_node}:node"] if per_node.isdigit() else []

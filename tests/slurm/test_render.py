@@ -152,11 +152,12 @@ JOB = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "hpcjobs-tra
 
 def test_launch_with_srun():
     cmd, env = launch_command(dict(JOB), ["train", "--metrics", "{job_dir}/m.jsonl"])
-    assert cmd[:3] == ["srun", "--mpi=pmi2", "--cpu-bind=cores"]
+    # a rank that exits non-zero ends the step (before MPI starts the others would wait in MPI_Init)
+    assert cmd[:4] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--cpu-bind=cores"]
     assert cmd[-4:] == ["hpcjobs", "train", "--metrics", "/scratch/me/results/hpcjobs-train-77/m.jsonl"]
     # Slurm 22.05's srun does not inherit the job's --cpus-per-task: passed on, or each task gets one core
     cmd, _ = launch_command(dict(JOB, SLURM_CPUS_PER_TASK="4"), ["tune"])
-    assert cmd[:4] == ["srun", "--mpi=pmi2", "--cpus-per-task=4", "--cpu-bind=cores"]
+    assert cmd[:5] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--cpus-per-task=4", "--cpu-bind=cores"]
     assert env["HPCJOBS_EXPECT_WORLD_SIZE"] == "8" and env["HPCJOBS_BIND_GPU"] == "1"
     assert env["HPCJOBS_JOB_DIR"] == "/scratch/me/results/hpcjobs-train-77"
     assert env["MASTER_PORT"] == str(20077)
