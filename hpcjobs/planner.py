@@ -216,7 +216,7 @@ def allreduce_s(nbytes: float, P: int, net: Network, algorithm: str = "auto") ->
     for name in (ALGORITHMS if algorithm == "auto" else (algorithm,)):
         t = (COSTS[name].path(float(nbytes), P, L, net.node) if L == P
              else across_path(name, float(nbytes), P, L, net.node, net.net,
-                              hierarchical_segments(nbytes, L) if name == "hierarchical" else 1))
+                              hierarchical_segments(nbytes, L, P // L) if name == "hierarchical" else 1))
         if t is not None and (best is None or t < best[0]):
             best = (t, name)
     if best is None:

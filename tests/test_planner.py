@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from hpcjobs.collectives.costs import ACROSS, COSTS, across_path, evaluate
+from hpcjobs.collectives.costs import (ACROSS, COSTS, across_path, default_segment_bytes, evaluate,
+                                      hierarchical_segments)
 from hpcjobs.planner import (Linear, Network, Payload, Target, Workload, allreduce_s, bucket_sizes, fit_runs,
                              flat_shapes, iteration, plan, recommend)
 from hpcjobs.cli.plan import table
@@ -61,8 +62,8 @@ def test_across_nodes_the_two_level_formula_is_used():
     want = evaluate(ACROSS["hierarchical"].formula, P=P, L=L, N=N, alpha=NODE.alpha, beta=NODE.beta,
                     gamma=NODE.gamma, net_alpha=NET.alpha, net_beta=NET.beta)
     assert across_path("hierarchical", N, P, L, NODE, NET) == pytest.approx(want, rel=1e-12)  # in one piece
-    assert name == "hierarchical" and t == pytest.approx(across_path("hierarchical", N, P, L, NODE, NET, 8),
-                                                         rel=1e-12)  # pipelined in 8 segments of 1 MiB
+    assert name == "hierarchical" and t == pytest.approx(across_path("hierarchical", N, P, L, NODE, NET, 2),
+                                                         rel=1e-12)  # pipelined: 2 segments of 256 KiB x 4 x 4
     t_ring, _ = allreduce_s(N, P, Network(L, NODE, NET), "ring")
     assert t_ring == pytest.approx(evaluate(ACROSS["ring"].formula, P=P, L=L, N=N, gamma=NODE.gamma,
                                             net_alpha=NET.alpha, net_beta=NET.beta), rel=1e-12)
@@ -71,18 +72,26 @@ def test_across_nodes_the_two_level_formula_is_used():
     best, chosen = allreduce_s(N, P, Network(L, NODE, NET))
     assert best == min(each.values()) and each[chosen] == best
     # Rabenseifner, halving near first, sends hierarchical's bytes across in
-    # 2log2(M) network rounds instead of 2(M-1): the cheaper here.
-    assert chosen == "rabenseifner" and each["rabenseifner"] < t
+    # 2log2(M) network rounds instead of 2(M-1): cheaper than hierarchical in
+    # 8 segments of 1 MiB (8 x 2(M-1) network latencies), dearer than in the
+    # 2 segments of 4 MiB it runs at 4 x 4.
+    assert chosen == "hierarchical" and t < each["rabenseifner"] < across_path("hierarchical", N, P, L, NODE, NET, 8)
 
 
 def test_hierarchical_across_nodes_is_costed_pipelined_as_it_runs():
     """Across real nodes hierarchical pipelines a buffer in segments of
-    1/32 of it, at least 1 MiB (hierarchical.py): the planner costs it so,
-    and a small bucket in one piece."""
-    net = Network(4, NODE, NET)
-    for N, segments in ((16 * MB, 16), (64 * MB, 32), (MB // 2, 1)):
+    1/32 of it, at least 256 KiB per ring step across the nodes (256 KiB x
+    L x M; hierarchical.py): the planner costs it so, and a small bucket in
+    one piece."""
+    net = Network(4, NODE, NET)  # 16 devices: 4 nodes of 4, segments of at least 4 MiB
+    for N, segments in ((16 * MB, 4), (64 * MB, 16), (128 * MB, 32), (256 * MB, 32), (MB // 2, 1)):
+        assert hierarchical_segments(N, 4, 4) == segments
         t, _ = allreduce_s(N, 16, net, "hierarchical")
         assert t == pytest.approx(across_path("hierarchical", N, 16, 4, NODE, NET, segments), rel=1e-12)
+    # The floor follows the layout: 1 MiB at 2 x 2 (as measured on the emulated cluster), 64 MiB at 8 x 32,
+    # where a 25 MB bucket goes in one piece (1 MiB segments would pay 62 latencies for 4 KiB steps)
+    assert [hierarchical_segments(16 * MB, 2, 2), hierarchical_segments(25e6, 8, 32)] == [16, 1]
+    assert default_segment_bytes(0, 2, 2) == MB and default_segment_bytes(0, 8, 32) == 64 * MB
 
 
 def test_the_cheapest_is_the_most_efficient_within_reach_not_the_fewest_devices():

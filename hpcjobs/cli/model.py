@@ -99,7 +99,7 @@ def _across(args, comm, topo, sizes) -> int:
 
     def segments(nbytes):  # as hierarchical cuts the sweep's float32 buffer here (its default)
         main = nbytes // 4 // L * L
-        return max(1, -(-main // segment_elements(nbytes // 4, 4, L, topo.source == "override")))
+        return max(1, -(-main // segment_elements(nbytes // 4, 4, L, P // L, topo.source == "override")))
 
     rows = compare_across(records, P, L, node, net, segments)
     print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "

@@ -104,35 +104,44 @@ def _hierarchical(N: float, P: int, L: int, c: Costing) -> float:
 # "Pipelined hierarchical"): 1 MiB segments took 16 MiB from 1.37x
 # MPI_Allreduce's time to 1.01x; at 64 MiB 2 MiB segments did better than 1 MiB
 # (1.03x against 1.19x, two runs alike): about 32 segments, none under 1 MiB.
+# A segment's network stage is L rings over the M nodes, 2(M-1) steps of
+# segment / (L·M) bytes each: the latencies it pays per byte grow with L·M.
+# So the floor is per ring step, MIN_STEP_BYTES (the 256 KiB steps of those
+# 1 MiB segments at 2 x 2), and a segment at least MIN_STEP_BYTES·L·M: 1 MiB
+# at 2 x 2 as measured, 64 MiB at 8 x 32, where 1 MiB segments would send
+# 4 KiB messages and pay 62 latencies each.
 # On nodes simulated on one host (--ranks-per-node) every step competes for the
 # same cores and pipelining cost 13-26%, so there it is off unless asked for.
-MIN_SEGMENT_BYTES = 1 << 20
+MIN_STEP_BYTES = 256 << 10
 SEGMENTS = 32
 
 
-def default_segment_bytes(nbytes: int) -> int:
+def default_segment_bytes(nbytes: int, ranks_per_node: int, nodes: int) -> int:
     """The pipelined path's segment for a buffer of ``nbytes`` across real
-    nodes: ``nbytes / SEGMENTS``, at least ``MIN_SEGMENT_BYTES``."""
-    return max(MIN_SEGMENT_BYTES, nbytes // SEGMENTS)
+    nodes: ``nbytes / SEGMENTS``, at least ``MIN_STEP_BYTES`` per ring step
+    across the nodes (``MIN_STEP_BYTES · ranks_per_node · nodes``)."""
+    return max(MIN_STEP_BYTES * ranks_per_node * nodes, nbytes // SEGMENTS)
 
 
-def segment_elements(count: int, itemsize: int, L: int, simulated: bool, segment_bytes: int | None = None) -> int:
+def segment_elements(count: int, itemsize: int, L: int, M: int, simulated: bool,
+                     segment_bytes: int | None = None) -> int:
     """Elements per segment of the uniform path for ``count`` elements on
-    nodes of ``L`` ranks (a multiple of L); the whole main part, count // L
-    * L, when not pipelined. ``segment_bytes``: as :func:`hierarchical_allreduce`
-    takes it (None: the default, off on ``simulated`` nodes)."""
+    ``M`` nodes of ``L`` ranks (a multiple of L); the whole main part, count
+    // L * L, when not pipelined. ``segment_bytes``: as
+    :func:`hierarchical_allreduce` takes it (None: the default, off on
+    ``simulated`` nodes)."""
     if segment_bytes is None:  # across hosts the network step waits on a link; on simulated nodes on the CPU
-        segment_bytes = 0 if simulated else default_segment_bytes(count * itemsize)
+        segment_bytes = 0 if simulated else default_segment_bytes(count * itemsize, L, M)
     return count // L * L if not segment_bytes else max(L, segment_bytes // itemsize // L * L)
 
 
-def hierarchical_segments(nbytes: float, L: int, itemsize: int = 4) -> int:
-    """The segments hierarchical pipelines ``nbytes`` in across real nodes of
-    ``L`` ranks, by default (1: one piece, too small to pipeline): the
-    node-divisible main part cut as :func:`segment_elements` cuts it."""
+def hierarchical_segments(nbytes: float, L: int, M: int, itemsize: int = 4) -> int:
+    """The segments hierarchical pipelines ``nbytes`` in across ``M`` real
+    nodes of ``L`` ranks, by default (1: one piece, too small to pipeline):
+    the node-divisible main part cut as :func:`segment_elements` cuts it."""
     count = int(nbytes) // itemsize
     main = count // L * L
-    per = segment_elements(count, itemsize, L, False)
+    per = segment_elements(count, itemsize, L, M, False)
     return -(-main // per) if main > per else 1
 
 

@@ -14,8 +14,10 @@ Steps, for N bytes on nodes of L ranks each (``hpcjobs.topology.detect``):
 4. The count % L elements left over: reduce to local rank 0, allreduce among
    the local-rank-0 ranks, broadcast inside the node.
 
-With ``segment_bytes`` (by default 1/32 of the buffer, at least 1 MiB,
-across real nodes; off on nodes simulated on one host) the uniform path runs in segments, pipelined: the
+With ``segment_bytes`` (by default 1/32 of the buffer, at least 256 KiB
+per ring step across the nodes: 256 KiB x ranks per node x nodes; across
+real nodes; off on nodes simulated on one host) the uniform path runs in
+segments, pipelined: the
 network stage (2) of segment k runs in a thread of its own while this
 thread does the node stages of segments k+1 (1) and k-1 (3), so the
 transfer across nodes overlaps the work inside them. Every rank of a node
@@ -90,7 +92,8 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
         _through_leaders(flat, op, topo, inter_step, size)
         return
     main = flat.count // L * L
-    per = segment_elements(flat.count, flat.itemsize, L, topo.source == "override", segment_bytes)
+    per = segment_elements(flat.count, flat.itemsize, L, topo.num_nodes, topo.source == "override",
+                           segment_bytes)
     if main > per and _threads_everywhere(comm):
         _pipelined(flat.slice(0, main), op, topo, inter_step, intra, per, size)
     elif main:
@@ -131,7 +134,7 @@ def _threads_everywhere(comm: MPI.Intracomm) -> bool:
         comm.Set_attr(_THREADS_KEYVAL, ok)
     return ok
 
-# The segments across real nodes (MIN_SEGMENT_BYTES, SEGMENTS, default_segment_bytes,
+# The segments across real nodes (MIN_STEP_BYTES, SEGMENTS, default_segment_bytes,
 # segment_elements) live in costs.py, which the planner reads without MPI.
 
 
@@ -261,7 +264,8 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
             ``MPI_THREAD_MULTIPLE``; without it, or for a buffer of one
             segment, the stages run one after the other). 0: not
             pipelined. None (default): :func:`default_segment_bytes` on
-            real nodes (1/32 of the buffer, at least 1 MiB), not pipelined
+            real nodes (1/32 of the buffer, at least 256 KiB x ranks per
+            node x nodes: 1 MiB on 2 nodes of 2), not pipelined
             on nodes simulated with ``ranks_per_node``.
 
     Returns:
