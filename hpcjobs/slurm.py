@@ -223,7 +223,8 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
         # --kill-on-bad-exit: a rank that exits non-zero ends the step, as mpirun does. Without it a rank that
         # failed before MPI started (bad input on one node) left the others in MPI_Init until the time limit.
         cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", "--kill-on-bad-exit=1",
-               *([f"--cpus-per-task={cpus}"] if cpus else []), *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")), *hpcjobs]
+               *([f"--cpus-per-task={cpus}"] if cpus else []), *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")),
+               *hpcjobs]
     elif launcher == "mpirun":
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         mapping = ["--map-by", f"ppr:{per_node}:node"] if per_node.isdigit() else []

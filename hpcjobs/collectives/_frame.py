@@ -61,7 +61,7 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     Returns:
         ``buf``, reduced in place.
     """
-    token = enter(name)  # the stall watchdog's registration (not a `with guard`: cheaper, on every call)
+    token = enter(name, comm)  # the stall watchdog's registration (not a `with guard`: cheaper, on every call)
     try:
         if not _agreement._enabled and type(buf) is np.ndarray:
             # Checks off, a numpy array: nothing to agree on, and a bad buffer

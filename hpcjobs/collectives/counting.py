@@ -87,7 +87,7 @@ def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.I
     Args:
         comm: intracommunicator; None for COMM_WORLD.
     """
-    with guard("counted_allreduce"):
+    with guard("counted_allreduce", comm):
         flat, comm = prepare(buf, op, comm, "counted_allreduce", algorithm=algorithm)
         return send_counted(flat, op, algorithm, comm)
 

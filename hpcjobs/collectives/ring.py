@@ -249,7 +249,7 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
     parts = list(parts)
     if comm.Get_size() == 1:
         return [[np.array(p, copy=True).reshape(-1) for p in parts]]
-    with guard("ring_allgatherv"):
+    with guard("ring_allgatherv", comm):
         # lengths may differ; the number of arrays and their dtypes may not
         agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
                                                  "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})

@@ -90,8 +90,8 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
 
 _timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
 _warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))  # before the abort
-_inflight: dict[int, tuple[str, int, float]] = {}  # thread id -> (collective, call number, start)
-_last: tuple[str, int, float] | None = None  # the collective entered last, in flight or not
+_inflight: dict[int, tuple] = {}  # thread id -> (collective, call number, start, communicator or None: world)
+_last: tuple | None = None  # the collective entered last, in flight or not
 _calls = itertools.count(1)
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -171,7 +171,7 @@ def _where() -> tuple:
     now = time.monotonic()
     inflight = list(_inflight.values())
     if inflight:
-        what, call, t0 = min(inflight, key=lambda e: e[2])
+        what, call, t0, _ = min(inflight, key=lambda e: e[2])
         return ("in", what, call, now - t0)
     if _last is not None:
         return ("last", _last[0], _last[1])
@@ -217,8 +217,27 @@ def _describe(state: tuple | None) -> str:
     return "in no hpcjobs collective; it has not entered one yet"
 
 
-def _report(what: str, call: int, rank: int) -> str:
-    """The timeout message, with every rank's answer where the watchdog is attached."""
+def _members(comm) -> list[int] | None:
+    """The COMM_WORLD ranks of ``comm`` (None: all of them, or where they
+    cannot be told)."""
+    if comm is None:
+        return None
+    try:
+        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
+        finally:
+            group.Free()
+            world.Free()
+    except MPI.Exception:
+        return None
+    return None if MPI.UNDEFINED in ranks else sorted(ranks)
+
+
+def _report(what: str, call: int, rank: int, comm=None) -> str:
+    """The timeout message, with every rank's answer where the watchdog is
+    attached; on a communicator of some ranks only, the others are listed
+    as outside it, not as missing from the collective."""
     head = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s"
     with _mpi_lock:
         if _reports is None:
@@ -229,10 +248,13 @@ def _report(what: str, call: int, rank: int) -> str:
         except MPI.Exception as e:
             return head + f" (could not ask the other ranks: {e}); aborting the job"
     states = [answers.get(r) for r in range(size)]
-    missing = [r for r, s in enumerate(states) if not (s and s[0] == "in" and s[1] == what)]
-    lines = [head + (f"; ranks not in {what}: {', '.join(map(str, missing))}" if missing else "")
+    members = _members(comm) or list(range(size))
+    missing = [r for r in members if not (states[r] and states[r][0] == "in" and states[r][1] == what)]
+    outside = "" if len(members) == size else f" (its communicator: ranks {', '.join(map(str, members))})"
+    lines = [head + outside + (f"; ranks not in {what}: {', '.join(map(str, missing))}" if missing else "")
              + "; aborting the job"]
-    lines += [f"  rank {r}: {_describe(s)}" for r, s in enumerate(states)]
+    lines += [f"  rank {r}: {_describe(s)}" + ("" if r in members else " (outside the communicator)")
+              for r, s in enumerate(states)]
     return "\n".join(lines)
 
 
@@ -300,12 +322,12 @@ def _watch() -> None:
         if not _timeout:
             continue
         now = time.monotonic()
-        for tid, (what, call, t0) in list(_inflight.items()):
+        for tid, (what, call, t0, comm) in list(_inflight.items()):
             waited = now - t0
             if waited > _timeout:
                 alive = _guardian is not None and _guardian.poll() is None
                 reaper = _guardian if alive else _start_reaper()
-                report = _report(what, call, rank)
+                report = _report(what, call, rank, comm)
                 print(report, file=sys.stderr, flush=True)
                 _tell_reaper(reaper, report)
                 MPI.COMM_WORLD.Abort(124)
@@ -317,9 +339,9 @@ def _watch() -> None:
                       flush=True)
 
 
-def enter(what: str):
-    """Register the calling thread as in the collective ``what``; returns the
-    token :func:`leave` takes. The frame of every collective calls the pair
+def enter(what: str, comm=None):
+    """Register the calling thread as in the collective ``what`` on ``comm``
+    (None: COMM_WORLD); returns the token :func:`leave` takes. The frame of every collective calls the pair
     (cheaper than :class:`guard` on small messages, where every call's
     bookkeeping counts)."""
     global _last
@@ -329,7 +351,7 @@ def enter(what: str):
         _start()
     tid = _get_ident()
     outer = _inflight.get(tid)  # a collective built on another one
-    _inflight[tid] = _last = (what, next(_calls), _monotonic())
+    _inflight[tid] = _last = (what, next(_calls), _monotonic(), comm)
     return outer
 
 
@@ -346,16 +368,16 @@ _get_ident, _monotonic = threading.get_ident, time.monotonic
 
 
 class guard:
-    """``with guard("ring_allreduce"):`` -- the collective inside is watched
-    (:func:`enter` and :func:`leave` as a context manager)."""
+    """``with guard("ring_allreduce", comm):`` -- the collective inside is
+    watched (:func:`enter` and :func:`leave` as a context manager)."""
 
-    __slots__ = ("what", "token")
+    __slots__ = ("what", "comm", "token")
 
-    def __init__(self, what: str):
-        self.what = what
+    def __init__(self, what: str, comm=None):
+        self.what, self.comm = what, comm
 
     def __enter__(self):
-        self.token = enter(self.what)
+        self.token = enter(self.what, self.comm)
         return self
 
     def __exit__(self, *exc):

@@ -81,7 +81,7 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
         ``(average, sent_bytes)``: the decompressed average (a new tensor,
         bitwise the same on every rank) and the bytes this rank sent.
     """
-    with guard("compressed_allreduce"):
+    with guard("compressed_allreduce", comm):
         return _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step)
 
 

@@ -86,6 +86,36 @@ def test_a_rank_in_another_collective_or_holding_the_gil_is_named():
     assert re.search(r"rank 2: waiting \d+ s in ring_allreduce \(call #2\)", out.stderr)
 
 
+
+def test_on_a_communicator_of_some_ranks_the_others_are_not_called_missing():
+    """Ranks 0 and 1 reduce on a communicator of their own, and rank 1 never
+    comes; ranks 2 and 3, done with theirs, are outside it: the report names
+    rank 1 alone as missing (it named 1, 2, 3) and marks 2 and 3 as outside."""
+    out, elapsed = _run("""
+        import time
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        world = MPI.COMM_WORLD
+        pair = world.Split(world.rank // 2)
+        x = np.ones(1000)
+        ready()
+        allreduce(x, algorithm="ring")    # the first on COMM_WORLD attaches the watchdog's queries
+        allreduce(x, algorithm="ring", comm=pair)
+        if world.rank != 0:
+            time.sleep(600)               # rank 1 never comes to its second; 2 and 3 are done
+        allreduce(x, algorithm="ring", comm=pair)
+    """, n=4)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert re.search(r"rank 0: ring_allreduce \(call #\d+\) did not complete within 3 s \(its communicator: ranks 0, "
+                     r"1\); ranks not in ring_allreduce: 1; aborting the job", out.stderr), out.stderr[-3000:]
+    assert re.search(r"rank 0: waiting \d+ s in ring_allreduce \(call #\d+\)\n", out.stderr)
+    for r in (2, 3):
+        assert re.search(rf"rank {r}: in no hpcjobs collective; the last it entered was ring_allreduce \(call #\d+\) "
+                         r"\(outside the communicator\)", out.stderr), out.stderr[-3000:]
+
+
 def test_a_rank_killed_mid_allreduce_ends_the_job():
     out, elapsed = _run("""
         import os, signal, threading
