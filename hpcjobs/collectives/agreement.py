@@ -77,7 +77,12 @@ def checks_enabled() -> bool:
 
 @contextlib.contextmanager
 def checking(enabled: bool):
-    """``with checking(False): ...``: checks off (or on) inside the block."""
+    """``with checking(False): ...``: checks off (or on) inside the block.
+    Process-wide, as :func:`set_checks`: collectives other threads start
+    meanwhile (a torch.distributed or Horovod worker's) run so too, so use it
+    where every rank's threads are in step, not around one thread's calls
+    while another's run (a rank checking a call another rank does not would
+    leave them waiting on each other)."""
     global _enabled
     before, _enabled = _enabled, bool(enabled)
     try:
