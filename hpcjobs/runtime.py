@@ -8,12 +8,14 @@ session folders before any MPI starts (``python -m hpcjobs.runtime``).
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
+from fractions import Fraction
 from pathlib import Path
 
-__all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "set_threads",
+__all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "cpu_share", "set_threads",
            "clear_stale_mpi_sessions"]
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -109,9 +111,11 @@ def _own_cpus() -> list[int]:
 
 
 def cores_per_rank(comm) -> int:
-    """Cores this rank may use: the CPUs that the ranks of ``comm`` on this
-    machine may run on (their affinities together: a launcher's binding, a
-    container's cpuset), shared among those ranks, and no more than its own.
+    """Cores this rank may use: its share of the CPUs it may run on, each CPU
+    divided among the ranks of ``comm`` on this machine that may run on it
+    (their affinities: a launcher's binding, a container's cpuset) --
+    :func:`cpu_share`. Unbound ranks divide the machine's CPUs; ranks bound
+    to cores of their own get those.
     Ranks are on the same machine when they run on the same kernel, so hosts
     emulated in namespaces, or containers, that share one machine's cores share
     them here too; where the kernel's boot id cannot be read, MPI's
@@ -124,8 +128,21 @@ def cores_per_rank(comm) -> int:
     node.Free()
     machine = _kernel_id() or f"shared-memory node of rank {leader}"
     together = [cpus_ for key, cpus_ in comm.allgather((machine, mine)) if key == machine]
-    usable = len(set().union(*together))
-    return max(1, min(len(mine), usable // len(together)))
+    return cpu_share(mine, together)
+
+
+def cpu_share(mine, together) -> int:
+    """Threads for a rank allowed on CPUs ``mine``, beside ranks allowed on
+    ``together`` (each one's CPUs, this rank's among them): the sum over its
+    CPUs of 1 / the ranks allowed on each, rounded down, at least 1. Ranks on
+    {0, 1}, {0, 1} and {2, ..., 7} get 1, 1 and 6 (an even split of the 8,
+    2 each, would have put 4 threads on cores 0 and 1 and left 4 idle)."""
+    sharing: dict[int, int] = {}
+    for cpus_ in together:
+        for c in cpus_:
+            sharing[c] = sharing.get(c, 0) + 1
+    share = sum(Fraction(1, sharing[c]) for c in mine)
+    return max(1, math.floor(share))
 
 
 def set_threads(threads: int | None, comm) -> int:

@@ -58,6 +58,18 @@ def test_set_threads_alone_takes_the_process_cores_and_flushes():
     assert float(tiny) == 0.0
 
 
+@pytest.mark.parametrize("mine,together,want", [
+    ({0, 1}, [{0, 1}, {0, 1}, set(range(2, 8))], 1),   # two ranks on cores 0-1, one bound to the other 6
+    (set(range(2, 8)), [{0, 1}, {0, 1}, set(range(2, 8))], 6),
+    (set(range(8)), [set(range(8))] * 3, 2),           # unbound: 8/3, rounded down
+    (set(range(8)), [set(range(8)), {0}, {1}], 7),      # 6 cores alone, 2 halves
+    ({0}, [{0}] * 4, 1),                                # at least one
+    ({3}, [{0}, {1}, {2}, {3}], 1),                    # bound one to a core: that core
+])
+def test_cpu_share_divides_each_cpu_among_the_ranks_allowed_on_it(mine, together, want):
+    assert runtime.cpu_share(mine, together) == want
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("machine_by", ["boot id", "shared-memory node"])
 def test_cores_per_rank_divides_the_machines_cpus_among_its_ranks(monkeypatch, machine_by):
