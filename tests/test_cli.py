@@ -1,5 +1,6 @@
 """The command line as a user runs it: real mpirun, real exit codes."""
 
+import hashlib
 import json
 import re
 
@@ -7,6 +8,7 @@ import pytest
 
 from launch import hpcjobs as _hpcjobs, mpirun as _mpirun
 from hpcjobs.collectives import ALGORITHMS
+from hpcjobs.collectives.auto import DEFAULT_TABLE
 
 
 def test_help_lists_the_commands():
@@ -130,14 +132,21 @@ def test_expected_world_size_mismatch_aborts_the_job():
     assert "MPI world size is 2 but HPCJOBS_EXPECT_WORLD_SIZE=5" in out.stderr
 
 
-def test_info_names_every_rank():
-    out = _mpirun(3, "info", "--all-ranks")
+def test_info_names_every_rank(tmp_path):
+    out = _mpirun(3, "info", "--all-ranks", env={"HPCJOBS_TUNING": ""})
     assert out.returncode == 0, out.stderr
     assert "ranks: 3" in out.stdout
     assert [l.split()[:4] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
         ["rank", str(r), "of", "3"] for r in range(3)]
-    # auto's tuning table, which must be the same on every rank
+    # auto's tuning table, which must be the same on every rank: built in, or the file and what it holds
     assert [l.rsplit(", ", 1)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == ["tuning built in"] * 3
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps(DEFAULT_TABLE))
+    out = _mpirun(2, "info", "--all-ranks", env={"HPCJOBS_TUNING": str(table)})
+    assert out.returncode == 0, out.stderr
+    digest = hashlib.sha256(table.read_bytes()).hexdigest()[:12]
+    assert [l.rsplit(", ", 1)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
+        f"tuning {table} (sha256 {digest})"] * 2
 
 
 def test_bench_report_with_gloo_and_bad_baselines(tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 
 def configure(p) -> None:
@@ -22,12 +24,24 @@ def run(args) -> int:
     for line in _gpu_lines():
         print0(line)
     cores = cores_per_rank(comm)  # collective: every rank, --all-ranks or not
-    tuning = os.environ.get("HPCJOBS_TUNING") or "built in"  # auto's table: the same everywhere, or auto refuses
     lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}, "
-                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads), tuning {tuning}", root=0)
+                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads), tuning {_tuning()}", root=0)
     if args.all_ranks and comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)
     return 0
+
+
+def _tuning() -> str:
+    """auto's table on this rank, which must be the same on every rank (auto
+    refuses otherwise): built in, or HPCJOBS_TUNING's path and a digest of
+    what it holds here (one path may hold different files on different hosts)."""
+    path = os.environ.get("HPCJOBS_TUNING")
+    if not path:
+        return "built in"
+    try:
+        return f"{path} (sha256 {hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]})"
+    except OSError as e:
+        return f"{path} (unreadable here: {e.strerror})"
 
 
 def _gpu_lines() -> list[str]:

@@ -89,7 +89,9 @@ _tuning_path: str | None = None
 
 def set_tuning(path: str | None) -> None:
     """Use this tuning file for ``auto`` from now on (None: ``HPCJOBS_TUNING``
-    or the built-in default). Clears cached decisions (:func:`remeasure`)."""
+    or the built-in default). Clears cached decisions (:func:`remeasure`),
+    so, as that, call it on every rank, between collectives; the next call
+    at each size checks that the ranks' tables agree there."""
     global _tuning_path
     _tuning_path = path
     load_tuning.cache_clear()
@@ -249,30 +251,37 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     topo = decisions.get("topology")
     if topo is None:  # the layout, read once per communicator (and set_tuning)
         topo = decisions["topology"] = detect_private(comm)
-    names = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes,
-                       simulated=topo.source == "override")
+    single = is_single_node(comm)  # (collective the first time: before anything that may raise on one rank)
+    try:
+        names, error = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes,
+                                  simulated=topo.source == "override"), None
+    except (OSError, ValueError) as e:  # this rank's table unreadable (set_tuning's file, missing here)
+        names, error = [], f"{type(e).__name__}: {e}"
     # One simulated node may still span hosts: shm needs real shared memory.
-    names = list(dict.fromkeys(_placed(n, is_single_node(comm)) for n in names))
+    names = list(dict.fromkeys(_placed(n, single) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
-    _agree_on(names, flat, comm)
+    _agree_on(names, error, flat, comm)
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)
     return timing
 
 
-def _agree_on(names: list[str], flat: Flat, comm: MPI.Intracomm) -> None:
-    """Raise on every rank where the ranks' tuning tables give them
-    different candidates at this size (a table on some hosts only, or
-    another one there): each would run its own algorithm, and the job would
-    hang or, where their messages happen to match, reduce wrongly. Once
-    per size on a communicator, whatever the agreement checks are set to."""
-    everyone = comm.allgather(names)
-    if all(theirs == names for theirs in everyone):
+def _agree_on(names: list[str], error: str | None, flat: Flat, comm: MPI.Intracomm) -> None:
+    """Raise on every rank where a rank could not read its tuning table
+    (``error``) or the ranks' tables give them different candidates at this
+    size (a table on some hosts only, or another one there): each would run
+    its own algorithm, and the job would hang or, where their messages
+    happen to match, reduce wrongly. Once per size on a communicator,
+    whatever the agreement checks are set to."""
+    everyone = comm.allgather((names, error))
+    if all(theirs == (names, None) for theirs in everyone):
         return
     seen: dict[str, list[int]] = {}
-    for r, theirs in enumerate(everyone):
-        seen.setdefault(", ".join(theirs), []).append(r)
-    raise ValueError(f"auto at {flat.nbytes} bytes: the ranks' tuning tables give different algorithms -- "
+    for r, (theirs, err) in enumerate(everyone):
+        seen.setdefault(err or ", ".join(theirs), []).append(r)
+    raise ValueError(f"auto at {flat.nbytes} bytes: the ranks' tuning tables "
+                     + ("could not be read or give different algorithms" if any(e for _, e in everyone)
+                        else "give different algorithms") + " -- "
                      + "; ".join(f"{ranks_text(rs)}: {v}" for v, rs in seen.items())
                      + " -- give every rank the same table (HPCJOBS_TUNING or set_tuning; `hpcjobs info "
                        "--all-ranks` names each rank's)")

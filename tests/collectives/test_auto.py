@@ -147,6 +147,14 @@ def test_tuning_tables_that_differ_across_ranks_are_refused_on_every_rank(tmp_pa
         big = np.full(1000, rank + 1.0)
         allreduce(big, "sum", "auto", comm)
         assert (big == comm.Get_size() * (comm.Get_size() + 1) / 2).all()
+        # A table missing on one rank (the library's set_tuning, which the CLI's start-up check does not see):
+        # every rank raises, naming that rank's error, where that rank alone raised and the others waited
+        set_tuning(str(path if rank else path.parent / "missing.json"))
+        with pytest.raises(ValueError) as e:
+            allreduce(big, "sum", "auto", comm)
+        assert str(e.value).startswith("auto at 8000 bytes: the ranks' tuning tables could not be read or give "
+                                       "different algorithms -- rank 0: ValueError: "), str(e.value)
+        assert f"; {others}: recursive_doubling -- give every rank the same table" in str(e.value)
     finally:
         set_tuning(None)
         comm.Free()
