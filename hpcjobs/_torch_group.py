@@ -85,13 +85,12 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
                 return
             self._run(*item)
 
-    @staticmethod
-    def _run(fn, fut: Future, result, what: str) -> None:
+    def _run(self, fn, fut: Future, result, what: str) -> None:
         try:
             # watched as a whole, the agreement check and any MPI call
             # included: a rank that never arrives ends the job at
             # HPCJOBS_TIMEOUT instead of leaving the others blocked in MPI
-            with guard(what):
+            with guard(what, self._comm):
                 fn()
         except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
             fut.set_exception(e)

@@ -91,7 +91,7 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
 _timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
 _warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))  # before the abort
 _inflight: dict[int, tuple] = {}  # thread id -> (collective, call number, start, communicator or None: world)
-_last: tuple | None = None  # the collective entered last, in flight or not
+_last: tuple | None = None  # (collective, call number) entered last, in flight or not
 _calls = itertools.count(1)
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -229,7 +229,7 @@ def _members(comm) -> list[int] | None:
         finally:
             group.Free()
             world.Free()
-    except MPI.Exception:
+    except Exception:  # noqa: BLE001 -- the report goes on without: the job must still end
         return None
     return None if MPI.UNDEFINED in ranks else sorted(ranks)
 
@@ -247,8 +247,8 @@ def _report(what: str, call: int, rank: int, comm=None) -> str:
             answers = _ask_everyone(rank)
         except MPI.Exception as e:
             return head + f" (could not ask the other ranks: {e}); aborting the job"
+        members = _members(comm) or list(range(size))  # MPI calls too: under the lock, as _stop expects
     states = [answers.get(r) for r in range(size)]
-    members = _members(comm) or list(range(size))
     missing = [r for r in members if not (states[r] and states[r][0] == "in" and states[r][1] == what)]
     outside = "" if len(members) == size else f" (its communicator: ranks {', '.join(map(str, members))})"
     lines = [head + outside + (f"; ranks not in {what}: {', '.join(map(str, missing))}" if missing else "")
@@ -351,7 +351,8 @@ def enter(what: str, comm=None):
         _start()
     tid = _get_ident()
     outer = _inflight.get(tid)  # a collective built on another one
-    _inflight[tid] = _last = (what, next(_calls), _monotonic(), comm)
+    _inflight[tid] = entry = (what, next(_calls), _monotonic(), comm)
+    _last = entry[:2]  # (the communicator only while in flight)
     return outer
 
 

@@ -34,6 +34,7 @@ byte-moving collectives copy CUDA tensors to the host and back.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import numpy as np
@@ -49,12 +50,14 @@ __all__ = ["allreduce", "allgather", "broadcast", "alltoall", "alltoall_counts",
 
 
 def _watched(fn):
-    """Run ``fn`` under the stall watchdog as ``hvd.<name>``."""
+    """Run ``fn`` under the stall watchdog as ``hvd.<name>``, on its ``comm``
+    (the process set's communicator)."""
     what = f"hvd.{fn.__name__}"
+    at = list(inspect.signature(fn).parameters).index("comm")
 
     @functools.wraps(fn)
     def watched(*args, **kwargs):
-        with guard(what):
+        with guard(what, args[at] if len(args) > at else kwargs.get("comm")):
             return fn(*args, **kwargs)
 
     return watched
