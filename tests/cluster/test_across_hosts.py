@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -180,6 +181,43 @@ def test_a_host_cut_mid_allreduce_ends_the_job_and_names_its_ranks(emulated_clus
     again = emulated_cluster.mpirun("h1:1,h2:1,h3:1", 3, "hpcjobs", "info", "--all-ranks")
     _ok(again)
     assert "rank 1 of 3 on h2" in again.stdout
+
+
+
+CONNECT = """
+import socket
+try:
+    socket.create_connection(("198.18.0.1", 9), timeout=1)
+except OSError as e:
+    print("connect:", e)
+"""
+
+
+def _unresolved(host: str, address: str | None = None) -> list[str]:
+    """``host``'s neighbour entries still resolving or failed (for ``address`` only, if given)."""
+    out = subprocess.run(["ip", "-n", f"emu-{host}", "neigh", "show"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if re.search(r"\b(INCOMPLETE|FAILED)\b", line)
+            and (address is None or line.startswith(address + " "))]
+
+
+def test_heal_forgets_the_addresses_the_cut_left_unresolved(emulated_cluster):
+    """A connect from the cut host leaves its entry for h1 resolving with its
+    probes spent, which failed the first connect after the heal (a new job's
+    daemon calling mpirun back, about 1 heal in 4). Healed, no host holds
+    such an entry for or on h2, and h2 reaches h1 at once."""
+    assert emulated_cluster.wait_no_processes("h2", "", 30) == []  # nothing else on h2 sends meanwhile
+    emulated_cluster.cut("h2")
+    try:
+        tried = subprocess.run([*emulated_cluster.exec_prefix("h2"), sys.executable, "-c", CONNECT],
+                               capture_output=True, text=True, timeout=60)
+        assert "connect:" in tried.stdout, tried.stdout + tried.stderr  # it could not: the link is down
+        assert _unresolved("h2"), "the cut left nothing unresolved: the test shows nothing"
+    finally:
+        emulated_cluster.heal("h2")
+    assert _unresolved("h2") == [] and _unresolved("h1", "198.18.0.2") == [] and _unresolved("h3", "198.18.0.2") == []
+    again = subprocess.run([*emulated_cluster.exec_prefix("h2"), sys.executable, "-c", CONNECT], capture_output=True,
+                           text=True, timeout=60)
+    assert "Connection refused" in again.stdout, again.stdout + again.stderr  # h1 answered (no one listens on 9)
 
 
 def test_a_rank_killed_on_a_remote_host_ends_the_job(emulated_cluster, tmp_path):
