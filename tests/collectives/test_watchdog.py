@@ -89,7 +89,7 @@ def test_a_rank_in_another_collective_or_holding_the_gil_is_named():
 
 def test_on_a_communicator_of_some_ranks_the_others_are_not_called_missing():
     """Ranks 0 and 1 reduce on a communicator of their own, and rank 1 never
-    comes; ranks 2 and 3, done with theirs, are outside it: the report names
+    comes; ranks 2 and 3, which wait after theirs, are outside it: the report names
     rank 1 alone as missing (it named 1, 2, 3) and marks 2 and 3 as outside."""
     out, elapsed = _run("""
         import time
@@ -103,7 +103,7 @@ def test_on_a_communicator_of_some_ranks_the_others_are_not_called_missing():
         allreduce(x, algorithm="ring")    # the first on COMM_WORLD attaches the watchdog's queries
         allreduce(x, algorithm="ring", comm=pair)
         if world.rank != 0:
-            time.sleep(600)               # rank 1 never comes to its second; 2 and 3 are done
+            time.sleep(600)               # rank 1 never comes to its second; 2 and 3 wait outside the pair
         allreduce(x, algorithm="ring", comm=pair)
     """, n=4)
     assert out.returncode != 0
