@@ -46,7 +46,8 @@ def configure(p) -> None:
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
                    help="ring_pipelined and hierarchical segment size(s): one row each, e.g. hierarchical/1M; "
                         "0 is hierarchical not pipelined (default: ring_pipelined's own 1M; hierarchical 1/32 of the "
-                        "buffer, at least 1M, across hosts, not pipelined on nodes simulated with --ranks-per-node)")
+                        "buffer, at least 256K per ring step across the nodes (256K x ranks per node x nodes), "
+                        "across hosts, not pipelined on nodes simulated with --ranks-per-node)")
     p.add_argument("--no-wire", dest="wire", action="store_false",
                    help="across hosts, skip the untimed pass per row that counts the bytes each host's network "
                         "interfaces sent per call (/proc/net/dev) and prints them beside the algorithm's uplink "

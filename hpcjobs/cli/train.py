@@ -149,7 +149,8 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--average-momentum", action="store_true",
                    help="local: average the momentum buffers with the parameters (twice the bytes)")
     g.add_argument("--elastic-alpha", type=positive_float, metavar="A",
-                   help="easgd: moving rate, in (0, 1) (default 0.9 / ranks)")
+                   help="easgd: moving rate, in (0, 1) (default 0.9 / workers: the ranks, less the servers with "
+                        "--easgd-form async)")
     g.add_argument("--easgd-form", choices=EASGD_FORMS,
                    help="easgd: sync (every rank holds the center; default) or async (the first --servers ranks "
                         "hold it, each worker meets it every H steps without waiting for the others)")
