@@ -141,11 +141,16 @@ def applicable(shared_memory: bool, nodes: int) -> tuple[list[str], list[str]]:
     row's contender slot to a copy of the ring (in one tune here it took the
     last row's fourth slot from the pipelined ring, the best message-passing
     algorithm at 64 MB in every run). shm needs every rank on one shared-memory
-    node."""
+    node; across nodes, simulated ones on one host too, ``auto`` runs
+    hierarchical and recursive doubling in place of shm and oneshot, so a
+    table that named them there would record winners it never runs."""
     names, left_out = [], []
     for name in ALGORITHMS:
         if name in SHARED_MEMORY and not shared_memory:
             left_out.append(f"{name}: the ranks do not share one node's memory")
+        elif name in SHARED_MEMORY and nodes > 1:
+            left_out.append(f"{name}: across nodes (simulated ones too) auto runs hierarchical or "
+                            "recursive_doubling in its place")
         elif name == "hierarchical" and nodes == 1:
             left_out.append("hierarchical: on one node it is its intra-node stage, the ring")
         else:

@@ -85,7 +85,7 @@ def test_several_passes_rank_by_median_and_pool_nearby_winners():
 
 @pytest.mark.parametrize("shared_memory,nodes,out", [
     (True, 1, {"hierarchical"}),  # one node: hierarchical is the ring
-    (True, 2, set()),             # simulated nodes on one host: both apply
+    (True, 2, {"shm", "oneshot"}),  # simulated nodes on one host: auto runs others in their place there
     (False, 2, {"shm", "oneshot"}),  # real nodes: no shared memory across them
     (False, 1, {"shm", "oneshot", "hierarchical"}),
 ])
