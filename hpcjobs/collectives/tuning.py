@@ -69,6 +69,11 @@ def load_tuning(path: str | None) -> dict:
         # every field the lookups read, checked here: a hand-edited table failed later, inside a collective
         if not isinstance(t, dict) or not isinstance(t.get("ranks"), int) or not isinstance(t.get("nodes"), int):
             raise ValueError(f"tuning table {path}: each table needs integer 'ranks' and 'nodes'")
+        layout = t.get("local_sizes")
+        if layout is not None and not (isinstance(layout, list) and all(isinstance(n, int) for n in layout)):
+            raise ValueError(f"tuning table {path}: 'local_sizes' must be a list of integers, got {layout!r}")
+        if "layout" in t and not isinstance(t["layout"], str):
+            raise ValueError(f"tuning table {path}: 'layout' must be a string, got {t['layout']!r}")
         rows = t.get("rows")
         if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"tuning table {path}: each table needs 'rows'")
@@ -82,6 +87,9 @@ def load_tuning(path: str | None) -> dict:
             candidates = row.get("candidates", [])
             if not isinstance(candidates, list):
                 raise ValueError(f"tuning table {path}: 'candidates' must be a list, got {candidates!r}")
+            measured = row.get("measured", [])
+            if not isinstance(measured, list) or not all(isinstance(m, dict) for m in measured):
+                raise ValueError(f"tuning table {path}: 'measured' must be a list of objects, got {measured!r}")
             for name in [row.get("algorithm"), *candidates]:
                 if name not in ALGORITHMS:
                     raise ValueError(f"tuning table {path}: unknown algorithm {name!r}")

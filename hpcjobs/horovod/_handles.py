@@ -44,7 +44,7 @@ from collections.abc import Callable
 from ..collectives.agreement import MismatchError
 from ..collectives.watchdog import guard
 from ._controller import ControllerError, Request
-from ._process_sets import comm_of, members, resolve
+from ._process_sets import resolve, watched_comm
 from ._state import HorovodInternalError, world
 
 __all__ = ["submit", "run", "poll", "synchronize", "clear", "restart_unnamed", "HorovodMismatchError"]
@@ -153,7 +153,7 @@ def synchronize(handle: int):
     if request is None:
         return None
     try:
-        with guard(f"hvd.synchronize({request.key})", members(request.set_id) and comm_of(request.set_id)):
+        with guard(f"hvd.synchronize({request.key})", watched_comm(request.set_id)):
             future = request.future
             return future.result() if future.done() else world().controller.wait(future)
     except ControllerError as e:

@@ -128,6 +128,13 @@ def comm_of(set_id: int) -> MPI.Intracomm:
     return _sets[set_id].comm
 
 
+def watched_comm(set_id: int) -> MPI.Intracomm | None:
+    """The communicator a stall on set ``set_id`` is reported on: its own,
+    or None (COMM_WORLD) where the set is gone or this rank is not in it."""
+    entry = _sets.get(set_id)
+    return None if entry is None else entry.comm
+
+
 def ranks_of(process_set) -> tuple:
     """The ranks of a registered ``process_set`` (this rank in it or not).
 

@@ -94,6 +94,13 @@ def test_only_algorithms_with_bitwise_equal_results_are_compared(dtype, op, rank
                                                               {"max_bytes": 50, "algorithm": "ring"},
                                                               {"max_bytes": None, "algorithm": "ring"}]}]}),
      "max_bytes must be integers, increasing"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "local_sizes": 2,
+                             "rows": [{"max_bytes": None, "algorithm": "ring"}]}]}), "'local_sizes' must be a list"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "layout": 1,
+                             "rows": [{"max_bytes": None, "algorithm": "ring"}]}]}), "'layout' must be a string"),
+    (json.dumps({"tables": [{"ranks": 2, "nodes": 1, "rows": [{"max_bytes": None, "algorithm": "ring",
+                                                              "measured": ["ring"]}]}]}),
+     "'measured' must be a list of objects"),
 ])
 def test_bad_tuning_files_are_refused_clearly(tmp_path, content, words):
     path = tmp_path / "t.json"
