@@ -251,11 +251,10 @@ cmd_link() {  # cmd_link up|down HOST
     # those run out -- a daemon's connect back to mpirun, seen in about 1
     # heal in 4. A real switch port coming back has the same stale entries;
     # forgetting them makes "healed" mean "reachable at once".
-    local other i
+    local i
     ip -n "$(ns "$h")" neigh flush dev eth0
     for i in $(seq 1 "$(hosts)"); do
-        other=h$i
-        [ "$other" = "$h" ] || ip -n "$(ns "$other")" neigh flush to "$NET.${h#h}"
+        [ "h$i" = "$h" ] || ip -n "$(ns "h$i")" neigh flush to "$NET.${h#h}"
     done
 }
 

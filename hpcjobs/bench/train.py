@@ -216,8 +216,9 @@ def _auto_settled(opt, algorithm: str, compression: str | None):
     sweep does): from its buckets' sizes; a compressed payload's sizes are
     the compressor's, so there after as many steps as the most candidates
     take (3 × 21 calls a size)."""
-    if algorithm != "auto" or opt._user_comm.Get_size() == 1:  # one rank has nothing to measure; the count
-        return lambda: True                                      # below would step for nothing there
+    # one rank has nothing to measure: the step count below would step for nothing there
+    if algorithm != "auto" or opt._user_comm.Get_size() == 1:
+        return lambda: True
     if compression not in (None, "none"):
         steps = iter(range(64))
         return lambda: next(steps, None) is None

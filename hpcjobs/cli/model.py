@@ -67,8 +67,7 @@ def _across(args, comm, topo, sizes) -> int:
     (collectives/costs.py, ACROSS) against what it measures here."""
     from ..bench.sweep import implementations
     from ..bench.sweep import run as sweep
-    from ..collectives.costs import ACROSS
-    from ..collectives.costs import segment_elements
+    from ..collectives.costs import ACROSS, hierarchical_segments
     from ..comm import print0
     from ..perfmodel import compare_across, measure_links, write
 
@@ -97,9 +96,8 @@ def _across(args, comm, topo, sizes) -> int:
     names = ["ring", "recursive_doubling", "rabenseifner", "hierarchical"]
     records = sweep(comm, sizes, implementations(names), iters=args.iters)
 
-    def segments(nbytes):  # as hierarchical cuts the sweep's float32 buffer here (its default)
-        main = nbytes // 4 // L * L
-        return max(1, -(-main // segment_elements(nbytes // 4, 4, L, P // L, topo.source == "override")))
+    def segments(nbytes):  # as hierarchical cuts the sweep's float32 buffer here (its default; none simulated)
+        return 1 if topo.source == "override" else hierarchical_segments(nbytes, L, P // L)
 
     rows = compare_across(records, P, L, node, net, segments)
     print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "

@@ -91,7 +91,7 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
 _timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
 _warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))  # before the abort
 _inflight: dict[int, tuple] = {}  # thread id -> (collective, call number, start, communicator or None: world)
-_last: tuple | None = None  # (collective, call number) entered last, in flight or not
+_last: tuple | None = None  # the collective entered last, in flight or not (as in _inflight)
 _calls = itertools.count(1)
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -351,8 +351,7 @@ def enter(what: str, comm=None):
         _start()
     tid = _get_ident()
     outer = _inflight.get(tid)  # a collective built on another one
-    _inflight[tid] = entry = (what, next(_calls), _monotonic(), comm)
-    _last = entry[:2]  # (the communicator only while in flight)
+    _inflight[tid] = _last = (what, next(_calls), _monotonic(), comm)
     return outer
 
 
