@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from launch import hpcjobs as _hpcjobs, mpirun as _mpirun
+from launch import _mpirun_prefix, hpcjobs as _hpcjobs, launch_env, mpirun as _mpirun, run
 from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.auto import DEFAULT_TABLE
 
@@ -113,8 +113,8 @@ def test_outputs_in_new_directories_get_them(tmp_path):
 
 
 @pytest.mark.parametrize("env,words", [
-    ({"HPCJOBS_TIMEOUT": "soon"}, "hpcjobs: error: HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
-    ({"HPCJOBS_STALL_WARNING": "-1"}, "hpcjobs: error: HPCJOBS_STALL_WARNING must be >= 0 seconds"),
+    ({"HPCJOBS_TIMEOUT": "soon"}, "hpcjobs bench allreduce: error: HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
+    ({"HPCJOBS_STALL_WARNING": "-1"}, "hpcjobs bench allreduce: error: HPCJOBS_STALL_WARNING must be >= 0 seconds"),
     ({"HPCJOBS_RANKS_PER_NODE": "0"}, "hpcjobs bench allreduce: error: HPCJOBS_RANKS_PER_NODE must be a positive"),
     ({"HPCJOBS_TUNING": "/no/such/tuning.json"},
      "hpcjobs bench allreduce: error: HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json"),
@@ -123,6 +123,25 @@ def test_a_bad_job_parameter_in_the_environment_is_a_usage_error_before_anything
     out = _mpirun(2, "bench", "allreduce", "-e", "64", env=env)
     assert out.returncode == 2, out.stderr
     assert words in out.stderr and "Traceback" not in out.stderr
+    assert "size(B)" not in out.stdout  # nothing was measured
+
+
+@pytest.mark.parametrize("variable,value,words", [
+    ("HPCJOBS_TUNING", "/no/such/tuning.json", "HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json"),
+    ("HPCJOBS_TIMEOUT", "soon", "HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
+])
+def test_a_bad_job_parameter_on_one_host_only_stops_every_rank_naming_it(variable, value, words):
+    # MPMD: rank 1 alone gets the variable, as when one node's environment differs. Before, that rank exited
+    # alone before MPI_Init and rank 0 waited in MPI for it until the test's 120 s ran out.
+    with launch_env() as env:
+        exe, *over, _, _, python = _mpirun_prefix(1)
+        job = ["-m", "hpcjobs", "bench", "allreduce", "-e", "64"]
+        out = run([exe, *over, "-n", "1", python, *job, ":", "-n", "1", "-x", f"{variable}={value}", python, *job],
+                  120, env)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if words in line]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("hpcjobs bench allreduce: error: ") and lines[0].endswith(" (on rank 1 of 2)"), lines
     assert "size(B)" not in out.stdout  # nothing was measured
 
 

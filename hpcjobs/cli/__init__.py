@@ -210,28 +210,51 @@ def main(argv: list[str] | None = None) -> int:
     return _run_ranks(command, run, args, prog)
 
 
+def _environment_refused(problem: str | None, prog: str, comm) -> bool:
+    """Whether some rank's environment was refused (``problem``: this rank's
+    reason, or None). Collective over ``comm``: a variable set differently on
+    one host (a tuning table missing there) stops every rank with exit 2, not
+    that rank alone while the others wait in MPI. Rank 0 prints each reason
+    once, with the ranks it came from when not all; the barrier after it
+    keeps srun's --kill-on-bad-exit from ending rank 0 before it has."""
+    problems = comm.allgather(problem)
+    if not any(problems):
+        return False
+    if comm.Get_rank() == 0:
+        ranks: dict[str, list[int]] = {}
+        for rank, p in enumerate(problems):
+            if p:
+                ranks.setdefault(p, []).append(rank)
+        for p, rs in ranks.items():
+            where = "" if len(rs) == len(problems) else f" (on {'rank' if len(rs) == 1 else 'ranks'} " \
+                f"{','.join(map(str, rs))} of {len(problems)})"
+            print(f"{prog}: error: {p}{where}", file=sys.stderr, flush=True)
+    comm.Barrier()
+    return True
+
+
 def _run_ranks(command: Command, run, args, prog: str) -> int:
     """A command on every rank: the environment checked, the GPU bound, MPI
     started, then ``run``; errors mapped to exit codes."""
+    problem = None
     try:  # they read HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING and HPCJOBS_CHECKS at import
         from ..collectives import agreement, watchdog
-    except ValueError as e:
-        print(f"hpcjobs: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    try:
+
         _check_environment(command)
     except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    from ..runtime import bind_gpu
+        problem = str(e)
+    else:
+        from ..runtime import bind_gpu
 
-    bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
-    if args.timeout is not None:
-        watchdog.set_timeout(args.timeout)
-    if args.no_checks:
-        agreement.set_checks(False)
+        bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
+        if args.timeout is not None:
+            watchdog.set_timeout(args.timeout)
+        if args.no_checks:
+            agreement.set_checks(False)
     from mpi4py import MPI
 
+    if _environment_refused(problem, prog, MPI.COMM_WORLD):
+        return 2
     from ..comm import expect_world_size, world
 
     try:
