@@ -23,7 +23,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange"]
+__all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
+           "ranks_text", "by_value"]
 
 
 def _free_private(comm, keyval, attr):
@@ -155,6 +156,21 @@ def agree(values, comm: MPI.Comm) -> np.ndarray:
     are equal on every rank of ``comm``: a boolean array. Collective."""
     lo, hi = extremes(values, comm)
     return lo == hi
+
+
+def ranks_text(rs) -> str:
+    """``rank 3`` or ``ranks 0,2``."""
+    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))
+
+
+def by_value(values) -> str:
+    """Each distinct text among ``values`` (one per rank, indexed by rank)
+    with the ranks that have it, in order of first appearance: ``rank 0:
+    2; ranks 1,2: unset``. For messages about ranks that disagree."""
+    seen: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        seen.setdefault(str(v), []).append(r)
+    return "; ".join(f"{ranks_text(rs)}: {v}" for v, rs in seen.items())
 
 
 def is_root(comm: MPI.Comm | None = None) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .comm import private
+from .comm import by_value, private
 
 __all__ = ["Topology", "detect", "detect_private", "check_ranks_per_node"]
 
@@ -122,7 +122,8 @@ def detect(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> T
             ``HPCJOBS_RANKS_PER_NODE``, unset means detect.
 
     Raises:
-        ValueError: ``ranks_per_node`` (or the env var) is not a positive integer.
+        ValueError: ``ranks_per_node`` (or the env var) is not a positive
+            integer, or not the same on every rank (raised on every rank).
     """
     return detect_private(private(comm), ranks_per_node)
 
@@ -136,6 +137,11 @@ def detect_private(comm: MPI.Intracomm, ranks_per_node: int | None = None) -> To
         comm.Set_attr(_TOPO_KEYVAL, cache)
     if rpn in cache:
         return cache[rpn]
+    given = comm.allgather(rpn)
+    if any(g != rpn for g in given):  # each would split its own way, and the job hang or pair ranks wrongly
+        values = by_value(["unset" if g is None else g for g in given])
+        raise ValueError(f"ranks_per_node differs across ranks ({values}): give every rank the same "
+                         "(HPCJOBS_RANKS_PER_NODE on every host, or none)")
     rank = comm.Get_rank()
     if rpn is not None:
         color, source = rank // rpn, "override"

@@ -126,23 +126,30 @@ def test_a_bad_job_parameter_in_the_environment_is_a_usage_error_before_anything
     assert "size(B)" not in out.stdout  # nothing was measured
 
 
-@pytest.mark.parametrize("variable,value,words", [
-    ("HPCJOBS_TUNING", "/no/such/tuning.json", "HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json"),
-    ("HPCJOBS_TIMEOUT", "soon", "HPCJOBS_TIMEOUT='soon' is not a number of seconds"),
+@pytest.mark.parametrize("variable,value,message", [
+    ("HPCJOBS_TUNING", "/no/such/tuning.json", "HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json: .* "
+                                               r"\(on rank 1 of 2\)"),
+    ("HPCJOBS_TIMEOUT", "soon", r"HPCJOBS_TIMEOUT='soon' is not a number of seconds \(on rank 1 of 2\)"),
+    # valid on each host, but a rank that checks its calls and one that does not, or two that split the ranks
+    # into nodes differently, each waited for the other in a different collective (a 2-rank soak hung)
+    ("HPCJOBS_CHECKS", "0", r"HPCJOBS_CHECKS differs across ranks \(rank 0: on; rank 1: off\): set it the same "
+                            "on every host"),
+    ("HPCJOBS_RANKS_PER_NODE", "1", r"HPCJOBS_RANKS_PER_NODE differs across ranks \(rank 0: unset; rank 1: 1\): set "
+                                    "it the same on every host"),
 ])
-def test_a_bad_job_parameter_on_one_host_only_stops_every_rank_naming_it(variable, value, words):
-    # MPMD: rank 1 alone gets the variable, as when one node's environment differs. Before, that rank exited
-    # alone before MPI_Init and rank 0 waited in MPI for it until the test's 120 s ran out.
+def test_a_job_parameter_set_on_one_host_only_stops_every_rank_naming_it(variable, value, message):
+    # MPMD: rank 1 alone gets the variable, as when one node's environment differs. Before, with a bad value
+    # that rank exited alone before MPI_Init and rank 0 waited in MPI for it until the test's 120 s ran out.
     with launch_env() as env:
         exe, *over, _, _, python = _mpirun_prefix(1)
-        job = ["-m", "hpcjobs", "bench", "allreduce", "-e", "64"]
+        job = ["-m", "hpcjobs", "soak", "--ops", "50"]
         out = run([exe, *over, "-n", "1", python, *job, ":", "-n", "1", "-x", f"{variable}={value}", python, *job],
                   120, env)
     assert out.returncode == 2, out.stderr
-    lines = [line for line in out.stderr.splitlines() if words in line]
+    lines = [line for line in out.stderr.splitlines() if variable in line]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
-    assert lines[0].startswith("hpcjobs bench allreduce: error: ") and lines[0].endswith(" (on rank 1 of 2)"), lines
-    assert "size(B)" not in out.stdout  # nothing was measured
+    assert re.fullmatch(f"hpcjobs soak: error: {message}", lines[0]), lines
+    assert "allreduces" not in out.stdout  # nothing ran
 
 
 def test_expected_world_size_mismatch_aborts_the_job():

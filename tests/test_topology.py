@@ -76,3 +76,19 @@ def test_bad_ranks_per_node_is_refused(bad, monkeypatch):
     monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", str(bad))
     with pytest.raises(ValueError, match="HPCJOBS_RANKS_PER_NODE must be a positive integer"):
         detect()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_per_node_that_differs_across_ranks_raises_on_every_rank(fresh_comm, monkeypatch):
+    # HPCJOBS_RANKS_PER_NODE on one host only: that rank split at once while the others ran the shared-memory
+    # detection's collectives, and the job hung (a 2-rank soak, 2026-11-28)
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    last = fresh_comm.Get_size() - 1
+    others = "rank 0" if last == 1 else f"ranks {','.join(map(str, range(last)))}"
+    with pytest.raises(ValueError) as e:
+        detect(fresh_comm, ranks_per_node=1 if fresh_comm.Get_rank() == last else None)
+    assert str(e.value) == (f"ranks_per_node differs across ranks ({others}: unset; rank {last}: 1): give every "
+                            "rank the same (HPCJOBS_RANKS_PER_NODE on every host, or none)")
+    topo = detect(fresh_comm, ranks_per_node=1)  # nothing was split: the same call everywhere works
+    assert topo.num_nodes == fresh_comm.Get_size() and fresh_comm.allreduce(1) == fresh_comm.Get_size()

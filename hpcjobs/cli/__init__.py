@@ -210,33 +210,55 @@ def main(argv: list[str] | None = None) -> int:
     return _run_ranks(command, run, args, prog)
 
 
-def _environment_refused(problem: str | None, prog: str, comm) -> bool:
+def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -> bool:
     """Whether some rank's environment was refused (``problem``: this rank's
-    reason, or None). Collective over ``comm``: a variable set differently on
-    one host (a tuning table missing there) stops every rank with exit 2, not
-    that rank alone while the others wait in MPI. Rank 0 prints each reason
-    once, with the ranks it came from when not all; the barrier after it
-    keeps srun's --kill-on-bad-exit from ending rank 0 before it has."""
-    problems = comm.allgather(problem)
-    if not any(problems):
+    reason, or None), or ``settings`` that every rank must share differ.
+    Collective over ``comm``: a variable set differently on one host (a
+    tuning table missing there, ``HPCJOBS_CHECKS=0`` there only) stops every
+    rank with exit 2, rather than that rank alone while the others wait in
+    MPI, or every rank at the first collective they run differently. Rank 0
+    prints each reason once, with the ranks it came from when not all; the
+    barrier after it keeps srun's --kill-on-bad-exit from ending rank 0
+    before it has."""
+    from ..comm import by_value, ranks_text
+
+    everyone = comm.allgather((problem, settings))
+    problems = [p for p, _ in everyone]
+    messages = []
+    for p in dict.fromkeys(p for p in problems if p):
+        rs = [r for r, q in enumerate(problems) if q == p]
+        where = "" if len(rs) == len(problems) else f" (on {ranks_text(rs)} of {len(problems)})"
+        messages.append(f"{p}{where}")
+    if not messages:
+        for name, mine in settings.items():
+            values = [s.get(name) for _, s in everyone]
+            if any(v != mine for v in values):
+                messages.append(f"{name} differs across ranks ({by_value(values)}): set it the same on every host")
+    if not messages:
         return False
     if comm.Get_rank() == 0:
-        ranks: dict[str, list[int]] = {}
-        for rank, p in enumerate(problems):
-            if p:
-                ranks.setdefault(p, []).append(rank)
-        for p, rs in ranks.items():
-            where = "" if len(rs) == len(problems) else f" (on {'rank' if len(rs) == 1 else 'ranks'} " \
-                f"{','.join(map(str, rs))} of {len(problems)})"
-            print(f"{prog}: error: {p}{where}", file=sys.stderr, flush=True)
+        for m in messages:
+            print(f"{prog}: error: {m}", file=sys.stderr, flush=True)
     comm.Barrier()
     return True
+
+
+def _shared_settings(args) -> dict:
+    """The job parameters from the environment that every rank must share
+    (after the command line's overrides): the agreement checks, the ranks per
+    simulated node."""
+    from ..collectives.agreement import checks_enabled
+    from ..topology import check_ranks_per_node
+
+    nodes = getattr(args, "ranks_per_node", None) or check_ranks_per_node(None)
+    return {"HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
+            "HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
 
 
 def _run_ranks(command: Command, run, args, prog: str) -> int:
     """A command on every rank: the environment checked, the GPU bound, MPI
     started, then ``run``; errors mapped to exit codes."""
-    problem = None
+    problem, settings = None, {}
     try:  # they read HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING and HPCJOBS_CHECKS at import
         from ..collectives import agreement, watchdog
 
@@ -251,11 +273,13 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
             watchdog.set_timeout(args.timeout)
         if args.no_checks:
             agreement.set_checks(False)
+        settings = _shared_settings(args)
     from mpi4py import MPI
 
-    if _environment_refused(problem, prog, MPI.COMM_WORLD):
-        return 2
     from ..comm import expect_world_size, world
+
+    if _environment_refused(problem, settings, prog, MPI.COMM_WORLD):
+        return 2
 
     try:
         expect_world_size()

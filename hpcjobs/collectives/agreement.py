@@ -47,7 +47,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import signature
+from ..comm import ranks_text, signature
 from ._shared import is_single_node
 
 __all__ = ["MismatchError", "SIG_WORDS", "checks_enabled", "set_checks", "checking", "agree_or_raise", "agree_values",
@@ -219,8 +219,3 @@ def exchange_of(comm: MPI.Intracomm) -> str:
 
 _last: tuple = (None, None)
 _oneshot = None  # the module, imported on first use
-
-
-def ranks_text(rs: list[int]) -> str:
-    """``rank 3`` or ``ranks 0,2``."""
-    return ("rank " if len(rs) == 1 else "ranks ") + ",".join(map(str, rs))

@@ -45,14 +45,13 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import private
+from ..comm import by_value, private
 from ..timing import Rounds
 from ..topology import detect_private
 from ._buffers import Flat, as_flat
 from . import oneshot
 from ._frame import Algorithm
 from ._shared import is_single_node
-from .agreement import ranks_text
 from .tuning import DEFAULT_TABLE, _pick_table, load_tuning
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
@@ -276,13 +275,10 @@ def _agree_on(names: list[str], error: str | None, flat: Flat, comm: MPI.Intraco
     everyone = comm.allgather((names, error))
     if all(theirs == (names, None) for theirs in everyone):
         return
-    seen: dict[str, list[int]] = {}
-    for r, (theirs, err) in enumerate(everyone):
-        seen.setdefault(err or ", ".join(theirs), []).append(r)
     raise ValueError(f"auto at {flat.nbytes} bytes: the ranks' tuning tables "
                      + ("could not be read or give different algorithms" if any(e for _, e in everyone)
                         else "give different algorithms") + " -- "
-                     + "; ".join(f"{ranks_text(rs)}: {v}" for v, rs in seen.items())
+                     + by_value([err or ", ".join(theirs) for theirs, err in everyone])
                      + " -- give every rank the same table (HPCJOBS_TUNING or set_tuning; `hpcjobs info "
                        "--all-ranks` names each rank's)")
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
+from ..comm import by_value
+
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "setup", "clear",
            "members", "comm_of", "ranks_of", "resolve", "register_at_init"]
 
@@ -182,11 +184,8 @@ def _agreed(what: str, mine) -> list:
     """Every rank's ``mine``; ValueError on every rank if not all the same."""
     everyone = _admin.allgather(mine)
     if any(x != everyone[0] for x in everyone):
-        seen: dict = {}
-        for r, x in enumerate(everyone):
-            seen.setdefault(repr(x), []).append(r)
         raise ValueError(f"{what}: every rank must pass the same process set; "
-                         + "; ".join(f"ranks {','.join(map(str, rs))}: {x}" for x, rs in seen.items()))
+                         + by_value([repr(x) for x in everyone]))
     return everyone
 
 
