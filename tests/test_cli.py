@@ -136,6 +136,8 @@ def test_a_bad_job_parameter_in_the_environment_is_a_usage_error_before_anything
                             "on every host"),
     ("HPCJOBS_RANKS_PER_NODE", "1", r"HPCJOBS_RANKS_PER_NODE differs across ranks \(rank 0: unset; rank 1: 1\): set "
                                     "it the same on every host"),
+    ("HPCJOBS_AGREE_VIA", "mpi", r"HPCJOBS_AGREE_VIA differs across ranks \(rank 0: unset; rank 1: mpi\): set it "
+                                 "the same on every host"),
 ])
 def test_a_job_parameter_set_on_one_host_only_stops_every_rank_naming_it(variable, value, message):
     # MPMD: rank 1 alone gets the variable, as when one node's environment differs. Before, with a bad value

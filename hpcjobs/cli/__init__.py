@@ -243,16 +243,23 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
     return True
 
 
+# Read by the library on each rank, and each rank would run its own way: how
+# the agreement checks exchange, the GPU one-shot size and fence, the
+# torch.distributed backend's algorithm.
+_SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC", "HPCJOBS_TORCH_ALGORITHM")
+
+
 def _shared_settings(args) -> dict:
     """The job parameters from the environment that every rank must share
     (after the command line's overrides): the agreement checks, the ranks per
-    simulated node."""
+    simulated node, and :data:`_SAME_EVERYWHERE` as given."""
     from ..collectives.agreement import checks_enabled
     from ..topology import check_ranks_per_node
 
     nodes = getattr(args, "ranks_per_node", None) or check_ranks_per_node(None)
     return {"HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            "HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
+            "HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes,
+            **{name: os.environ.get(name, "unset") for name in _SAME_EVERYWHERE}}
 
 
 def _run_ranks(command: Command, run, args, prog: str) -> int:
