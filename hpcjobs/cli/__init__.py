@@ -246,7 +246,8 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
 # Read by the library on each rank, and each rank would run its own way: how
 # the agreement checks exchange, the GPU one-shot size and fence, the
 # torch.distributed backend's algorithm.
-_SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC", "HPCJOBS_TORCH_ALGORITHM")
+_SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC",
+                    "HPCJOBS_TORCH_ALGORITHM")
 
 
 def _shared_settings(args) -> dict:
