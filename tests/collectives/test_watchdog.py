@@ -11,7 +11,7 @@ import pytest
 from launch import clean_env, hpcjobs, mpirun_script
 
 TIMEOUT = 3  # seconds, the collective timeout these jobs run with
-SLACK = 10   # the bar: every rank gone within timeout + 10 s
+SLACK = 20   # the bar: every rank gone within timeout + 20 s (0.8-7.4 s seen; CI's 2 cores run other jobs too)
 
 
 # Each script calls ready() once every rank is running. The bar is timed from
