@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_text", "by_value"]
+           "ranks_text", "by_value", "SAME_EVERYWHERE", "shared_settings", "differing"]
 
 
 def _free_private(comm, keyval, attr):
@@ -70,6 +70,8 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
         raise TypeError("hpcjobs collectives need an intracommunicator, got an intercommunicator")
     dup = comm.Get_attr(_KEYVAL)
     if dup is None:
+        if comm == MPI.COMM_WORLD:  # once per process, before anything runs its own way
+            _check_shared_settings(comm)
         dup = comm.Dup()
         comm.Set_attr(_KEYVAL, dup)
         if comm == MPI.COMM_WORLD:  # collective here anyway: one more for the stall watchdog
@@ -85,6 +87,42 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
 
 _world_dup = None
 _last: tuple = (None, None)  # (communicator, its duplicate) of the last call on one other than COMM_WORLD
+
+# Read from the environment by each rank, and each rank would exchange or
+# reduce its own way where they differ: how the agreement checks exchange,
+# the GPU one-shot size and fence, the torch.distributed backend's algorithm.
+# (``detect`` compares HPCJOBS_RANKS_PER_NODE itself, after the command
+# line's --ranks-per-node.)
+SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC",
+                   "HPCJOBS_TORCH_ALGORITHM")
+
+
+def shared_settings() -> dict:
+    """This process's settings that every rank must share: the agreement
+    checks on or off (``HPCJOBS_CHECKS``, ``set_checks``) and
+    :data:`SAME_EVERYWHERE` as given."""
+    from .collectives.agreement import checks_enabled
+
+    return {"HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
+            **{name: os.environ.get(name, "unset") for name in SAME_EVERYWHERE}}
+
+
+def differing(everyone: list[dict]) -> list[str]:
+    """Each setting whose value differs among ``everyone`` (one dict per
+    rank, indexed by rank), said with the ranks' values."""
+    return [f"{name} differs across ranks ({by_value(values)}): set it the same on every host"
+            for name in everyone[0] if len(set(values := [s.get(name) for s in everyone])) > 1]
+
+
+def _check_shared_settings(comm: MPI.Intracomm) -> None:
+    """ValueError on every rank of ``comm`` where :func:`shared_settings`
+    differ across them: a rank checking its calls beside one that does not
+    waits for it in a collective the other never runs (a 2-rank job hung
+    until the watchdog). One small allreduce when they agree. Collective."""
+    mine = shared_settings()
+    if agree(signature(list(mine.values())), comm).all():
+        return
+    raise ValueError("; ".join(differing(comm.allgather(mine))))
 
 
 # Open MPI's TCP transport sends a message of up to 64 KiB at once (its eager

@@ -115,3 +115,44 @@ def test_exchange_swaps_and_shifts_every_byte_posting_a_long_swaps_send_first(nb
     assert np.array_equal(got, payload(left))
     if size > 2:
         assert recording.calls == ["Sendrecv"]
+
+
+_SCRIPT = """
+import numpy as np
+from mpi4py import MPI
+from hpcjobs.collectives import allreduce
+x = np.ones(4)
+try:
+    allreduce(x, algorithm="ring")
+except ValueError as e:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: {e}", flush=True)
+else:
+    print(f"rank {MPI.COMM_WORLD.Get_rank()}: reduced {x[0]:g}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("variable,value,words", [
+    ("HPCJOBS_CHECKS", "0", "HPCJOBS_CHECKS differs across ranks (rank 0: on; rank 1: off): set it the same on every "
+                            "host"),
+    ("HPCJOBS_AGREE_VIA", "mpi", "HPCJOBS_AGREE_VIA differs across ranks (rank 0: unset; rank 1: mpi): set it the "
+                                 "same on every host"),
+])
+def test_a_script_whose_ranks_differ_in_a_shared_setting_gets_an_error_on_every_rank(variable, value, words):
+    # A script of the user's, not `hpcjobs`: the library's first collective on the world compares them. With
+    # HPCJOBS_CHECKS=0 on rank 1 alone, rank 0 waited in the check's exchange for it (until the test's 120 s).
+    from launch import _mpirun_prefix, launch_env, run
+
+    with launch_env() as env:
+        exe, *over, _, _, python = _mpirun_prefix(1)
+        out = run([exe, *over, "-n", "1", python, "-c", _SCRIPT, ":", "-n", "1", "-x", f"{variable}={value}", python,
+                   "-c", _SCRIPT], 120, env)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == [f"rank 0: {words}", f"rank 1: {words}"], out.stdout
+
+
+def test_ranks_that_agree_run_with_their_settings():
+    from launch import mpirun_script
+
+    out = mpirun_script(2, _SCRIPT, env={"HPCJOBS_CHECKS": "0", "HPCJOBS_AGREE_VIA": "mpi"})
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == ["rank 0: reduced 2", "rank 1: reduced 2"], \
+        out.stdout + out.stderr

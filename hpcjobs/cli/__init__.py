@@ -220,7 +220,7 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
     prints each reason once, with the ranks it came from when not all; the
     barrier after it keeps srun's --kill-on-bad-exit from ending rank 0
     before it has."""
-    from ..comm import by_value, ranks_text
+    from ..comm import differing, ranks_text
 
     everyone = comm.allgather((problem, settings))
     problems = [p for p, _ in everyone]
@@ -230,10 +230,7 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
         where = "" if len(rs) == len(problems) else f" (on {ranks_text(rs)} of {len(problems)})"
         messages.append(f"{p}{where}")
     if not messages:
-        for name, mine in settings.items():
-            values = [s.get(name) for _, s in everyone]
-            if any(v != mine for v in values):
-                messages.append(f"{name} differs across ranks ({by_value(values)}): set it the same on every host")
+        messages = differing([s for _, s in everyone])
     if not messages:
         return False
     if comm.Get_rank() == 0:
@@ -243,24 +240,14 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
     return True
 
 
-# Read by the library on each rank, and each rank would run its own way: how
-# the agreement checks exchange, the GPU one-shot size and fence, the
-# torch.distributed backend's algorithm.
-_SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC",
-                    "HPCJOBS_TORCH_ALGORITHM")
-
-
 def _shared_settings(args) -> dict:
-    """The job parameters from the environment that every rank must share
-    (after the command line's overrides): the agreement checks, the ranks per
-    simulated node, and :data:`_SAME_EVERYWHERE` as given."""
-    from ..collectives.agreement import checks_enabled
+    """The job parameters that every rank must share (:func:`hpcjobs.comm.shared_settings`),
+    and the ranks per simulated node after the command line's override."""
+    from ..comm import shared_settings
     from ..topology import check_ranks_per_node
 
     nodes = getattr(args, "ranks_per_node", None) or check_ranks_per_node(None)
-    return {"HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            "HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes,
-            **{name: os.environ.get(name, "unset") for name in _SAME_EVERYWHERE}}
+    return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
 
 
 def _run_ranks(command: Command, run, args, prog: str) -> int:
