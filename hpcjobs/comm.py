@@ -97,20 +97,38 @@ SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CU
                    "HPCJOBS_TORCH_ALGORITHM")
 
 
+def install() -> str:
+    """This process's hpcjobs: its version and a crc32 of its files' names
+    and sizes (1 ms; their contents would take 20). A host with another
+    version, or an older copy of the same one, shows here: its collectives
+    could split, segment or check differently, and hang or reduce wrongly
+    beside the others'."""
+    from . import __version__
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    items = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
+        items += [f"{os.path.relpath(os.path.join(folder, f), root)}:{os.path.getsize(os.path.join(folder, f))}"
+                  for f in sorted(files) if f.endswith((".py", ".csv", ".json"))]
+    return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})"
+
+
 def shared_settings() -> dict:
-    """This process's settings that every rank must share: the agreement
-    checks on or off (``HPCJOBS_CHECKS``, ``set_checks``) and
-    :data:`SAME_EVERYWHERE` as given."""
+    """This process's settings that every rank must share: its hpcjobs
+    (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
+    ``set_checks``) and :data:`SAME_EVERYWHERE` as given."""
     from .collectives.agreement import checks_enabled
 
-    return {"HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
+    return {"hpcjobs": install(), "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
             **{name: os.environ.get(name, "unset") for name in SAME_EVERYWHERE}}
 
 
 def differing(everyone: list[dict]) -> list[str]:
     """Each setting whose value differs among ``everyone`` (one dict per
     rank, indexed by rank), said with the ranks' values."""
-    return [f"{name} differs across ranks ({by_value(values)}): set it the same on every host"
+    return [f"{name} differs across ranks ({by_value(values)}): "
+            + ("install the same on every host" if name == "hpcjobs" else "set it the same on every host")
             for name in everyone[0] if len(set(values := [s.get(name) for s in everyone])) > 1]
 
 

@@ -9,6 +9,7 @@ import pytest
 from launch import _mpirun_prefix, hpcjobs as _hpcjobs, launch_env, mpirun as _mpirun, run
 from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.auto import DEFAULT_TABLE
+from hpcjobs.comm import install
 
 
 def test_help_lists_the_commands():
@@ -168,6 +169,9 @@ def test_info_names_every_rank(tmp_path):
         ["rank", str(r), "of", "3"] for r in range(3)]
     # auto's tuning table, which must be the same on every rank: built in, or the file and what it holds
     assert [l.rsplit(", ", 1)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == ["tuning built in"] * 3
+    # the install, which every rank compares as MPI starts
+    assert [l.rsplit(", ", 2)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
+        f"hpcjobs {install()}"] * 3
     table = tmp_path / "t.json"
     table.write_text(json.dumps(DEFAULT_TABLE))
     out = _mpirun(2, "info", "--all-ranks", env={"HPCJOBS_TUNING": str(table)})

@@ -1,5 +1,7 @@
 """Private communicators and the world-size check."""
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -118,6 +120,8 @@ def test_exchange_swaps_and_shifts_every_byte_posting_a_long_swaps_send_first(nb
 
 
 _SCRIPT = """
+import re
+
 import numpy as np
 from mpi4py import MPI
 from hpcjobs.collectives import allreduce
@@ -156,3 +160,26 @@ def test_ranks_that_agree_run_with_their_settings():
     out = mpirun_script(2, _SCRIPT, env={"HPCJOBS_CHECKS": "0", "HPCJOBS_AGREE_VIA": "mpi"})
     assert out.returncode == 0 and sorted(out.stdout.splitlines()) == ["rank 0: reduced 2", "rank 1: reduced 2"], \
         out.stdout + out.stderr
+
+
+def test_a_host_with_another_copy_of_hpcjobs_is_named(tmp_path):
+    # rank 1 imports a copy of the package in which one file is one line longer, as a host whose install is
+    # older or newer than the others'
+    import shutil
+
+    import hpcjobs
+    from launch import _mpirun_prefix, launch_env, run
+
+    copy = tmp_path / "hpcjobs"
+    shutil.copytree(hpcjobs.__path__[0], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "comm.py", "a") as f:
+        f.write("# another version\n")
+    with launch_env() as env:
+        exe, *over, _, _, python = _mpirun_prefix(1)
+        out = run([exe, *over, "-n", "1", python, "-c", _SCRIPT, ":", "-n", "1", python, "-c",
+                   f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _SCRIPT], 120, env)
+    assert out.returncode == 0, out.stderr
+    found = re.fullmatch(r"rank 0: hpcjobs differs across ranks \(rank 0: (\S+) \((\w{8})\); rank 1: (\S+) "
+                         r"\((\w{8})\)\): install the same on every host", sorted(out.stdout.splitlines())[0])
+    assert found and found[1] == found[3] == hpcjobs.__version__ and found[2] != found[4], out.stdout
+    assert sorted(out.stdout.splitlines())[1] == "rank 1" + found[0][len("rank 0"):], out.stdout
