@@ -98,7 +98,7 @@ SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CU
 
 
 def install() -> str:
-    """This process's hpcjobs: its version and a crc32 of its files' names
+    """This process's hpcjobs: its version and a crc32 of its modules' names
     and sizes (1 ms; their contents would take 20). A host with another
     version, or an older copy of the same one, shows here: its collectives
     could split, segment or check differently, and hang or reduce wrongly
@@ -110,7 +110,7 @@ def install() -> str:
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
         items += [f"{os.path.relpath(os.path.join(folder, f), root)}:{os.path.getsize(os.path.join(folder, f))}"
-                  for f in sorted(files) if f.endswith((".py", ".csv", ".json"))]
+                  for f in sorted(files) if f.endswith(".py")]
     return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})"
 
 
