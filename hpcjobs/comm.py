@@ -16,6 +16,7 @@ which ranks ask each other where they are when a collective times out
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import zlib
@@ -24,7 +25,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_text", "by_value", "SAME_EVERYWHERE", "shared_settings", "differing"]
+           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "shared_settings", "refusals",
+           "environment_problem"]
 
 
 def _free_private(comm, keyval, attr):
@@ -90,57 +92,98 @@ _last: tuple = (None, None)  # (communicator, its duplicate) of the last call on
 
 # Read from the environment by each rank, and each rank would exchange or
 # reduce its own way where they differ: how the agreement checks exchange,
-# the GPU one-shot size and fence, the torch.distributed backend's algorithm.
-# (``detect`` compares HPCJOBS_RANKS_PER_NODE itself, after the command
-# line's --ranks-per-node.)
-SAME_EVERYWHERE = ("HPCJOBS_AGREE_VIA", "HPCJOBS_CUDA_IPC_ONE_SHOT", "HPCJOBS_CUDA_IPC_SYNC",
-                   "HPCJOBS_TORCH_ALGORITHM")
+# the GPU one-shot size and fence, the torch.distributed backend's algorithm;
+# each with its default (unset and the default are the same setting).
+SAME_EVERYWHERE = {"HPCJOBS_AGREE_VIA": "oneshot", "HPCJOBS_CUDA_IPC_ONE_SHOT": str(256 << 10),
+                   "HPCJOBS_CUDA_IPC_SYNC": "events", "HPCJOBS_TORCH_ALGORITHM": "auto"}
+# The names :func:`refusals` compares, in its order: the CLI adds the ranks
+# per simulated node after --ranks-per-node (``detect`` compares the rest).
+SETTINGS = ("hpcjobs", "HPCJOBS_CHECKS", "HPCJOBS_RANKS_PER_NODE", *SAME_EVERYWHERE)
 
 
-def install() -> str:
-    """This process's hpcjobs: its version and a crc32 of its modules' names
-    and sizes (1 ms; their contents would take 20). A host with another
-    version, or an older copy of the same one, shows here: its collectives
-    could split, segment or check differently, and hang or reduce wrongly
-    beside the others'."""
+@functools.cache
+def install() -> tuple[str, str]:
+    """This process's hpcjobs: its version with a crc32 of its modules' names
+    and sizes (1 ms; their contents would take 20), and where it is. A host
+    with another version, or an older copy of the same one, shows here: its
+    collectives could split, segment or check differently, and hang or
+    reduce wrongly beside the others'. A module that cannot be read counts
+    as size ``?``; an install that cannot be listed (a zip) gives no names."""
     from . import __version__
 
     root = os.path.dirname(os.path.abspath(__file__))
     items = []
     for folder, subfolders, files in os.walk(root):
         subfolders[:] = sorted(d for d in subfolders if d != "__pycache__")
-        items += [f"{os.path.relpath(os.path.join(folder, f), root)}:{os.path.getsize(os.path.join(folder, f))}"
-                  for f in sorted(files) if f.endswith(".py")]
-    return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})"
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                try:
+                    size = str(os.path.getsize(path))
+                except OSError:
+                    size = "?"
+                items.append(f"{os.path.relpath(path, root)}:{size}")
+    return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})", root
 
 
 def shared_settings() -> dict:
     """This process's settings that every rank must share: its hpcjobs
     (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
-    ``set_checks``) and :data:`SAME_EVERYWHERE` as given."""
+    ``set_checks``) and :data:`SAME_EVERYWHERE` as in effect."""
     from .collectives.agreement import checks_enabled
 
-    return {"hpcjobs": install(), "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            **{name: os.environ.get(name, "unset") for name in SAME_EVERYWHERE}}
+    return {"hpcjobs": install()[0], "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
+            **{name: os.environ.get(name, "").strip() or default for name, default in SAME_EVERYWHERE.items()}}
 
 
-def differing(everyone: list[dict]) -> list[str]:
-    """Each setting whose value differs among ``everyone`` (one dict per
-    rank, indexed by rank), said with the ranks' values."""
-    return [f"{name} differs across ranks ({by_value(values)}): "
-            + ("install the same on every host" if name == "hpcjobs" else "set it the same on every host")
-            for name in everyone[0] if len(set(values := [s.get(name) for s in everyone])) > 1]
+def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[str]:
+    """Why this job cannot go on, the same list on every rank of ``comm``:
+    each rank's ``problem`` (a job parameter it cannot use, or None) with the
+    ranks it came from when not all, else each of :data:`SETTINGS` whose
+    value in ``settings`` differs across the ranks, with their values. Empty
+    when all is well: one small allreduce then. Collective."""
+    if agree(signature([problem is not None, *(settings.get(n) for n in SETTINGS)]), comm).all() \
+            and problem is None:
+        return []
+    everyone = comm.allgather((problem, settings))
+    problems = [p for p, _ in everyone]
+    out = []
+    for p in dict.fromkeys(p for p in problems if p):
+        rs = [r for r, q in enumerate(problems) if q == p]
+        out.append(p if len(rs) == len(problems) else f"{p} (on {ranks_text(rs)} of {len(problems)})")
+    if out:
+        return out
+    for name in SETTINGS:
+        values = [s.get(name) for _, s in everyone]
+        if len(set(values)) > 1:
+            fix = "set it the same on every host"
+            if name == "hpcjobs":
+                fix = f"install the same on every host ({by_value([s.get('hpcjobs at') for _, s in everyone])})"
+            out.append(f"{name} differs across ranks ({by_value(values)}): {fix}")
+    return out
+
+
+def environment_problem() -> str | None:
+    """A job parameter in this process's environment that the library read
+    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``),
+    or None."""
+    from .collectives import watchdog
+
+    return watchdog.ENV_ERROR
 
 
 def _check_shared_settings(comm: MPI.Intracomm) -> None:
-    """ValueError on every rank of ``comm`` where :func:`shared_settings`
-    differ across them: a rank checking its calls beside one that does not
-    waits for it in a collective the other never runs (a 2-rank job hung
-    until the watchdog). One small allreduce when they agree. Collective."""
-    mine = shared_settings()
-    if agree(signature(list(mine.values())), comm).all():
-        return
-    raise ValueError("; ".join(differing(comm.allgather(mine))))
+    """ValueError on every rank of ``comm`` where a rank's environment cannot
+    be used or :func:`shared_settings` differ across them: a rank checking
+    its calls beside one that does not waits for it in a collective the
+    other never runs (a 2-rank job hung until the watchdog). Collective."""
+    try:
+        problem, settings = environment_problem(), shared_settings() | {"hpcjobs at": install()[1]}
+    except Exception as e:  # noqa: BLE001 -- said on every rank, not raised on this one alone
+        problem, settings = f"{type(e).__name__}: {e}", {}
+    found = refusals(problem, settings, comm)
+    if found:
+        raise ValueError(" | ".join(found))
 
 
 # Open MPI's TCP transport sends a message of up to 64 KiB at once (its eager

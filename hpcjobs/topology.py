@@ -123,25 +123,31 @@ def detect(comm: MPI.Comm | None = None, ranks_per_node: int | None = None) -> T
 
     Raises:
         ValueError: ``ranks_per_node`` (or the env var) is not a positive
-            integer, or not the same on every rank (raised on every rank).
+            integer, or not the same on every rank (raised on every rank,
+            when the communicator's topology for it is first detected).
     """
     return detect_private(private(comm), ranks_per_node)
 
 
 def detect_private(comm: MPI.Intracomm, ranks_per_node: int | None = None) -> Topology:
     """:func:`detect` on a communicator that is already the suite's private one."""
-    rpn = check_ranks_per_node(ranks_per_node)
+    try:
+        rpn, error = check_ranks_per_node(ranks_per_node), None
+    except ValueError as e:  # said on every rank below, not raised on this one alone
+        rpn, error = None, str(e)
     cache = comm.Get_attr(_TOPO_KEYVAL)
     if cache is None:
         cache = {}
         comm.Set_attr(_TOPO_KEYVAL, cache)
-    if rpn in cache:
+    if error is None and rpn in cache:
         return cache[rpn]
-    given = comm.allgather(rpn)
-    if any(g != rpn for g in given):  # each would split its own way, and the job hang or pair ranks wrongly
+    given = comm.allgather(error or rpn)
+    if any(g != given[0] for g in given):  # each would split its own way, and the job hang or pair ranks wrongly
         values = by_value(["unset" if g is None else g for g in given])
         raise ValueError(f"ranks_per_node differs across ranks ({values}): give every rank the same "
                          "(HPCJOBS_RANKS_PER_NODE on every host, or none)")
+    if error:
+        raise ValueError(error)
     rank = comm.Get_rank()
     if rpn is not None:
         color, source = rank // rpn, "override"

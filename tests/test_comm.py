@@ -1,12 +1,13 @@
 """Private communicators and the world-size check."""
 
+import os
 import re
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcjobs.comm import agree, exchange, expect_world_size, private, world
+from hpcjobs.comm import SETTINGS, agree, exchange, expect_world_size, private, world
 
 
 @pytest.mark.mpi(min_size=1)
@@ -120,8 +121,6 @@ def test_exchange_swaps_and_shifts_every_byte_posting_a_long_swaps_send_first(nb
 
 
 _SCRIPT = """
-import re
-
 import numpy as np
 from mpi4py import MPI
 from hpcjobs.collectives import allreduce
@@ -135,21 +134,31 @@ else:
 """
 
 
+def _mpmd(first: list[str], second: list[str]):
+    """rank 0 runs ``first``, rank 1 ``second`` (python's arguments), in one
+    launch without the settings these tests give one rank."""
+    from launch import _mpirun_prefix, launch_env, run
+
+    with launch_env() as env:
+        for name in SETTINGS:
+            env.pop(name, None)
+        env.pop("HPCJOBS_TIMEOUT", None)
+        exe, *over, _, _, python = _mpirun_prefix(1)
+        return run([exe, *over, "-n", "1", python, *first, ":", "-n", "1", python, *second], 120, env)
+
+
 @pytest.mark.parametrize("variable,value,words", [
     ("HPCJOBS_CHECKS", "0", "HPCJOBS_CHECKS differs across ranks (rank 0: on; rank 1: off): set it the same on every "
                             "host"),
-    ("HPCJOBS_AGREE_VIA", "mpi", "HPCJOBS_AGREE_VIA differs across ranks (rank 0: unset; rank 1: mpi): set it the "
+    ("HPCJOBS_AGREE_VIA", "mpi", "HPCJOBS_AGREE_VIA differs across ranks (rank 0: oneshot; rank 1: mpi): set it the "
                                  "same on every host"),
+    # read at import: it ended rank 1 alone there, and rank 0 waited in MPI for it
+    ("HPCJOBS_TIMEOUT", "soon", "HPCJOBS_TIMEOUT='soon' is not a number of seconds (on rank 1 of 2)"),
 ])
 def test_a_script_whose_ranks_differ_in_a_shared_setting_gets_an_error_on_every_rank(variable, value, words):
     # A script of the user's, not `hpcjobs`: the library's first collective on the world compares them. With
     # HPCJOBS_CHECKS=0 on rank 1 alone, rank 0 waited in the check's exchange for it (until the test's 120 s).
-    from launch import _mpirun_prefix, launch_env, run
-
-    with launch_env() as env:
-        exe, *over, _, _, python = _mpirun_prefix(1)
-        out = run([exe, *over, "-n", "1", python, "-c", _SCRIPT, ":", "-n", "1", "-x", f"{variable}={value}", python,
-                   "-c", _SCRIPT], 120, env)
+    out = _mpmd(["-c", _SCRIPT], ["-c", f"import os; os.environ[{variable!r}] = {value!r}\n" + _SCRIPT])
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == [f"rank 0: {words}", f"rank 1: {words}"], out.stdout
 
@@ -162,24 +171,28 @@ def test_ranks_that_agree_run_with_their_settings():
         out.stdout + out.stderr
 
 
+def test_a_setting_left_unset_and_one_set_to_its_default_agree():
+    out = _mpmd(["-c", _SCRIPT], ["-c", "import os; os.environ['HPCJOBS_AGREE_VIA'] = 'oneshot'\n" + _SCRIPT])
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == ["rank 0: reduced 2", "rank 1: reduced 2"], \
+        out.stdout + out.stderr
+
+
 def test_a_host_with_another_copy_of_hpcjobs_is_named(tmp_path):
     # rank 1 imports a copy of the package in which one file is one line longer, as a host whose install is
     # older or newer than the others'
     import shutil
 
     import hpcjobs
-    from launch import _mpirun_prefix, launch_env, run
 
     copy = tmp_path / "hpcjobs"
     shutil.copytree(hpcjobs.__path__[0], copy, ignore=shutil.ignore_patterns("__pycache__"))
     with open(copy / "comm.py", "a") as f:
         f.write("# another version\n")
-    with launch_env() as env:
-        exe, *over, _, _, python = _mpirun_prefix(1)
-        out = run([exe, *over, "-n", "1", python, "-c", _SCRIPT, ":", "-n", "1", python, "-c",
-                   f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _SCRIPT], 120, env)
+    out = _mpmd(["-c", _SCRIPT], ["-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n" + _SCRIPT])
     assert out.returncode == 0, out.stderr
+    lines = sorted(out.stdout.splitlines())
     found = re.fullmatch(r"rank 0: hpcjobs differs across ranks \(rank 0: (\S+) \((\w{8})\); rank 1: (\S+) "
-                         r"\((\w{8})\)\): install the same on every host", sorted(out.stdout.splitlines())[0])
+                         r"\((\w{8})\)\): install the same on every host \(rank 0: (\S+); rank 1: (\S+)\)", lines[0])
     assert found and found[1] == found[3] == hpcjobs.__version__ and found[2] != found[4], out.stdout
-    assert sorted(out.stdout.splitlines())[1] == "rank 1" + found[0][len("rank 0"):], out.stdout
+    assert (found[5], found[6]) == (os.path.dirname(os.path.abspath(hpcjobs.__file__)), str(copy)), out.stdout
+    assert lines[1] == "rank 1" + found[0][len("rank 0"):], out.stdout

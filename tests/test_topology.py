@@ -92,3 +92,14 @@ def test_ranks_per_node_that_differs_across_ranks_raises_on_every_rank(fresh_com
                             "rank the same (HPCJOBS_RANKS_PER_NODE on every host, or none)")
     topo = detect(fresh_comm, ranks_per_node=1)  # nothing was split: the same call everywhere works
     assert topo.num_nodes == fresh_comm.Get_size() and fresh_comm.allreduce(1) == fresh_comm.Get_size()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_per_node_invalid_on_one_rank_raises_on_every_rank(fresh_comm, monkeypatch):
+    # raised on that rank alone, it left the others waiting in the comparison
+    monkeypatch.delenv("HPCJOBS_RANKS_PER_NODE", raising=False)
+    last = fresh_comm.Get_size() - 1
+    with pytest.raises(ValueError) as e:
+        detect(fresh_comm, ranks_per_node=0 if fresh_comm.Get_rank() == last else 1)
+    assert str(e.value).startswith("ranks_per_node differs across ranks (") and str(e.value).count(": 1;") == 1
+    assert f"rank {last}: ranks_per_node must be a positive integer, got 0)" in str(e.value), str(e.value)

@@ -212,29 +212,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -> bool:
     """Whether some rank's environment was refused (``problem``: this rank's
-    reason, or None), or ``settings`` that every rank must share differ.
-    Collective over ``comm``: a variable set differently on one host (a
-    tuning table missing there, ``HPCJOBS_CHECKS=0`` there only) stops every
-    rank with exit 2, rather than that rank alone while the others wait in
-    MPI, or every rank at the first collective they run differently. Rank 0
-    prints each reason once, with the ranks it came from when not all; the
-    barrier after it keeps srun's --kill-on-bad-exit from ending rank 0
+    reason, or None), or ``settings`` that every rank must share differ
+    (:func:`hpcjobs.comm.refusals`). Collective over ``comm``: a variable
+    set differently on one host (a tuning table missing there,
+    ``HPCJOBS_CHECKS=0`` there only) stops every rank with exit 2, rather
+    than that rank alone while the others wait in MPI, or every rank at the
+    first collective they run differently. Rank 0 prints each reason once;
+    the barrier after it keeps srun's --kill-on-bad-exit from ending rank 0
     before it has."""
-    from ..comm import differing, ranks_text
+    from ..comm import refusals
 
-    everyone = comm.allgather((problem, settings))
-    problems = [p for p, _ in everyone]
-    messages = []
-    for p in dict.fromkeys(p for p in problems if p):
-        rs = [r for r, q in enumerate(problems) if q == p]
-        where = "" if len(rs) == len(problems) else f" (on {ranks_text(rs)} of {len(problems)})"
-        messages.append(f"{p}{where}")
-    if not messages:
-        messages = differing([s for _, s in everyone])
-    if not messages:
+    found = refusals(problem, settings, comm)
+    if not found:
         return False
     if comm.Get_rank() == 0:
-        for m in messages:
+        for m in found:
             print(f"{prog}: error: {m}", file=sys.stderr, flush=True)
     comm.Barrier()
     return True
@@ -242,33 +234,37 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
 
 def _shared_settings(args) -> dict:
     """The job parameters that every rank must share (:func:`hpcjobs.comm.shared_settings`),
-    and the ranks per simulated node after the command line's override."""
-    from ..comm import shared_settings
+    the ranks per simulated node after the command line's override, and
+    where this rank's hpcjobs is (said, not compared)."""
+    from ..comm import install, shared_settings
     from ..topology import check_ranks_per_node
 
     nodes = getattr(args, "ranks_per_node", None) or check_ranks_per_node(None)
-    return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
+    return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes,
+                                "hpcjobs at": install()[1]}
 
 
 def _run_ranks(command: Command, run, args, prog: str) -> int:
     """A command on every rank: the environment checked, the GPU bound, MPI
     started, then ``run``; errors mapped to exit codes."""
     problem, settings = None, {}
-    try:  # they read HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING and HPCJOBS_CHECKS at import
+    try:
         from ..collectives import agreement, watchdog
+        from ..comm import environment_problem
 
-        _check_environment(command)
-    except ValueError as e:
-        problem = str(e)
-    else:
-        from ..runtime import bind_gpu
+        problem = environment_problem()  # HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING: read at import
+        if problem is None:
+            _check_environment(command)
+            from ..runtime import bind_gpu
 
-        bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
-        if args.timeout is not None:
-            watchdog.set_timeout(args.timeout)
-        if args.no_checks:
-            agreement.set_checks(False)
-        settings = _shared_settings(args)
+            bind_gpu()  # before torch sees CUDA: one GPU per rank by local rank, when the job asks
+            if args.timeout is not None:
+                watchdog.set_timeout(args.timeout)
+            if args.no_checks:
+                agreement.set_checks(False)
+            settings = _shared_settings(args)
+    except Exception as e:  # this rank's alone: said on every rank below, not raised here
+        problem = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     from mpi4py import MPI
 
     from ..comm import expect_world_size, world

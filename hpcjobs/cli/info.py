@@ -25,7 +25,7 @@ def run(args) -> int:
         print0(line)
     cores = cores_per_rank(comm)  # collective: every rank, --all-ranks or not
     lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}, "
-                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads), hpcjobs {install()}, "
+                        f"{cores} core{'s' if cores > 1 else ''} (the default --threads), hpcjobs {install()[0]}, "
                         f"tuning {_tuning()}", root=0)
     if args.all_ranks and comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)

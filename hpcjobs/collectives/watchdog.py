@@ -88,8 +88,19 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
     return value
 
 
-_timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
-_warning = env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, _timeout / 2))  # before the abort
+def _from_environment() -> tuple[float, float, str | None]:
+    """HPCJOBS_TIMEOUT and HPCJOBS_STALL_WARNING (the warning before the
+    abort), or the defaults and why not. Not raised here at import, where it
+    would end this rank alone while the others wait for it in MPI:
+    :mod:`hpcjobs.comm` reports it on every rank as the world is made."""
+    try:
+        timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
+        return timeout, env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, timeout / 2)), None
+    except ValueError as e:
+        return DEFAULT_TIMEOUT, DEFAULT_WARNING, str(e)
+
+
+_timeout, _warning, ENV_ERROR = _from_environment()
 _inflight: dict[int, tuple] = {}  # thread id -> (collective, call number, start, communicator or None: world)
 _last: tuple | None = None  # the collective entered last, in flight or not (as in _inflight)
 _calls = itertools.count(1)

@@ -113,8 +113,8 @@ def init(comm=None, process_sets=None) -> None:
         return
     base, owned = _communicator(spec)
     shutdown()
+    private(base)  # collective: made here, on the main thread, not first on a thread; first, as it can raise
     ops, ctrl, admin = base.Dup(), base.Dup(), base.Dup()
-    private(base)  # collective: made here, on the main thread, not first on a thread
     private(ops)
     _process_sets.setup(ops, admin)
     controller = Controller(ctrl, _process_sets.members, _process_sets.comm_of,
