@@ -49,8 +49,8 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
 
     :func:`prepare` first (validate, and check that every rank agrees on
     ``name``, count, dtype, op and the options that are numbers or strings;
-    an option left at None is not compared, so a call that passes it and one
-    that does not agree), then the step, unless there is nothing to do (one rank, or zero
+    an option left at None is left out of them, so a call that passes it and
+    one that does not differ), then the step, unless there is nothing to do (one rank, or zero
     elements: every rank then returns at once, which is safe because the
     count is the same on every rank), all under the stall watchdog.
 
