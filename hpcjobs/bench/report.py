@@ -41,7 +41,10 @@ def environment(comm: MPI.Comm) -> dict:
     """What the numbers were measured on, for headers and JSON."""
     import numpy
 
+    from ..comm import install
+
     env = {
+        "hpcjobs": install()[0],  # version (crc32 of its modules' names and sizes)
         "ranks": comm.Get_size(),
         "mpi_library": MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip(),
         "mpi4py": __import__("mpi4py").__version__,

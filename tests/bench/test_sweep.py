@@ -9,6 +9,7 @@ from mpi4py import MPI
 from conftest import DTYPES, OPS
 from hpcjobs.bench.baselines import mpi_supports
 from hpcjobs.bench.sweep import Record, expected_output, implementations, make_input, run
+from hpcjobs.comm import install
 
 
 def _values(arr, dtype):
@@ -143,6 +144,7 @@ def test_json_report_holds_records_and_environment(tmp_path_factory):
     write_json(str(path), records, environment(comm))
     data = json.loads(path.read_text())
     assert data["environment"]["ranks"] == comm.Get_size()
+    assert data["environment"]["hpcjobs"] == install()[0]  # which code measured it
     assert data["records"][0]["impl"] == "ring" and data["records"][0]["size_bytes"] == 16
 
 
