@@ -68,9 +68,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             raise RuntimeError("the hpcjobs backend needs MPI_THREAD_MULTIPLE (torch calls it from several "
                                f"threads); this MPI gives level {MPI.Query_thread()}")
         # collective: here, on the creating thread. A communicator of its own: two groups over the same ranks
-        # each reduce on their own worker thread, and on one communicator their calls could cross. private(comm)
-        # first: on the world, that attaches the stall watchdog, whose report names the ranks missing.
-        private(comm)
+        # each reduce on their own worker thread, and on one communicator their calls could cross.
         self._comm = private(comm.Dup())
         self._algorithm = algorithm or setting("HPCJOBS_TORCH_ALGORITHM")
         self._queue: queue.Queue = queue.Queue()
