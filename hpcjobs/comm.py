@@ -11,11 +11,7 @@ when the user frees their communicator.
 communicator must be called by all of its ranks, which a collective is anyway.
 The first on COMM_WORLD also makes the stall watchdog's own duplicate, on
 which ranks ask each other where they are when a collective times out
-(:mod:`hpcjobs.collectives.watchdog`). As it makes a duplicate, every rank
-compares the settings that must be the same everywhere
-(:func:`shared_settings`) and any job parameter it could not use, and all
-raise together where they differ (:func:`refusals`), rather than one rank
-alone or each running its own way.
+(:mod:`hpcjobs.collectives.watchdog`).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
+           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "shared_settings", "refusals",
            "environment_problem"]
 
 
@@ -81,7 +77,7 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
         dup = comm.Dup()
         try:  # once per communicator, before anything runs its own way on it
             _check_shared_settings(dup)
-        except BaseException:
+        except ValueError:
             dup.Free()
             raise
         comm.Set_attr(_KEYVAL, dup)
@@ -135,13 +131,6 @@ def install() -> tuple[str, str]:
     return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})", root
 
 
-def setting(name: str) -> str:
-    """One of :data:`SAME_EVERYWHERE` as in effect: its value, stripped, or
-    its default when unset or empty. The code that acts on it reads it
-    here, so that what the ranks compare is what they run."""
-    return os.environ.get(name, "").strip() or SAME_EVERYWHERE[name]
-
-
 def shared_settings() -> dict:
     """This process's settings that every rank must share: its hpcjobs
     (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
@@ -149,7 +138,7 @@ def shared_settings() -> dict:
     from .collectives.agreement import checks_enabled
 
     return {"hpcjobs": install()[0], "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            **{name: setting(name) for name in SAME_EVERYWHERE}}
+            **{name: os.environ.get(name, "").strip() or default for name, default in SAME_EVERYWHERE.items()}}
 
 
 def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[str]:
@@ -158,12 +147,8 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
     ranks it came from when not all, else each of :data:`SETTINGS` whose
     value in ``settings`` differs across the ranks, with their values. Empty
     when all is well: one small allreduce then. Collective."""
-    try:
-        mine = signature([problem is not None, *(settings.get(n) for n in SETTINGS)])
-    except Exception as e:  # noqa: BLE001 -- a value no signature holds: said on every rank, not raised here
-        problem, settings = f"{type(e).__name__}: {e}", {}
-        mine = signature([True, *(None for _ in SETTINGS)])
-    if agree(mine, comm).all() and problem is None:
+    if agree(signature([problem is not None, *(settings.get(n) for n in SETTINGS)]), comm).all() \
+            and problem is None:
         return []
     everyone = comm.allgather((problem, settings))
     problems = [p for p, _ in everyone]
@@ -185,11 +170,11 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
 
 def environment_problem() -> str | None:
     """A job parameter in this process's environment that the library read
-    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``,
-    ``HPCJOBS_CUDA_IPC_ONE_SHOT``), or None."""
-    from .collectives import cuda_ipc, watchdog
+    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``),
+    or None."""
+    from .collectives import watchdog
 
-    return watchdog.ENV_ERROR or cuda_ipc.ENV_ERROR
+    return watchdog.ENV_ERROR
 
 
 def _check_shared_settings(comm: MPI.Intracomm) -> None:
@@ -255,9 +240,9 @@ def signature(values) -> np.ndarray:
 def _code(value) -> int:
     if isinstance(value, bool) or value is None:
         return int(bool(value)) - (value is None)
-    if isinstance(value, (int, np.integer)) and -2**63 <= value < 2**63:
+    if isinstance(value, (int, np.integer)):
         return int(value)
-    return zlib.crc32(str(value).encode("utf-8", "surrogatepass"))  # the environment's undecodable bytes too
+    return zlib.crc32(str(value).encode())
 
 
 def extremes(values, comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:
