@@ -43,8 +43,7 @@ _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_private)
 
 
 def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
-    """Return the suite's private duplicate of ``comm``, made on the first
-    call for it, when its ranks also compare :func:`shared_settings`.
+    """Return the suite's private duplicate of ``comm``.
 
     Args:
         comm: an intracommunicator, or None for MPI.COMM_WORLD.
@@ -55,8 +54,7 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
 
     Raises:
         TypeError: ``comm`` is not an MPI intracommunicator.
-        ValueError: ``comm`` is MPI.COMM_NULL; or, on every rank of it, a
-            rank's environment cannot be used or the ranks' settings differ.
+        ValueError: ``comm`` is MPI.COMM_NULL.
     """
     global _world_dup, _last
     if comm is None or comm is MPI.COMM_WORLD:  # the usual call, which cannot be freed: no lookup
@@ -74,12 +72,9 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
         raise TypeError("hpcjobs collectives need an intracommunicator, got an intercommunicator")
     dup = comm.Get_attr(_KEYVAL)
     if dup is None:
+        if comm == MPI.COMM_WORLD:  # once per process, before anything runs its own way
+            _check_shared_settings(comm)
         dup = comm.Dup()
-        try:  # once per communicator, before anything runs its own way on it
-            _check_shared_settings(dup)
-        except ValueError:
-            dup.Free()
-            raise
         comm.Set_attr(_KEYVAL, dup)
         if comm == MPI.COMM_WORLD:  # collective here anyway: one more for the stall watchdog
             from .collectives import watchdog
@@ -181,8 +176,7 @@ def _check_shared_settings(comm: MPI.Intracomm) -> None:
     """ValueError on every rank of ``comm`` where a rank's environment cannot
     be used or :func:`shared_settings` differ across them: a rank checking
     its calls beside one that does not waits for it in a collective the
-    other never runs (a 2-rank job hung until the watchdog). One small
-    allreduce when all is well. Collective."""
+    other never runs (a 2-rank job hung until the watchdog). Collective."""
     try:
         problem, settings = environment_problem(), shared_settings() | {"hpcjobs at": install()[1]}
     except Exception as e:  # noqa: BLE001 -- said on every rank, not raised on this one alone

@@ -163,15 +163,6 @@ def test_a_script_whose_ranks_differ_in_a_shared_setting_gets_an_error_on_every_
     assert sorted(out.stdout.splitlines()) == [f"rank 0: {words}", f"rank 1: {words}"], out.stdout
 
 
-def test_a_script_that_reduces_on_its_own_communicator_only_is_checked_there():
-    # the world's duplicate is never made: the check runs on the first communicator the library is given
-    sub = _SCRIPT.replace('allreduce(x, algorithm="ring")', 'allreduce(x, algorithm="ring", comm=MPI.COMM_WORLD.Dup())')
-    out = _mpmd(["-c", sub], ["-c", "import os; os.environ['HPCJOBS_CHECKS'] = '0'\n" + sub])
-    words = "HPCJOBS_CHECKS differs across ranks (rank 0: on; rank 1: off): set it the same on every host"
-    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [f"rank 0: {words}", f"rank 1: {words}"], \
-        out.stdout + out.stderr
-
-
 def test_ranks_that_agree_run_with_their_settings():
     from launch import mpirun_script
 
