@@ -1,12 +1,27 @@
-"""MPI-3 shared memory: the one allocator of shared windows (shm's stages and
-symmetric buffers), and whether a communicator's ranks can share memory."""
+"""MPI-3 shared memory: the one allocator of shared windows (shm's stages,
+symmetric buffers, oneshot's segments), and whether a communicator's ranks
+can share memory.
+
+Every window made here and still live at exit is freed then, in the order
+the windows were made. MPI_Finalize would free them itself, but in the order
+of its own table, which fills freed slots first: ranks whose histories of
+windows differ (one made on ranks 0 and 1 and freed, then one on all three,
+then one on ranks 1 and 2) hold the same windows in different slots, each
+waits in another window's barrier, and the job hangs at exit (a 3-rank run
+of the test suite did). In the order made, the frees meet as the makes did.
+"""
 
 from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import threading
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["shared_window", "free_window", "is_single_node"]
+__all__ = ["shared_window", "allocate_shared", "free_window", "is_single_node"]
 
 _NODE_KEYVAL = MPI.Comm.Create_keyval()
 
@@ -37,11 +52,7 @@ def shared_window(nbytes: int, comm: MPI.Intracomm) -> tuple[MPI.Win, list[np.nd
         uint8s, this rank's own and its peers' alike. Free with
         :func:`free_window`.
     """
-    info = MPI.Info.Create()
-    info.Set("alloc_shared_noncontig", "true")
-    win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=comm)
-    info.Free()
-    win.Lock_all(MPI.MODE_NOCHECK)
+    win = allocate_shared(max(nbytes, 1), comm, noncontig=True)
     segments = []
     for p in range(comm.Get_size()):
         mem, _ = win.Shared_query(p)
@@ -49,8 +60,50 @@ def shared_window(nbytes: int, comm: MPI.Intracomm) -> tuple[MPI.Win, list[np.nd
     return win, segments
 
 
+def allocate_shared(nbytes: int, comm: MPI.Intracomm, noncontig: bool = False) -> MPI.Win:
+    """``MPI.Win.Allocate_shared`` of ``nbytes`` bytes on this rank, locked
+    for passive access, and kept to be freed at exit if it is not before
+    (collective). Free with :func:`free_window`."""
+    info = MPI.Info.Create()
+    if noncontig:
+        info.Set("alloc_shared_noncontig", "true")
+    try:
+        win = MPI.Win.Allocate_shared(nbytes, 1, info, comm=comm)
+    finally:
+        info.Free()
+    win.Lock_all(MPI.MODE_NOCHECK)
+    with _lock:
+        _live[next(_made)] = win
+    return win
+
+
 def free_window(win: MPI.Win) -> None:
-    """Unlock and free a window from :func:`shared_window` (collective)."""
+    """Unlock and free a window from :func:`allocate_shared` or
+    :func:`shared_window` (collective)."""
     if win != MPI.WIN_NULL:
+        with _lock:
+            for key, live in list(_live.items()):
+                if live is win:
+                    del _live[key]
         win.Unlock_all()
         win.Free()
+
+
+_lock = threading.Lock()
+_made = itertools.count()
+_live: dict = {}  # number in the order made -> window not yet freed
+
+
+@atexit.register
+def _free_left() -> None:
+    # atexit runs before mpi4py's MPI_Finalize (a C-level exit function, after every atexit hook)
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        for key in sorted(_live):
+            free_window(_live[key])
+
+
+def _forget_after_fork() -> None:  # a forked child holds no window of its own to free
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

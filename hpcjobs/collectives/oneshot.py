@@ -89,7 +89,7 @@ from mpi4py import MPI
 from ._buffers import Flat, OP_TABLE, _bf16, finish_avg
 from .agreement import SIG_WORDS
 from ._frame import run
-from ._shared import is_single_node
+from ._shared import allocate_shared, free_window, is_single_node
 
 __all__ = ["MAX_BYTES", "SPIN", "NAP_AFTER", "oneshot_allreduce", "allreduce", "agree"]
 
@@ -110,8 +110,7 @@ class _Segments:
     def __init__(self, comm: MPI.Intracomm):
         size, rank = comm.Get_size(), comm.Get_rank()
         seg = -(-(_DATA + 2 * MAX_BYTES) // 4096) * 4096
-        self.win = MPI.Win.Allocate_shared(seg, 1, comm=comm)
-        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.win = allocate_shared(seg, comm)  # contiguous where MPI can: see self.block
         raw = [np.frombuffer(self.win.Shared_query(q)[0], dtype=np.uint8, count=seg) for q in range(size)]
         # MPI lays the segments out one after another unless told otherwise;
         # then every rank's slot k is one strided 2-D array, reduced in one call.
@@ -168,9 +167,7 @@ class _Segments:
     def free(self) -> None:
         self.seqs, self.slots, self.plans, self.others, self.block, self.my_seq = [], [], {}, [], None, None
         self.my_sig, self.other_sigs = [], []
-        if self.win != MPI.WIN_NULL:
-            self.win.Unlock_all()
-            self.win.Free()
+        free_window(self.win)
 
 
 def _free(comm, keyval, segments):

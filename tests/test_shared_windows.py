@@ -1,0 +1,71 @@
+"""Shared windows: every one made is freed, by its owner or at exit in the
+order made (hpcjobs.collectives._shared)."""
+
+import textwrap
+
+import pytest
+from mpi4py import MPI
+
+from hpcjobs.collectives import _shared
+from hpcjobs.collectives._shared import allocate_shared, free_window, shared_window
+
+# Three ranks whose histories of windows differ: one on ranks 0-1, made and freed; one on all; one on ranks 1-2;
+# the last two left to the end of the script. MPI_Finalize frees what is left in the order of its table, whose
+# freed slot 0 the third window took on rank 1 (where rank 2 holds the second there): rank 1 waited in the third's
+# barrier, rank 2 in the second's, and the job hung at exit after printing everything.
+_LEFT_AT_EXIT = textwrap.dedent("""
+    from mpi4py import MPI
+    from hpcjobs.collectives._shared import free_window, shared_window
+
+    w = MPI.COMM_WORLD
+    r = w.Get_rank()
+    first = w.Split(0 if r < 2 else MPI.UNDEFINED, r)
+    last = w.Split(0 if r > 0 else MPI.UNDEFINED, r)
+    a = shared_window(64, first)[0] if r < 2 else None
+    b, (mine, *_) = shared_window(64, w)
+    mine[:] = r
+    if a is not None:
+        free_window(a)
+    c = shared_window(64, last)[0] if r > 0 else None
+    print("rank", r, "leaves its windows", flush=True)
+""")
+
+
+def test_windows_left_at_exit_are_freed_in_the_order_made_and_the_job_ends():
+    from launch import mpirun_script
+
+    out = mpirun_script(3, _LEFT_AT_EXIT, timeout=60)
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
+        f"rank {r} leaves its windows" for r in range(3)], out.stdout + out.stderr
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_window_is_kept_from_its_making_to_its_freeing_by_its_owner():
+    comm = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+    before = dict(_shared._live)
+    win, segments = shared_window(100, comm)
+    other = allocate_shared(8, comm)
+    made = [k for k in _shared._live if k not in before]
+    assert [_shared._live[k] for k in made] == [win, other] and made == sorted(made)
+    assert len(segments) == comm.Get_size() and all(s.nbytes == 100 for s in segments)
+    free_window(win)
+    assert win == MPI.WIN_NULL and list(_shared._live) == [*before, made[1]]
+    free_window(win)  # freed already: nothing to do
+    free_window(other)
+    assert _shared._live == before
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_communicators_oneshot_segments_leave_the_list_when_it_is_freed():
+    import numpy as np
+
+    from hpcjobs.collectives import allreduce
+
+    comm = MPI.COMM_WORLD.Dup()
+    before = set(_shared._live)
+    x = np.ones(16)
+    allreduce(x, algorithm="oneshot", comm=comm)
+    assert (x == comm.Get_size()).all() and set(_shared._live) > before
+    comm.Free()
+    assert set(_shared._live) == before
