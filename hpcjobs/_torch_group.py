@@ -5,7 +5,6 @@ thread per group and run on hpcjobs' collectives or MPI."""
 from __future__ import annotations
 
 import atexit
-import os
 import queue
 import sys
 import threading
@@ -20,7 +19,7 @@ from torch.futures import Future
 from .collectives.agreement import agree_or_raise
 from .collectives.watchdog import guard
 from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes
-from .comm import private
+from .comm import private, setting
 
 BACKEND = "hpcjobs"
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
@@ -68,8 +67,12 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("the hpcjobs backend needs MPI_THREAD_MULTIPLE (torch calls it from several "
                                f"threads); this MPI gives level {MPI.Query_thread()}")
-        self._comm = private(comm)  # collective: here, on the creating thread
-        self._algorithm = algorithm or os.environ.get("HPCJOBS_TORCH_ALGORITHM", "auto")
+        # collective: here, on the creating thread. A communicator of its own: two groups over the same ranks
+        # each reduce on their own worker thread, and on one communicator their calls could cross. private(comm)
+        # first: on the world, that attaches the stall watchdog, whose report names the ranks missing.
+        private(comm)
+        self._comm = private(comm.Dup())
+        self._algorithm = algorithm or setting("HPCJOBS_TORCH_ALGORITHM")
         self._queue: queue.Queue = queue.Queue()
         self._group_name = self._group_desc = ""
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)

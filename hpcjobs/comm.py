@@ -11,7 +11,11 @@ when the user frees their communicator.
 communicator must be called by all of its ranks, which a collective is anyway.
 The first on COMM_WORLD also makes the stall watchdog's own duplicate, on
 which ranks ask each other where they are when a collective times out
-(:mod:`hpcjobs.collectives.watchdog`).
+(:mod:`hpcjobs.collectives.watchdog`). As it makes a duplicate, every rank
+compares the settings that must be the same everywhere
+(:func:`shared_settings`) and any job parameter it could not use, and all
+raise together where they differ (:func:`refusals`), rather than one rank
+alone or each running its own way.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "shared_settings", "refusals",
+           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
            "environment_problem"]
 
 
@@ -43,7 +47,8 @@ _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_private)
 
 
 def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
-    """Return the suite's private duplicate of ``comm``.
+    """Return the suite's private duplicate of ``comm``, made on the first
+    call for it, when its ranks also compare :func:`shared_settings`.
 
     Args:
         comm: an intracommunicator, or None for MPI.COMM_WORLD.
@@ -54,7 +59,8 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
 
     Raises:
         TypeError: ``comm`` is not an MPI intracommunicator.
-        ValueError: ``comm`` is MPI.COMM_NULL.
+        ValueError: ``comm`` is MPI.COMM_NULL; or, on every rank of it, a
+            rank's environment cannot be used or the ranks' settings differ.
     """
     global _world_dup, _last
     if comm is None or comm is MPI.COMM_WORLD:  # the usual call, which cannot be freed: no lookup
@@ -72,9 +78,12 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
         raise TypeError("hpcjobs collectives need an intracommunicator, got an intercommunicator")
     dup = comm.Get_attr(_KEYVAL)
     if dup is None:
-        if comm == MPI.COMM_WORLD:  # once per process, before anything runs its own way
-            _check_shared_settings(comm)
         dup = comm.Dup()
+        try:  # once per communicator, before anything runs its own way on it
+            _check_shared_settings(dup)
+        except BaseException:
+            dup.Free()
+            raise
         comm.Set_attr(_KEYVAL, dup)
         if comm == MPI.COMM_WORLD:  # collective here anyway: one more for the stall watchdog
             from .collectives import watchdog
@@ -126,6 +135,13 @@ def install() -> tuple[str, str]:
     return f"{__version__} ({zlib.crc32(chr(10).join(items).encode()):08x})", root
 
 
+def setting(name: str) -> str:
+    """One of :data:`SAME_EVERYWHERE` as in effect: its value, stripped, or
+    its default when unset or empty. The code that acts on it reads it
+    here, so that what the ranks compare is what they run."""
+    return os.environ.get(name, "").strip() or SAME_EVERYWHERE[name]
+
+
 def shared_settings() -> dict:
     """This process's settings that every rank must share: its hpcjobs
     (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
@@ -133,7 +149,7 @@ def shared_settings() -> dict:
     from .collectives.agreement import checks_enabled
 
     return {"hpcjobs": install()[0], "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            **{name: os.environ.get(name, "").strip() or default for name, default in SAME_EVERYWHERE.items()}}
+            **{name: setting(name) for name in SAME_EVERYWHERE}}
 
 
 def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[str]:
@@ -142,8 +158,12 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
     ranks it came from when not all, else each of :data:`SETTINGS` whose
     value in ``settings`` differs across the ranks, with their values. Empty
     when all is well: one small allreduce then. Collective."""
-    if agree(signature([problem is not None, *(settings.get(n) for n in SETTINGS)]), comm).all() \
-            and problem is None:
+    try:
+        mine = signature([problem is not None, *(settings.get(n) for n in SETTINGS)])
+    except Exception as e:  # noqa: BLE001 -- a value no signature holds: said on every rank, not raised here
+        problem, settings = f"{type(e).__name__}: {e}", {}
+        mine = signature([True, *(None for _ in SETTINGS)])
+    if agree(mine, comm).all() and problem is None:
         return []
     everyone = comm.allgather((problem, settings))
     problems = [p for p, _ in everyone]
@@ -165,18 +185,19 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
 
 def environment_problem() -> str | None:
     """A job parameter in this process's environment that the library read
-    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``),
-    or None."""
-    from .collectives import watchdog
+    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``,
+    ``HPCJOBS_CUDA_IPC_ONE_SHOT``), or None."""
+    from .collectives import cuda_ipc, watchdog
 
-    return watchdog.ENV_ERROR
+    return watchdog.ENV_ERROR or cuda_ipc.ENV_ERROR
 
 
 def _check_shared_settings(comm: MPI.Intracomm) -> None:
     """ValueError on every rank of ``comm`` where a rank's environment cannot
     be used or :func:`shared_settings` differ across them: a rank checking
     its calls beside one that does not waits for it in a collective the
-    other never runs (a 2-rank job hung until the watchdog). Collective."""
+    other never runs (a 2-rank job hung until the watchdog). One small
+    allreduce when all is well. Collective."""
     try:
         problem, settings = environment_problem(), shared_settings() | {"hpcjobs at": install()[1]}
     except Exception as e:  # noqa: BLE001 -- said on every rank, not raised on this one alone
@@ -234,9 +255,9 @@ def signature(values) -> np.ndarray:
 def _code(value) -> int:
     if isinstance(value, bool) or value is None:
         return int(bool(value)) - (value is None)
-    if isinstance(value, (int, np.integer)):
+    if isinstance(value, (int, np.integer)) and -2**63 <= value < 2**63:
         return int(value)
-    return zlib.crc32(str(value).encode())
+    return zlib.crc32(str(value).encode("utf-8", "surrogatepass"))  # the environment's undecodable bytes too
 
 
 def extremes(values, comm: MPI.Comm) -> tuple[np.ndarray, np.ndarray]:

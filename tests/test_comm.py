@@ -142,7 +142,8 @@ def _mpmd(first: list[str], second: list[str]):
     with launch_env() as env:
         for name in SETTINGS:
             env.pop(name, None)
-        env.pop("HPCJOBS_TIMEOUT", None)
+        for name in ("HPCJOBS_TIMEOUT", "HPCJOBS_STALL_WARNING"):
+            env.pop(name, None)
         exe, *over, _, _, python = _mpirun_prefix(1)
         return run([exe, *over, "-n", "1", python, *first, ":", "-n", "1", python, *second], 120, env)
 
@@ -154,6 +155,8 @@ def _mpmd(first: list[str], second: list[str]):
                                  "same on every host"),
     # read at import: it ended rank 1 alone there, and rank 0 waited in MPI for it
     ("HPCJOBS_TIMEOUT", "soon", "HPCJOBS_TIMEOUT='soon' is not a number of seconds (on rank 1 of 2)"),
+    ("HPCJOBS_CUDA_IPC_ONE_SHOT", "64K", "HPCJOBS_CUDA_IPC_ONE_SHOT='64K' is not a number of bytes >= 0 (0: no "
+                                         "one-shot) (on rank 1 of 2)"),
 ])
 def test_a_script_whose_ranks_differ_in_a_shared_setting_gets_an_error_on_every_rank(variable, value, words):
     # A script of the user's, not `hpcjobs`: the library's first collective on the world compares them. With
@@ -161,6 +164,31 @@ def test_a_script_whose_ranks_differ_in_a_shared_setting_gets_an_error_on_every_
     out = _mpmd(["-c", _SCRIPT], ["-c", f"import os; os.environ[{variable!r}] = {value!r}\n" + _SCRIPT])
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == [f"rank 0: {words}", f"rank 1: {words}"], out.stdout
+
+
+def test_a_script_that_reduces_on_its_own_communicator_only_is_checked_there():
+    # the world's duplicate is never made: the check runs on the first communicator the library is given
+    sub = _SCRIPT.replace('allreduce(x, algorithm="ring")', 'allreduce(x, algorithm="ring", comm=MPI.COMM_WORLD.Dup())')
+    assert sub != _SCRIPT
+    sub += "import hpcjobs.comm; print('world made:', hpcjobs.comm._world_dup is not None)\n"
+    out = _mpmd(["-c", sub], ["-c", "import os; os.environ['HPCJOBS_CHECKS'] = '0'\n" + sub])
+    words = "HPCJOBS_CHECKS differs across ranks (rank 0: on; rank 1: off): set it the same on every host"
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
+        f"rank 0: {words}", f"rank 1: {words}", "world made: False", "world made: False"], out.stdout + out.stderr
+
+
+def test_a_refused_duplicate_is_freed_and_made_again_once_all_is_well(monkeypatch):
+    from hpcjobs.collectives import watchdog
+    from hpcjobs.comm import _KEYVAL
+
+    comm = MPI.COMM_WORLD.Dup()
+    monkeypatch.setattr(watchdog, "ENV_ERROR", "HPCJOBS_TIMEOUT='soon' is not a number of seconds")
+    with pytest.raises(ValueError, match="HPCJOBS_TIMEOUT='soon'"):
+        private(comm)
+    assert comm.Get_attr(_KEYVAL) is None  # nothing kept
+    monkeypatch.setattr(watchdog, "ENV_ERROR", None)
+    assert private(comm).Get_size() == comm.Get_size() and comm.Get_attr(_KEYVAL) is private(comm)
+    comm.Free()
 
 
 def test_ranks_that_agree_run_with_their_settings():
@@ -171,10 +199,14 @@ def test_ranks_that_agree_run_with_their_settings():
         out.stdout + out.stderr
 
 
-def test_a_setting_left_unset_and_one_set_to_its_default_agree():
-    out = _mpmd(["-c", _SCRIPT], ["-c", "import os; os.environ['HPCJOBS_AGREE_VIA'] = 'oneshot'\n" + _SCRIPT])
-    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == ["rank 0: reduced 2", "rank 1: reduced 2"], \
-        out.stdout + out.stderr
+@pytest.mark.parametrize("value", ["oneshot", "", " oneshot "])
+def test_a_setting_left_unset_and_one_set_to_its_default_agree(value):
+    # compared as the code runs it: an empty or padded value is the default there too (the exchange read the raw
+    # value, and " oneshot " on one rank would have exchanged over MPI beside the others' shared segment)
+    out = _mpmd(["-c", _SCRIPT], ["-c", f"import os; os.environ['HPCJOBS_AGREE_VIA'] = {value!r}\n" + _SCRIPT
+                                  + "from hpcjobs.collectives import agreement; print('via', agreement._VIA)"])
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
+        "rank 0: reduced 2", "rank 1: reduced 2", "via oneshot"], out.stdout + out.stderr
 
 
 def test_a_host_with_another_copy_of_hpcjobs_is_named(tmp_path):

@@ -47,7 +47,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import ranks_text, signature
+from ..comm import ranks_text, setting, signature
 from ._shared import is_single_node
 
 __all__ = ["MismatchError", "SIG_WORDS", "checks_enabled", "set_checks", "checking", "agree_or_raise", "agree_values",
@@ -196,7 +196,7 @@ _SEGMENT, _MPI = "segment", "mpi"
 _EXCHANGE_KEYVAL = MPI.Comm.Create_keyval()
 # HPCJOBS_AGREE_VIA=oneshot|mpi: the exchange (oneshot's segment on one
 # node, by default; mpi to measure the other).
-_VIA = os.environ.get("HPCJOBS_AGREE_VIA", "oneshot")
+_VIA = setting("HPCJOBS_AGREE_VIA")
 
 
 def exchange_of(comm: MPI.Intracomm) -> str:

@@ -81,6 +81,7 @@ import time
 
 from mpi4py import MPI
 
+from ..comm import SAME_EVERYWHERE, setting
 from ._buffers import OP_TABLE, chunk_bounds
 from ._shared import free_window, is_single_node, shared_window
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, Stream, divide
@@ -91,8 +92,17 @@ __all__ = ["CAPACITY", "ONE_SHOT_BYTES", "IpcUnavailable", "allreduce", "reduce_
 # Largest staging buffer, in bytes (two per communicator and rank).
 CAPACITY = 256 << 20
 # Messages up to this size take the one-shot path (docs/results/gpu.md);
-# HPCJOBS_CUDA_IPC_ONE_SHOT=<bytes> overrides it, 0 turns it off.
-ONE_SHOT_BYTES = int(os.environ.get("HPCJOBS_CUDA_IPC_ONE_SHOT", 256 << 10))
+# HPCJOBS_CUDA_IPC_ONE_SHOT=<bytes> overrides it, 0 turns it off. A bad one
+# is not raised here at import, on this rank alone: hpcjobs.comm reports
+# ENV_ERROR on every rank as the communicators are made.
+try:
+    ONE_SHOT_BYTES, ENV_ERROR = int(setting("HPCJOBS_CUDA_IPC_ONE_SHOT")), None
+    if ONE_SHOT_BYTES < 0:
+        raise ValueError
+except ValueError:
+    ONE_SHOT_BYTES = int(SAME_EVERYWHERE["HPCJOBS_CUDA_IPC_ONE_SHOT"])
+    ENV_ERROR = (f"HPCJOBS_CUDA_IPC_ONE_SHOT={os.environ['HPCJOBS_CUDA_IPC_ONE_SHOT']!r} is not a number of bytes "
+                 ">= 0 (0: no one-shot)")
 _MIN_BYTES = 1 << 20
 _SYNC_MODES = ("events", "host")
 
@@ -105,7 +115,7 @@ class IpcUnavailable(RuntimeError):
 def sync_mode() -> str:
     """The fence (module docstring): ``HPCJOBS_CUDA_IPC_SYNC``, "events" by
     default."""
-    mode = os.environ.get("HPCJOBS_CUDA_IPC_SYNC", "events")
+    mode = setting("HPCJOBS_CUDA_IPC_SYNC")
     if mode not in _SYNC_MODES:
         raise ValueError(f"HPCJOBS_CUDA_IPC_SYNC={mode!r}; choose one of {', '.join(_SYNC_MODES)}")
     return mode

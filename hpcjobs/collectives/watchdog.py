@@ -92,7 +92,8 @@ def _from_environment() -> tuple[float, float, str | None]:
     """HPCJOBS_TIMEOUT and HPCJOBS_STALL_WARNING (the warning before the
     abort), or the defaults and why not. Not raised here at import, where it
     would end this rank alone while the others wait for it in MPI:
-    :mod:`hpcjobs.comm` reports it on every rank as the world is made."""
+    :mod:`hpcjobs.comm` reports it on every rank as each communicator's
+    duplicate is made (and :func:`set_timeout` does not clear it)."""
     try:
         timeout = env_number("HPCJOBS_TIMEOUT", DEFAULT_TIMEOUT)
         return timeout, env_number("HPCJOBS_STALL_WARNING", min(DEFAULT_WARNING, timeout / 2)), None

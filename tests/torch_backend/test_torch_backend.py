@@ -125,6 +125,25 @@ def pg():
     group.shutdown()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_two_groups_over_the_same_ranks_reduce_on_communicators_of_their_own(pg):
+    # each group's worker thread runs its calls as they come: on one communicator, a second group's ring could
+    # take the first's messages (both used the world's duplicate before)
+    from hpcjobs.comm import world
+
+    other = new_process_group()
+    try:
+        comms = {id(pg._comm), id(other._comm), id(world())}
+        assert len(comms) == 3 and MPI.Comm.Compare(pg._comm, other._comm) == MPI.CONGRUENT
+        a, b = torch.full((1 << 16,), 1.0), torch.full((1 << 16,), 2.0)
+        works = [pg.allreduce([a], _opts("AllreduceOptions")), other.allreduce([b], _opts("AllreduceOptions"))]
+        for w in works:
+            w.wait()
+        assert (a == pg.size()).all() and (b == 2 * pg.size()).all()
+    finally:
+        other.shutdown()
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
                                                        torch.int64)
