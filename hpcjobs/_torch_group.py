@@ -61,23 +61,28 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
     (module docstring). ``comm``: the MPI communicator of the group's ranks,
     in group-rank order."""
 
-    def __init__(self, comm: MPI.Intracomm | None = None, algorithm: str | None = None):
+    def __init__(self, comm: MPI.Intracomm | None = None, algorithm: str | None = None, *, owned: bool = False):
         comm = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(comm.Get_rank(), comm.Get_size())
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("the hpcjobs backend needs MPI_THREAD_MULTIPLE (torch calls it from several "
                                f"threads); this MPI gives level {MPI.Query_thread()}")
-        # collective: here, on the creating thread. A communicator of its own: two groups over the same ranks
-        # each reduce on their own worker thread, and on one communicator their calls could cross. private(comm)
-        # first: on the world, that attaches the stall watchdog, whose report names the ranks missing.
-        private(comm)
-        self._comm = private(comm.Dup())
+        # Collective, here on the creating thread. A communicator of the group's own (``owned``: made for it),
+        # freed at shutdown with what the library made on it: two groups' worker threads on one could cross.
+        if comm is MPI.COMM_WORLD:  # its duplicate attaches the stall watchdog, whose report names the ranks
+            private(comm)
+        self._own = comm if owned else comm.Dup()
+        try:
+            self._comm = private(self._own)
+        except BaseException:
+            self._own.Free()
+            raise
         self._algorithm = algorithm or setting("HPCJOBS_TORCH_ALGORITHM")
         self._queue: queue.Queue = queue.Queue()
         self._group_name = self._group_desc = ""
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)
         self._worker.start()
-        _live.add(self)
+        _live.append(weakref.ref(self))
 
     # -- plumbing -----------------------------------------------------------
 
@@ -191,12 +196,16 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         return f"HpcjobsProcessGroup(rank={self.rank()}, size={self.size()}, algorithm={self._algorithm!r})"
 
     def shutdown(self) -> None:
-        """Run what is queued, then stop the worker (``destroy_process_group``
-        calls it; so does interpreter exit, before MPI is finalized)."""
+        """Run what is queued, stop the worker, free the group's communicator
+        (collective: ``destroy_process_group`` calls it on the group's ranks;
+        at exit, every group in the order made, before MPI_Finalize)."""
         if self._worker.is_alive():
             self._queue.put(None)
-            if threading.current_thread() is not self._worker:
-                self._worker.join()
+            if threading.current_thread() is self._worker:
+                return
+            self._worker.join()
+        if self._own != MPI.COMM_NULL and not MPI.Is_finalized():
+            self._own.Free()  # collective: its duplicate's windows go with it
 
     # -- reductions ---------------------------------------------------------
 
@@ -365,10 +374,10 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
         def run():  # an allgather that only the root keeps
             inp = input_tensors[0]
-            outs = list(output_lists[0]) if self.rank() == root else [torch.empty_like(inp)
-                                                                      for _ in range(self.size())]
+            outs = list(output_lists[0]) if self.rank() == root else [torch.empty_like(inp) for _ in range(self.size())]
             self._allgather_into(outs, inp)
         return self._submit(run, output_lists, [*input_tensors])
+
 
 def _refuse(name: str):
     def refuse(self, *args, **kwargs):
@@ -381,10 +390,11 @@ for _name in _UNSUPPORTED:
     setattr(HpcjobsProcessGroup, _name, _refuse(_name))
 
 
-_live: weakref.WeakSet = weakref.WeakSet()
+_live: list = []  # weak references to every group, in the order made
 
 
 @atexit.register
 def _shutdown_all() -> None:
-    for pg in list(_live):
-        pg.shutdown()
+    for pg in [ref() for ref in _live]:
+        if pg is not None:
+            pg.shutdown()

@@ -77,11 +77,13 @@ def _create(opts, backend_options=None) -> HpcjobsProcessGroup:
     if ranks == list(range(world.Get_size())):
         comm = world
     else:
-        comm = world.Create_group(world.Get_group().Incl(ranks))
+        comm = world.Create_group(world.Get_group().Incl(ranks))  # the group's own: freed at its shutdown
     if comm.Get_rank() != opts.group_rank or comm.Get_size() != opts.group_size:
+        if comm is not world:
+            comm.Free()
         raise RuntimeError(f"the hpcjobs backend: torch gives this rank {opts.group_rank} of {opts.group_size}, "
                            f"MPI {comm.Get_rank()} of {comm.Get_size()} (torch's ranks must be COMM_WORLD's)")
-    return HpcjobsProcessGroup(comm)
+    return HpcjobsProcessGroup(comm, owned=comm is not world)
 
 
 def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):

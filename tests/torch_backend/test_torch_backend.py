@@ -144,6 +144,22 @@ def test_two_groups_over_the_same_ranks_reduce_on_communicators_of_their_own(pg)
         other.shutdown()
 
 
+@pytest.mark.mpi(min_size=2)  # one rank reduces without a window
+def test_shutdown_frees_the_groups_communicator_and_the_windows_made_on_it():
+    # left to MPI_Finalize, windows on groups over different ranks were freed in an order that differed by rank
+    # and the job hung at exit; a group's communicator is its own, freed at its shutdown, its windows with it
+    from hpcjobs.collectives import _shared
+
+    before = set(_shared._live)
+    group = new_process_group(algorithm="oneshot")
+    x = torch.ones(64)
+    group.allreduce([x], _opts("AllreduceOptions")).wait()
+    assert (x == group.size()).all() and set(_shared._live) > before
+    group.shutdown()
+    assert group._own == MPI.COMM_NULL and group._comm == MPI.COMM_NULL and set(_shared._live) == before
+    group.shutdown()  # again, as at exit: nothing left to do
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
                                                        torch.int64)
