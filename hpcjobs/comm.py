@@ -145,10 +145,12 @@ def setting(name: str) -> str:
 def shared_settings() -> dict:
     """This process's settings that every rank must share: its hpcjobs
     (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
-    ``set_checks``) and :data:`SAME_EVERYWHERE` as in effect."""
+    ``set_checks``) and :data:`SAME_EVERYWHERE` as in effect; and, said
+    rather than compared, where its hpcjobs is (``"hpcjobs at"``)."""
     from .collectives.agreement import checks_enabled
 
-    return {"hpcjobs": install()[0], "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
+    version, root = install()
+    return {"hpcjobs": version, "hpcjobs at": root, "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
             **{name: setting(name) for name in SAME_EVERYWHERE}}
 
 
@@ -199,7 +201,7 @@ def _check_shared_settings(comm: MPI.Intracomm) -> None:
     other never runs (a 2-rank job hung until the watchdog). One small
     allreduce when all is well. Collective."""
     try:
-        problem, settings = environment_problem(), shared_settings() | {"hpcjobs at": install()[1]}
+        problem, settings = environment_problem(), shared_settings()
     except Exception as e:  # noqa: BLE001 -- said on every rank, not raised on this one alone
         problem, settings = f"{type(e).__name__}: {e}", {}
     found = refusals(problem, settings, comm)

@@ -233,15 +233,13 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
 
 
 def _shared_settings(args) -> dict:
-    """The job parameters that every rank must share (:func:`hpcjobs.comm.shared_settings`),
-    the ranks per simulated node after the command line's override, and
-    where this rank's hpcjobs is (said, not compared)."""
-    from ..comm import install, shared_settings
+    """The job parameters that every rank must share (:func:`hpcjobs.comm.shared_settings`)
+    and the ranks per simulated node after the command line's override."""
+    from ..comm import shared_settings
     from ..topology import check_ranks_per_node
 
     nodes = getattr(args, "ranks_per_node", None) or check_ranks_per_node(None)
-    return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes,
-                                "hpcjobs at": install()[1]}
+    return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
 
 
 def _run_ranks(command: Command, run, args, prog: str) -> int:
