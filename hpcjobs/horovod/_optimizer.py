@@ -65,7 +65,7 @@ from ._allreduce import grouped_allreduce_
 from ._collectives import scale
 from ._compression import Compression, _Ours, engine_compressor
 from ._controller import fusion_threshold as _fusion_threshold
-from ._process_sets import ranks_of, resolve
+from ._process_sets import engine_of, ranks_of, resolve
 from ._sparse import sparse_allreduce_async
 from ._state import Average, Sum, global_process_set, reduce_op, world
 
@@ -261,10 +261,10 @@ def _check_groups(groups) -> None:
 
 def _reducer(optimizer, named: list, compression, backward_passes_per_step: int, op: int, predivide: float,
              process_set, sparse_as_dense: bool):
-    set_id, comm, ranks = resolve(process_set)
+    set_id, _, ranks = resolve(process_set)
     if len(ranks) == 1:
         return None
-    base = world().comm if set_id == 0 else comm
+    base = world().comm if set_id == 0 else engine_of(set_id)  # not the controller's (_process_sets._Entry)
     updated = {id(p) for g in optimizer.param_groups for p in g["params"]}
     params = [(n, p) for n, p in named if id(p) in updated]  # the engine skips those without gradients
     if all(p.device.type == "cpu" for _, p in params):

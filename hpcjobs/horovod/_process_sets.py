@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ..comm import by_value
+from ..comm import by_value, private
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "setup", "clear",
            "members", "comm_of", "ranks_of", "resolve", "register_at_init"]
@@ -86,8 +86,11 @@ global_process_set.process_set_id = 0
 @dataclass
 class _Entry:
     ranks: tuple
-    comm: MPI.Intracomm | None  # the set's communicator for the collectives (None off the set)
+    comm: MPI.Intracomm | None  # the set's communicator for the controller's collectives (None off the set)
     owned: bool
+    # the DistributedOptimizer's, apart: its overlap thread reduces while the controller's thread runs the
+    # set's collectives, and two threads' collectives on one communicator could match across ranks crossed
+    engine: MPI.Intracomm | None = None
 
 
 _sets: dict[int, _Entry] = {}
@@ -115,7 +118,7 @@ def clear() -> None:
     global _admin
     for entry in _sets.values():
         if entry.owned and entry.comm is not None and not MPI.Is_finalized():
-            entry.comm.Free()
+            _free(entry)
     _sets.clear()
     _admin = None
 
@@ -128,6 +131,12 @@ def members(set_id: int):
 
 def comm_of(set_id: int) -> MPI.Intracomm:
     return _sets[set_id].comm
+
+
+def engine_of(set_id: int) -> MPI.Intracomm | None:
+    """The DistributedOptimizer's communicator for set ``set_id`` (not the
+    global set's: the optimizer reduces on the world's base there)."""
+    return _sets[set_id].engine
 
 
 def watched_comm(set_id: int) -> MPI.Intracomm | None:
@@ -175,9 +184,24 @@ def _register(ranks: tuple) -> int:
     global _next_id
     me = _admin.Get_rank()
     sub = _admin.Split(0 if me in ranks else MPI.UNDEFINED, me)
+    if sub == MPI.COMM_NULL:
+        entry = _Entry(ranks, None, True)
+    else:
+        entry = _Entry(ranks, sub, True, sub.Dup())
+        try:  # their duplicates made here, on the calling thread, rather than first on the two threads
+            private(entry.comm), private(entry.engine)
+        except BaseException:
+            _free(entry)
+            raise
     set_id, _next_id = _next_id, _next_id + 1
-    _sets[set_id] = _Entry(ranks, None if sub == MPI.COMM_NULL else sub, True)
+    _sets[set_id] = entry
     return set_id
+
+
+def _free(entry: _Entry) -> None:
+    for c in (entry.comm, entry.engine):
+        if c is not None:
+            c.Free()
 
 
 def _agreed(what: str, mine) -> list:
@@ -229,8 +253,7 @@ def remove_process_set(process_set) -> bool:
     process_set._invalidate()
     if entry is None:
         return False
-    if entry.comm is not None:
-        entry.comm.Free()
+    _free(entry)
     return True
 
 

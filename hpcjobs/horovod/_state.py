@@ -113,7 +113,12 @@ def init(comm=None, process_sets=None) -> None:
         return
     base, owned = _communicator(spec)
     shutdown()
-    private(base)  # collective: made here, on the main thread, not first on a thread; first, as it can raise
+    try:
+        private(base)  # collective: made here, on the main thread, not first on a thread; first, as it can raise
+    except BaseException:
+        if owned:  # the list's communicator, made above
+            base.Free()
+        raise
     ops, ctrl, admin = base.Dup(), base.Dup(), base.Dup()
     private(ops)
     _process_sets.setup(ops, admin)

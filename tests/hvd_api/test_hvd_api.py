@@ -44,6 +44,22 @@ def test_calls_before_init_raise_horovods_error():
     assert hvd.is_initialized()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_init_on_a_list_of_ranks_refused_frees_the_communicator_it_made(monkeypatch):
+    from hpcjobs.collectives import watchdog
+    from hpcjobs.horovod import _state
+
+    made, real = [], _state._communicator
+    monkeypatch.setattr(_state, "_communicator", lambda spec: made.append(real(spec)) or made[-1])
+    monkeypatch.setattr(watchdog, "ENV_ERROR", "HPCJOBS_TIMEOUT='soon' is not a number of seconds")
+    with pytest.raises(ValueError, match="HPCJOBS_TIMEOUT='soon'"):
+        hvd.init(list(range(WORLD.Get_size())))
+    (comm, owned), = made
+    assert owned and comm == MPI.COMM_NULL and not hvd.is_initialized()
+    monkeypatch.setattr(watchdog, "ENV_ERROR", None)
+    hvd.init()
+
+
 def test_what_this_implementation_is_built_with():
     assert hvd.mpi_built() and hvd.mpi_enabled()
     assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.ddl_built() or hvd.ccl_built() or hvd.rocm_built())

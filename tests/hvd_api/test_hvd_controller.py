@@ -252,6 +252,37 @@ def test_distributed_optimizer_on_a_process_set_averages_among_its_ranks():
         hvd.remove_process_set(first)
 
 
+@pytest.mark.mpi(min_size=3)
+def test_a_process_sets_optimizer_and_its_collectives_reduce_on_communicators_of_their_own():
+    # the optimizer's overlap thread and the controller's thread both ran collectives on the set's one
+    # communicator, where two threads' calls can match across ranks crossed; the global set's were apart already
+    from hpcjobs.horovod import _process_sets
+
+    size, rank = hvd.size(), hvd.rank()
+    m = size - 1
+    first = hvd.add_process_set(list(range(m)))  # every rank but the last
+    try:
+        if rank < m:
+            ours, theirs = (f(first.process_set_id) for f in (_process_sets.engine_of, _process_sets.comm_of))
+            assert ours is not theirs and MPI.Comm.Compare(ours, theirs) == MPI.CONGRUENT
+            w = torch.nn.Parameter(torch.zeros(1 << 12))
+            opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0), named_parameters=[("w", w)],
+                                           process_set=first)
+            for step in range(3):  # each step's gradients reduce beside the set's own allreduces
+                handles = [hvd.allreduce_async(torch.full((1 << 12,), float(rank + k)), op=hvd.Sum,
+                                               process_set=first) for k in range(4)]
+                opt.zero_grad()
+                (w * float(rank + 1)).sum().backward()
+                opt.step()
+                for k, h in enumerate(handles):
+                    assert (hvd.synchronize(h) == float(sum(q + k for q in range(m)))).all()
+                assert (w.detach() == -(step + 1) * (m + 1) / 2).all()
+    finally:
+        hvd.remove_process_set(first)
+    if rank < m:
+        assert ours == MPI.COMM_NULL and theirs == MPI.COMM_NULL
+
+
 # -- stalls and shutdown --------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
