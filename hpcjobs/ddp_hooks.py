@@ -44,6 +44,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
+from .comm import private
 from .compression import ErrorFeedback, compressed_allreduce, make_compressor
 
 __all__ = ["HookState", "register", "compression_hook"]
@@ -65,7 +66,12 @@ class HookState:
             raise ValueError("compression 'none' needs no hook: DDP's own allreduce (on the hpcjobs backend, "
                              "ours) does that")
         self.memory = ErrorFeedback() if error_feedback else None
-        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()  # collective, here
+        self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()  # collective, here; freed by close
+        try:
+            private(self.comm)  # its duplicate made here too, on the creating thread, not first on the worker
+        except BaseException:
+            self.comm.Free()
+            raise
         self.algorithm = algorithm
         self.step = 0
         self.sent_bytes = 0
@@ -73,27 +79,33 @@ class HookState:
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-ddp-hook", daemon=True)
         self._worker.start()
-        _live.add(self)
+        _live.append(weakref.ref(self))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the worker: buckets still queued fail (their collectives
         would wait for peers that may be gone), the one in progress
-        finishes, within ``timeout`` seconds. Interpreter exit calls it: a
-        daemon worker still inside torch's ``set_result`` (DDP's callbacks
-        run there after backward has returned) would be killed at
-        finalization, and that aborts the process."""
-        if not self._worker.is_alive():
-            return
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[1].set_exception(RuntimeError("the hpcjobs DDP hook was closed before this bucket ran"))
-        self._queue.put(None)
-        if threading.current_thread() is not self._worker:
+        finishes, within ``timeout`` seconds; then the communicator is freed
+        (collective: every rank closes; at exit, every hook in the order
+        registered). Interpreter exit calls it: a daemon worker still inside
+        torch's ``set_result`` (DDP's callbacks run there after backward has
+        returned) would be killed at finalization, and that aborts the
+        process."""
+        if self._worker.is_alive():
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].set_exception(RuntimeError("the hpcjobs DDP hook was closed before this bucket ran"))
+            self._queue.put(None)
+            if threading.current_thread() is self._worker:
+                return
             self._worker.join(timeout)
+            if self._worker.is_alive():  # still in its bucket: its communicator stays
+                return
+        if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
+            self.comm.Free()  # the windows made on its duplicate go with it
 
     def _serve(self) -> None:
         while True:
@@ -150,10 +162,11 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
     return state
 
 
-_live: weakref.WeakSet = weakref.WeakSet()
+_live: list = []  # weak references to every hook's state, in the order registered
 
 
 @atexit.register
 def _close_all() -> None:
-    for state in list(_live):
-        state.close()
+    for state in [ref() for ref in _live]:
+        if state is not None:
+            state.close()

@@ -9,6 +9,10 @@ windows differ (one made on ranks 0 and 1 and freed, then one on all three,
 then one on ranks 1 and 2) hold the same windows in different slots, each
 waits in another window's barrier, and the job hangs at exit (a 3-rank run
 of the test suite did). In the order made, the frees meet as the makes did.
+Windows made at once by two threads on two communicators could be made in
+one order here and the other on another rank; the library's threads (torch
+groups, DDP hooks, Horovod's) each reduce on a communicator of their own,
+freed with its windows before this runs, owner by owner in the order made.
 """
 
 from __future__ import annotations

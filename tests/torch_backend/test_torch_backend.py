@@ -161,6 +161,21 @@ def test_shutdown_frees_the_groups_communicator_and_the_windows_made_on_it():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_ddp_hooks_communicator_is_made_at_registration_and_freed_at_close():
+    # made first on the worker thread, its duplicate was made while other threads ran their collectives; never
+    # freed, its windows were left to MPI_Finalize
+    from hpcjobs import ddp_hooks
+    from hpcjobs.comm import _KEYVAL
+
+    state = ddp_hooks.HookState("fp16")
+    dup = state.comm.Get_attr(_KEYVAL)
+    assert dup is not None and MPI.Comm.Compare(dup, MPI.COMM_WORLD) == MPI.CONGRUENT
+    state.close()
+    assert state.comm == MPI.COMM_NULL and dup == MPI.COMM_NULL
+    state.close()  # again, as at exit: nothing left to do
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
                                                        torch.int64)
                                       for o in ("SUM", "AVG", "MIN", "MAX", "PRODUCT")
