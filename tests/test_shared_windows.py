@@ -22,8 +22,8 @@ _LEFT_AT_EXIT = textwrap.dedent("""
     first = w.Split(0 if r < 2 else MPI.UNDEFINED, r)
     last = w.Split(0 if r > 0 else MPI.UNDEFINED, r)
     a = shared_window(64, first)[0] if r < 2 else None
-    b, (mine, *_) = shared_window(64, w)
-    mine[:] = r
+    b, segments = shared_window(64, w)
+    segments[r][:] = r
     if a is not None:
         free_window(a)
     c = shared_window(64, last)[0] if r > 0 else None
@@ -34,19 +34,21 @@ _LEFT_AT_EXIT = textwrap.dedent("""
 def test_windows_left_at_exit_are_freed_in_the_order_made_and_the_job_ends():
     from launch import mpirun_script
 
-    out = mpirun_script(3, _LEFT_AT_EXIT, timeout=60)
+    out = mpirun_script(3, _LEFT_AT_EXIT, timeout=120)
     assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
         f"rank {r} leaves its windows" for r in range(3)], out.stdout + out.stderr
 
 
 @pytest.mark.mpi(min_size=1)
 def test_a_window_is_kept_from_its_making_to_its_freeing_by_its_owner():
-    comm = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())
+    comm = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)  # shared memory: one node's ranks
     before = dict(_shared._live)
     win, segments = shared_window(100, comm)
     other = allocate_shared(8, comm)
     made = [k for k in _shared._live if k not in before]
     assert [_shared._live[k] for k in made] == [win, other] and made == sorted(made)
+    keys = comm.allgather(made)  # keyed alike on every rank: the order at exit is one order
+    assert all(k == keys[0] for k in keys)
     assert len(segments) == comm.Get_size() and all(s.nbytes == 100 for s in segments)
     free_window(win)
     assert win == MPI.WIN_NULL and list(_shared._live) == [*before, made[1]]

@@ -2,17 +2,18 @@
 symmetric buffers, oneshot's segments), and whether a communicator's ranks
 can share memory.
 
-Every window made here and still live at exit is freed then, in the order
-the windows were made. MPI_Finalize would free them itself, but in the order
-of its own table, which fills freed slots first: ranks whose histories of
-windows differ (one made on ranks 0 and 1 and freed, then one on all three,
-then one on ranks 1 and 2) hold the same windows in different slots, each
-waits in another window's barrier, and the job hangs at exit (a 3-rank run
-of the test suite did). In the order made, the frees meet as the makes did.
-Windows made at once by two threads on two communicators could be made in
-one order here and the other on another rank; the library's threads (torch
-groups, DDP hooks, Horovod's) each reduce on a communicator of their own,
-freed with its windows before this runs, owner by owner in the order made.
+Every window made here and still live at exit is freed then, in one order
+that every rank agrees on. MPI_Finalize would free them itself, but in the
+order of its own table, which fills freed slots first: ranks whose histories
+of windows differ (one made on ranks 0 and 1 and freed, then one on all
+three, then one on ranks 1 and 2) hold the same windows in different slots,
+each waits in another window's barrier, and the job hangs at exit (a 3-rank
+run of the test suite did). The order is by a key that the communicator's
+rank 0 gives each window as it is made (its process's random tag and its
+count), not by when this rank made it: two threads making windows at once
+on two communicators may make them in one order here and the other there,
+but every rank frees what it holds in the one global order, and the window
+first in it always has all its ranks there.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import sys
 import threading
 
 import numpy as np
@@ -76,8 +78,10 @@ def allocate_shared(nbytes: int, comm: MPI.Intracomm, noncontig: bool = False) -
     finally:
         info.Free()
     win.Lock_all(MPI.MODE_NOCHECK)
+    key = np.array([_TAG, next(_made)] if comm.Get_rank() == 0 else [0, 0], dtype=np.int64)
+    comm.Bcast(key, root=0)  # the window's key, the same on every rank of it
     with _lock:
-        _live[next(_made)] = win
+        _live[(int(key[0]), int(key[1]))] = win
     return win
 
 
@@ -94,16 +98,24 @@ def free_window(win: MPI.Win) -> None:
 
 
 _lock = threading.Lock()
-_made = itertools.count()
-_live: dict = {}  # number in the order made -> window not yet freed
+_TAG = int.from_bytes(os.urandom(8), "little") >> 1  # this process's, for the windows it is rank 0 of
+_made = itertools.count()  # windows this process was rank 0 of
+_live: dict = {}  # key (module docstring) -> window not yet freed
 
 
 @atexit.register
 def _free_left() -> None:
-    # atexit runs before mpi4py's MPI_Finalize (a C-level exit function, after every atexit hook)
-    if MPI.Is_initialized() and not MPI.Is_finalized():
-        for key in sorted(_live):
-            free_window(_live[key])
+    # atexit runs before mpi4py's MPI_Finalize (a C-level exit function, after every atexit hook). A window that
+    # will not free is said and passed: left behind, the rest would go back to MPI_Finalize's order.
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    with _lock:
+        left = sorted(_live.items())
+    for _, win in left:
+        try:
+            free_window(win)
+        except Exception as e:  # noqa: BLE001
+            print(f"hpcjobs: could not free a shared window at exit: {e}", file=sys.stderr, flush=True)
 
 
 def _forget_after_fork() -> None:  # a forked child holds no window of its own to free
