@@ -5,6 +5,7 @@ thread per group and run on hpcjobs' collectives or MPI."""
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -72,11 +73,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         if comm is MPI.COMM_WORLD:  # its duplicate attaches the stall watchdog, whose report names the ranks
             private(comm)
         self._own = comm if owned else comm.Dup()
-        try:
-            self._comm = private(self._own)
-        except BaseException:
-            self._own.Free()
-            raise
+        self._comm = private(self._own, free_if_refused=True)
         self._algorithm = algorithm or setting("HPCJOBS_TORCH_ALGORITHM")
         self._queue: queue.Queue = queue.Queue()
         self._group_name = self._group_desc = ""
@@ -391,10 +388,10 @@ for _name in _UNSUPPORTED:
 
 
 _live: list = []  # weak references to every group, in the order made
+os.register_at_fork(after_in_child=_live.clear)  # a forked child's exit frees nothing of MPI's
 
 
 @atexit.register
 def _shutdown_all() -> None:
-    for pg in [ref() for ref in _live]:
-        if pg is not None:
-            pg.shutdown()
+    for pg in [pg for pg in (ref() for ref in _live) if pg is not None]:
+        pg.shutdown()

@@ -46,12 +46,14 @@ def _free_private(comm, keyval, attr):
 _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_free_private)
 
 
-def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
+def private(comm: MPI.Comm | None = None, *, free_if_refused: bool = False) -> MPI.Intracomm:
     """Return the suite's private duplicate of ``comm``, made on the first
     call for it, when its ranks also compare :func:`shared_settings`.
 
     Args:
         comm: an intracommunicator, or None for MPI.COMM_WORLD.
+        free_if_refused: ``comm`` was made for the caller, who has no use
+            for it if the ranks' settings are refused: free it then too.
 
     Returns:
         A duplicate of ``comm``, the same object on every call for the same
@@ -83,6 +85,8 @@ def private(comm: MPI.Comm | None = None) -> MPI.Intracomm:
             _check_shared_settings(dup)
         except BaseException:
             dup.Free()
+            if free_if_refused:
+                comm.Free()
             raise
         comm.Set_attr(_KEYVAL, dup)
         if comm == MPI.COMM_WORLD:  # collective here anyway: one more for the stall watchdog

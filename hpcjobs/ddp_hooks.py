@@ -35,6 +35,7 @@ How it works:
 # No ``from __future__ import annotations``: DDP reads the hook's return
 # annotation and wants the object torch.futures.Future[torch.Tensor].
 import atexit
+import os
 import queue
 import threading
 import weakref
@@ -67,11 +68,7 @@ class HookState:
                              "ours) does that")
         self.memory = ErrorFeedback() if error_feedback else None
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()  # collective, here; freed by close
-        try:
-            private(self.comm)  # its duplicate made here too, on the creating thread, not first on the worker
-        except BaseException:
-            self.comm.Free()
-            raise
+        private(self.comm, free_if_refused=True)  # its duplicate here too, on this thread, not first on the worker
         self.algorithm = algorithm
         self.step = 0
         self.sent_bytes = 0
@@ -163,6 +160,7 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
 
 
 _live: list = []  # weak references to every hook's state, in the order registered
+os.register_at_fork(after_in_child=_live.clear)  # a forked child's exit frees nothing of MPI's
 
 
 @atexit.register

@@ -113,12 +113,7 @@ def init(comm=None, process_sets=None) -> None:
         return
     base, owned = _communicator(spec)
     shutdown()
-    try:
-        private(base)  # collective: made here, on the main thread, not first on a thread; first, as it can raise
-    except BaseException:
-        if owned:  # the list's communicator, made above
-            base.Free()
-        raise
+    private(base, free_if_refused=owned)  # collective: here, on the main thread, not first on a thread; can raise
     ops, ctrl, admin = base.Dup(), base.Dup(), base.Dup()
     private(ops)
     _process_sets.setup(ops, admin)

@@ -160,6 +160,44 @@ def test_shutdown_frees_the_groups_communicator_and_the_windows_made_on_it():
     group.shutdown()  # again, as at exit: nothing left to do
 
 
+# Windows made on ranks 0-1 (a communicator of the script's own), then on all three (the default group), the first
+# freed, then windows on ranks 1-2 (a group): left to MPI_Finalize, rank 1 held the last in the freed slots, ahead of
+# the default group's, and rank 2 behind them; each waited in another window's barrier and the job hung at exit.
+_GROUPS_LEFT_AT_EXIT = """
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import hpcjobs.torch_backend  # noqa: F401
+from hpcjobs.collectives import allreduce
+
+dist.init_process_group("hpcjobs")
+r = dist.get_rank()
+pair = MPI.COMM_WORLD.Split(0 if r < 2 else MPI.UNDEFINED, r)
+if r < 2:
+    allreduce(np.ones(4), algorithm="oneshot", comm=pair)
+x = torch.ones(1 << 12)
+dist.all_reduce(x)
+if r < 2:
+    pair.Free()
+high = dist.new_group([1, 2])
+if r > 0:
+    dist.all_reduce(x, group=high)
+print("rank", r, "has", x.unique().tolist(), flush=True)
+"""
+
+
+def test_a_script_that_leaves_groups_over_different_ranks_ends():
+    # no destroy_process_group: at exit each group frees its communicator, its windows with it, group by group in
+    # the order made, and the library frees what else is left in the order made
+    from launch import mpirun_script
+
+    out = mpirun_script(3, _GROUPS_LEFT_AT_EXIT, timeout=120)
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
+        "rank 0 has [3.0]", "rank 1 has [6.0]", "rank 2 has [6.0]"], out.stdout + out.stderr
+
+
 @pytest.mark.mpi(min_size=1)
 def test_a_ddp_hooks_communicator_is_made_at_registration_and_freed_at_close():
     # made first on the worker thread, its duplicate was made while other threads ran their collectives; never
