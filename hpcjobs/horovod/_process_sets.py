@@ -184,15 +184,17 @@ def _register(ranks: tuple) -> int:
     global _next_id
     me = _admin.Get_rank()
     sub = _admin.Split(0 if me in ranks else MPI.UNDEFINED, me)
-    if sub == MPI.COMM_NULL:
-        entry = _Entry(ranks, None, True)
-    else:
+    entry, error = _Entry(ranks, None, True), None
+    if sub != MPI.COMM_NULL:
         entry = _Entry(ranks, sub, True, sub.Dup())
         try:  # their duplicates made here, on the calling thread, rather than first on the two threads
             private(entry.comm), private(entry.engine)
-        except BaseException:
+        except Exception as e:  # noqa: BLE001 -- raised below on every rank, not on the set's alone
             _free(entry)
-            raise
+            error = e
+    if _admin.allreduce(error is not None, op=MPI.LOR):  # else the other ranks went on to number the next set
+        said = next(m for m in _admin.allgather(None if error is None else str(error)) if m)
+        raise error if error is not None else ValueError(f"process set {list(ranks)}: refused on its ranks: {said}")
     set_id, _next_id = _next_id, _next_id + 1
     _sets[set_id] = entry
     return set_id

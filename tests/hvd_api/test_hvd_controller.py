@@ -283,6 +283,29 @@ def test_a_process_sets_optimizer_and_its_collectives_reduce_on_communicators_of
         assert ours == MPI.COMM_NULL and theirs == MPI.COMM_NULL
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_process_set_its_ranks_refuse_is_refused_on_every_rank(monkeypatch):
+    # refused on its ranks alone, the others numbered it and went on: adding it again was a duplicate there only,
+    # and the set's ranks waited for them in the split
+    from hpcjobs.collectives import watchdog
+
+    size, rank = hvd.size(), hvd.rank()
+    ranks = list(range(max(size - 1, 1)))
+    if rank == 0:
+        monkeypatch.setattr(watchdog, "ENV_ERROR", "HPCJOBS_TIMEOUT='soon' is not a number of seconds")
+    with pytest.raises(ValueError, match="HPCJOBS_TIMEOUT='soon' is not a number of seconds"):
+        hvd.add_process_set(ranks)
+    monkeypatch.setattr(watchdog, "ENV_ERROR", None)
+    again = hvd.add_process_set(ranks)
+    try:
+        if rank in ranks:
+            assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=again).tolist() == [float(len(ranks))] * 2
+        else:
+            assert again.included() is False
+    finally:
+        hvd.remove_process_set(again)
+
+
 # -- stalls and shutdown --------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
