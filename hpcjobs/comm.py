@@ -85,7 +85,7 @@ def private(comm: MPI.Comm | None = None, *, free_if_refused: bool = False) -> M
             _check_shared_settings(dup)
         except BaseException:
             dup.Free()
-            if free_if_refused:
+            if free_if_refused and comm is not MPI.COMM_WORLD:
                 comm.Free()
             raise
         comm.Set_attr(_KEYVAL, dup)

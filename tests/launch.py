@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -129,3 +130,23 @@ def mpirun_script(n, script, timeout=120, env=None):
 def hpcjobs(*args):
     return subprocess.run([sys.executable, "-m", "hpcjobs", *args], capture_output=True, text=True,
                           timeout=60, env=clean_env())
+
+
+def in_a_forked_child(check) -> int:
+    """``check()`` in a forked child, which leaves with os._exit: its exit code (1 for False or an error, 9 when it
+    had not answered in 30 s and was killed)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if check() else 1)
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return 9

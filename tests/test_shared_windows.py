@@ -71,3 +71,20 @@ def test_a_communicators_oneshot_segments_leave_the_list_when_it_is_freed():
     assert (x == comm.Get_size()).all() and set(_shared._live) > before
     comm.Free()
     assert set(_shared._live) == before
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_forked_child_has_no_window_nor_group_to_free_and_a_free_lock():
+    # a child that ran the exit hooks would free its parent's windows and communicators (MPI calls in a fork), and
+    # a lock another thread held at the fork would be held there for good
+    from hpcjobs import _torch_group, ddp_hooks
+    from launch import in_a_forked_child
+
+    win, _ = shared_window(8, MPI.COMM_SELF)
+    try:
+        with _shared._lock:  # as a thread of the parent making a window at the fork
+            code = in_a_forked_child(lambda: not _shared._live and _shared._lock.acquire(timeout=5)
+                               and _torch_group._live == [] and ddp_hooks._live == [])
+        assert code == 0 and _shared._live
+    finally:
+        free_window(win)

@@ -78,7 +78,10 @@ def allocate_shared(nbytes: int, comm: MPI.Intracomm, noncontig: bool = False) -
     finally:
         info.Free()
     win.Lock_all(MPI.MODE_NOCHECK)
-    key = np.array([_TAG, next(_made)] if comm.Get_rank() == 0 else [0, 0], dtype=np.int64)
+    key = np.zeros(2, dtype=np.int64)
+    if comm.Get_rank() == 0:
+        with _lock:
+            key[:] = _TAG, next(_made)
     comm.Bcast(key, root=0)  # the window's key, the same on every rank of it
     with _lock:
         _live[(int(key[0]), int(key[1]))] = win
@@ -119,6 +122,8 @@ def _free_left() -> None:
 
 
 def _forget_after_fork() -> None:  # a forked child holds no window of its own to free
+    global _lock
+    _lock = threading.Lock()  # held by another thread at the fork, it would be held for good here
     _live.clear()
 
 

@@ -193,7 +193,7 @@ def _register(ranks: tuple) -> int:
             _free(entry)
             error = e
     if _admin.allreduce(error is not None, op=MPI.LOR):  # else the other ranks went on to number the next set
-        said = next(m for m in _admin.allgather(None if error is None else str(error)) if m)
+        said = next((m for m in _admin.allgather(None if error is None else str(error)) if m), "(no message)")
         raise error if error is not None else ValueError(f"process set {list(ranks)}: refused on its ranks: {said}")
     set_id, _next_id = _next_id, _next_id + 1
     _sets[set_id] = entry

@@ -26,6 +26,7 @@ builds a :class:`World`:
 from __future__ import annotations
 
 import atexit
+import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -76,6 +77,15 @@ class World:
 
 
 _world: World | None = None
+_forked = False  # this process is a fork's child (a DataLoader worker, say): hvd.rank() still answers
+
+
+def _after_fork_in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 _atexit_registered = False
 
 
@@ -169,7 +179,7 @@ def shutdown() -> None:
     not initialized."""
     global _world
     w, _world = _world, None
-    if w is None:
+    if w is None or _forked:  # a fork's child: the controller thread and the communicators are its parent's
         return
     w.controller.stop()
     from . import _handles

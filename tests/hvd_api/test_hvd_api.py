@@ -60,6 +60,17 @@ def test_init_on_a_list_of_ranks_refused_frees_the_communicator_it_made(monkeypa
     hvd.init()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_forked_child_still_knows_its_rank_and_leaves_the_parents_controller_alone():
+    # a DataLoader worker forked after init: its shutdown (atexit) waited for ever on the controller thread, which
+    # a child does not have
+    from launch import in_a_forked_child
+
+    rank = hvd.rank()
+    assert in_a_forked_child(lambda: hvd.rank() == rank and hvd.shutdown() is None and not hvd.is_initialized()) == 0
+    assert hvd.is_initialized() and hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
+
+
 def test_what_this_implementation_is_built_with():
     assert hvd.mpi_built() and hvd.mpi_enabled()
     assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.ddl_built() or hvd.ccl_built() or hvd.rocm_built())
