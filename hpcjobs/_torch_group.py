@@ -4,8 +4,6 @@ thread per group and run on hpcjobs' collectives or MPI."""
 
 from __future__ import annotations
 
-import atexit
-import os
 import queue
 import sys
 import threading
@@ -20,7 +18,7 @@ from torch.futures import Future
 from .collectives.agreement import agree_or_raise
 from .collectives.watchdog import guard
 from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes
-from .comm import private, setting
+from .comm import closed_at_exit, private, setting
 
 BACKEND = "hpcjobs"
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max",
@@ -387,11 +385,4 @@ for _name in _UNSUPPORTED:
     setattr(HpcjobsProcessGroup, _name, _refuse(_name))
 
 
-_live: list = []  # weak references to every group, in the order made
-os.register_at_fork(after_in_child=_live.clear)  # a forked child's exit frees nothing of MPI's
-
-
-@atexit.register
-def _shutdown_all() -> None:
-    for pg in [pg for pg in (ref() for ref in _live) if pg is not None]:
-        pg.shutdown()
+_live = closed_at_exit("shutdown")  # weak references to every group, in the order made

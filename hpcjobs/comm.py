@@ -20,6 +20,7 @@ alone or each running its own way.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import sys
@@ -30,7 +31,7 @@ from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
            "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
-           "environment_problem"]
+           "environment_problem", "closed_at_exit"]
 
 
 def _free_private(comm, keyval, attr):
@@ -187,6 +188,23 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
                 fix = f"install the same on every host ({by_value([s.get('hpcjobs at') for _, s in everyone])})"
             out.append(f"{name} differs across ranks ({by_value(values)}): {fix}")
     return out
+
+
+def closed_at_exit(method: str) -> list:
+    """A list for weak references to objects that own communicators (torch
+    groups, DDP hooks): at exit, before MPI_Finalize, ``method`` is called on
+    each still alive, in the order appended, so their collective frees meet
+    alike on every rank; a forked child's list is emptied, as its exit frees
+    nothing of MPI's."""
+    kept: list = []
+    os.register_at_fork(after_in_child=kept.clear)
+
+    def close_all() -> None:
+        for obj in [o for o in (ref() for ref in kept) if o is not None]:
+            getattr(obj, method)()
+
+    atexit.register(close_all)
+    return kept
 
 
 def environment_problem() -> str | None:

@@ -34,8 +34,6 @@ How it works:
 
 # No ``from __future__ import annotations``: DDP reads the hook's return
 # annotation and wants the object torch.futures.Future[torch.Tensor].
-import atexit
-import os
 import queue
 import threading
 import weakref
@@ -45,7 +43,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
-from .comm import private
+from .comm import closed_at_exit, private
 from .compression import ErrorFeedback, compressed_allreduce, make_compressor
 
 __all__ = ["HookState", "register", "compression_hook"]
@@ -159,12 +157,4 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
     return state
 
 
-_live: list = []  # weak references to every hook's state, in the order registered
-os.register_at_fork(after_in_child=_live.clear)  # a forked child's exit frees nothing of MPI's
-
-
-@atexit.register
-def _close_all() -> None:
-    for state in [ref() for ref in _live]:
-        if state is not None:
-            state.close()
+_live = closed_at_exit("close")  # weak references to every hook's state, in the order registered
