@@ -134,10 +134,11 @@ def run(args) -> int:
         readable = comm.allreduce(host_tx_bytes() is not None, op=MPI.LAND)
         if readable:
             meter = WireMeter(comm, topo)
-            env["wire"] = (f"bytes each host's interfaces sent per call (/proc/net/dev, all but lo; {CALLS} untimed "
-                           f"calls per row after its timed ones); wire(B) the busiest host's, model(B) the uplink "
-                           f"formula (collectives/costs.py)" + ("" if meter.ranks_per_node else
-                                                                 ", none here: nodes unequal or not consecutive"))
+            env["wire"] = (f"bytes each host's interfaces sent per call (/proc/net/dev: {meter.counted}; {CALLS} "
+                           f"untimed calls per row after its timed ones); wire(B) the busiest host's, model(B) the "
+                           f"uplink formula (collectives/costs.py)")
+            if not meter.ranks_per_node:
+                env["wire"] += ", none here: nodes unequal or not consecutive"
         else:
             env["wire"] = "not counted: a host's /proc/net/dev cannot be read"
     where = f"{args.framework} buffers ({args.buffers})" if device == "cpu" else f"CUDA tensors ({device})"
