@@ -60,7 +60,7 @@ import numpy as np
 from ._nnls import nonnegative_line
 
 __all__ = ["LOSS_MODELS", "MIN_POINTS", "Fit", "PowerFit", "Prediction", "epochs_factor", "fit", "fit_metrics",
-           "fit_power", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
+           "fit_power", "is_number", "last_run", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
 
 LOSS_MODELS = ("optimus", "power")
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
@@ -221,25 +221,40 @@ def predict_epochs(epochs, losses, target: float, model: str = "optimus") -> Pre
     return Prediction(target, middle, min([middle, *ends]), max([middle, *ends]), whole)
 
 
+def last_run(records: list) -> list:
+    """The records of the last run in a ``train --metrics`` file's lines
+    (a file appended to by several runs: from its last epoch 1)."""
+    starts = [i for i, r in enumerate(records) if isinstance(r, dict) and r.get("epoch") == 1]
+    return records[starts[-1]:] if starts else records
+
+
+def is_number(value) -> bool:
+    """A finite int or float (not a bool, a string or None)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:
     """(epochs, losses) from a ``train --metrics`` JSONL file (its ``epoch``
-    and ``key`` fields); a file appended to by several runs gives the last
-    run's lines (from its last epoch 1).
+    and ``key`` fields) of its last run (:func:`last_run`).
 
     Raises:
-        ValueError: unreadable, not JSON lines, or no ``key`` in them.
+        ValueError: unreadable, not JSON lines, or a line without a numeric
+            ``epoch`` and ``key``.
     """
     try:
         with open(path) as f:
-            lines = [json.loads(line) for line in f if line.strip()]
+            numbered = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON lines: {e}") from None
-    starts = [i for i, r in enumerate(lines) if r.get("epoch") == 1]
-    lines = lines[starts[-1]:] if starts else lines
-    if not lines or any(key not in r or "epoch" not in r for r in lines):
-        raise ValueError(f"{path}: every line needs 'epoch' and {key!r}")
+    numbered = numbered[len(numbered) - len(last_run([r for _, r in numbered])):]
+    lines = [r for _, r in numbered]
+    bad = [n for n, r in numbered if not isinstance(r, dict) or not is_number(r.get("epoch"))
+           or not is_number(r.get(key))]
+    if not lines or bad:
+        where = f" (line {bad[0]} is not)" if bad else ""
+        raise ValueError(f"{path}: every line of its last run needs a numeric 'epoch' and {key!r}{where}")
     return [int(r["epoch"]) for r in lines], [float(r[key]) for r in lines]
 
 

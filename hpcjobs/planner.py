@@ -194,8 +194,8 @@ def _layout(P: int, net: Network) -> int:
     if P % G:
         raise ValueError(f"{P} devices do not fill nodes of {G}: give multiples of --devices-per-node above one node")
     if net.net is None:
-        raise ValueError(f"{P} devices need {P // G} nodes, and no network between nodes was given "
-                         "(--inter-bw, or a --cost-model measured across nodes)")
+        raise ValueError(f"{P} devices need {P // G} nodes of {G} (--devices-per-node), and no network between "
+                         "nodes was given (--inter-bw, or a --cost-model measured across nodes)")
     return G
 
 
@@ -256,6 +256,8 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
             t, used = allreduce_s(payload.nbytes(nbytes, shape) if payload else nbytes, P, net, algorithm)
         else:
             t, used = allgather_s(payload.nbytes(nbytes, shape), P, net, payload.parts), "allgather"
+        if P == 1:
+            used = "none"  # one device: nothing reduced or gathered
         carried[used] = carried.get(used, 0) + nbytes
         if payload is not None and payload.codec_s is not None and P > 1:
             t += payload.codec_s(nbytes, shape, P)

@@ -114,7 +114,10 @@ def test_metrics_file_gives_the_last_runs_losses(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert fit_metrics(str(path)) == ([1, 2, 3], [2.0, 1.5, 1.2])
     path.write_text('{"epoch": 1}\n')
-    with pytest.raises(ValueError, match="every line needs 'epoch' and 'loss'"):
+    with pytest.raises(ValueError, match="every line of its last run needs a numeric 'epoch' and 'loss'"):
+        fit_metrics(str(path))
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines[:3]) + '\n{"epoch": 2, "loss": NaN}\n')
+    with pytest.raises(ValueError, match="line 5 is not"):  # its line in the file, the blank one counted
         fit_metrics(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         fit_metrics(str(tmp_path / "missing.jsonl"))

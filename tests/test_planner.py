@@ -168,7 +168,7 @@ def test_a_gathered_payload_is_decoded_once_per_device_and_a_summed_one_once():
     for the size table the allgather sends first."""
     from hpcjobs.cli.plan import _payload
 
-    gathered, summed = _payload("topk:0.01", True), _payload("fp16", True)
+    gathered, summed = _payload("topk:0.01", True, None), _payload("fp16", True, None)
     assert gathered.parts == 2 and not gathered.summable and summed.parts == 1
     n, shape = 4 * 65536, (65536,)
     c2, c3, c4 = (gathered.codec_s(n, shape, P) for P in (2, 3, 4))
@@ -344,8 +344,15 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--params", "1M", "--measure"], "give --model"),
     (["--params", "1M", "--throughput", "10", "--devices", "0-4"], "expected counts"),
     (["--params", "lots", "--throughput", "10"], "parameter count"),
-    (["--params", "1M", "--throughput", "10", "--devices", "1,2", "--intra-bw", "1", "--devices-per-node", "1"],
-     "no network between nodes"),
+    (["--params", "1M", "--throughput", "10", "--devices", "1,2"], "no network between nodes"),
+    # flags that would be ignored, and counts that leave nothing to plan
+    (["--params", "1M", "--throughput", "10", "--devices", "1,2", "--intra-bw", "1"], "--devices-per-node is 1"),
+    (["--params", "1M", "--throughput", "10", "--noise-scale", "100"], "give --metrics and --target-loss"),
+    (["--model", "mlp", "--measure", "--backward-share", "0.5"], "--backward-share would be ignored"),
+    (["--params", "1M", "--throughput", "10", "--devices", "9-15", "--devices-per-node", "8", "--intra-bw", "1",
+      "--inter-bw", "1"], "no count fills whole nodes of 8"),
+    (["--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1", "--compression", "powersgd:4"],
+     "give --model"),
     (["--params", "1M", "--throughput", "10", "--target-loss", "0.1"], "go together"),
     (["--params", "1M", "--throughput", "10", "--loss-model", "power"], "give --metrics and --target-loss"),
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
@@ -395,3 +402,97 @@ def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
     across = 2 * 3 * (5e-5 + 1024 * 8e-9 + N / 4 * per_byte) + 3 * (N / 4) * 1e-11
     assert rows[1]["comm_s"] == pytest.approx(across, rel=1e-6)
     assert math.isclose(rows[1]["iteration_s"], 0.1 + across, rel_tol=1e-6)
+
+
+def test_the_default_counts_fill_whole_nodes_of_any_size(tmp_path):
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices-per-node", "6", "--intra-bw", "100",
+                "--inter-bw", "100", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [row["devices"] for row in json.loads(out.read_text())["rows"]] == [1, 2, 4, 6, 12, 24, 48, 96, 192]
+    assert json.loads(out.read_text())["rows"][0]["algorithm"] == "none"
+
+
+def _curve(path, runs, b2=0.2):
+    """Optimus's curve 1/(0.5k + 1) + b2 over 8 epochs, once per (batch, noise scale) in ``runs``."""
+    path.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "global_batch": batch, "loss": 1 / (0.5 * k + 1)
+                                        + b2, **({"noise_scale": noise} if noise else {})}) + "\n"
+                            for batch, noise in runs for k in range(1, 9)))
+    return path
+
+
+@pytest.mark.parametrize("target,words", [
+    ("0.1", "never reaches it (its loss levels off at 0.2)"),  # the fit's asymptote: time inf
+    ("5", "reached the target within its first epoch"),  # above epoch 1's loss: time 0
+])
+def test_a_target_the_fit_never_reaches_or_the_run_had_passed_is_refused(tmp_path, target, words):
+    metrics = _curve(tmp_path / "run.jsonl", [(64, None)])
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
+                "--target-loss", target)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("line,words", [
+    ("[1, 2]", "line 9 is not"), ('{"epoch": 9, "loss": null}', "line 9 is not"),
+    ('{"epoch": "9", "loss": 0.3}', "line 9 is not"),
+])
+def test_a_metrics_line_without_numbers_is_refused_with_its_line(tmp_path, line, words):
+    metrics = _curve(tmp_path / "run.jsonl", [(64, None)])
+    metrics.write_text(metrics.read_text() + line + "\n")
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
+                "--target-loss", "0.3")
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_batch_that_is_not_a_number_is_refused_not_repeated(tmp_path):
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text(_curve(metrics, [(64, None)]).read_text().replace('"global_batch": 64', '"global_batch": "64"'))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
+                "--target-loss", "0.3")
+    assert r.returncode == 2 and "numeric global_batch" in r.stderr, r.stderr
+
+
+def test_the_noise_scale_comes_from_the_run_that_was_fitted(tmp_path):
+    """An appended file: the first run measured a noise scale at batch 128,
+    the last (fitted) one none, so its epochs are taken as batch-free."""
+    metrics = _curve(tmp_path / "run.jsonl", [(128, 1000.0), (64, None)])
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1,2", "--devices-per-node", "2",
+                "--intra-bw", "10", "--metrics", str(metrics), "--target-loss", "0.3", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "noise scale unknown" in r.stdout, r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["epochs"] == pytest.approx(18, rel=2e-3) and rows[1]["epochs"] == rows[0]["epochs"]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"sizes": [], "message_s": [], "oneway_s": [], "reduce_s": []}, "lists of the same length"),
+    ({"alpha": -1e-6}, "alpha must be a number >= 0"),
+    ({"alpha": "x"}, "alpha must be a number >= 0"),
+    ({"message_s": [-1.0, 1.0]}, "every size and cost be a number > 0"),
+    ({"sizes": [1024, 8]}, "sizes must increase"),
+])
+def test_a_cost_model_with_impossible_values_is_refused(tmp_path, change, words):
+    from hpcjobs.perfmodel import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"ranks": 2, "machine": m | change}))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+                "--cost-model", str(path))
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    path.write_text(json.dumps({"ranks": 2, "machine": m}))  # the same file unchanged: planned
+    good = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+                   "--cost-model", str(path))
+    assert good.returncode == 0, good.stderr
+
+
+def test_a_two_level_cost_model_refuses_the_link_flags_it_replaces(tmp_path):
+    from hpcjobs.perfmodel import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m}))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
+                "--cost-model", str(path), "--inter-bw", "10", "--inter-latency", "5")
+    assert r.returncode == 2 and "--inter-bw, --inter-latency would be ignored" in r.stderr, r.stderr

@@ -5,8 +5,8 @@ count and the cheapest within 10% of it (:mod:`hpcjobs.planner`). Runs alone
 
     hpcjobs plan --params 25.6M --throughput 400 --batch-per-device 64 --devices-per-node 8 \\
         --intra-bw 150 --inter-bw 100 --devices 1,8,64,256
-    hpcjobs plan --model mlp --width 2048 --measure --cost-model model.json --devices 1-4 \\
-        --metrics run.jsonl --target-loss 0.3 --json plan.json --plot plan.png
+    hpcjobs plan --model mlp --width 2048 --measure --cost-model model.json --devices-per-node 4 \\
+        --devices 1-4 --metrics run.jsonl --target-loss 0.3 --json plan.json --plot plan.png
 """
 
 from __future__ import annotations
@@ -22,58 +22,10 @@ from ..training.config import AMP
 from . import plan_runs
 from .args import (UsageError, check_amp, check_outputs, nonnegative_float, parse_bytes, positive_float, positive_int,
                    usage)
+from .plan_args import check_flags, device_counts, params_count, whole_nodes
 from .train import compression_spec
 
-LOSS_NAMES = {"optimus": "Optimus", "power": "power-law"}
 MODEL_NAMES = ("mlp", "cnn1d", "resnet18", "resnet50", "gpt-mini", "gpt2-small")  # training.config's, no torch
-
-
-class Counts(list):
-    """Device counts as given; ``ranged`` those that came from a range."""
-
-    ranged: frozenset = frozenset()
-
-
-def device_counts(text: str) -> Counts:
-    """'1,8,64', '1-16' or '8-64:8' (low-high[:step]) -> sorted distinct
-    counts (argparse type). Above one node a range keeps whole nodes only
-    (:func:`whole_nodes`); a count listed alone is kept as given."""
-    import argparse
-
-    listed, ranged = set(), set()
-    try:
-        for part in text.split(","):
-            span, _, step = part.strip().partition(":")
-            lo, dash, hi = span.partition("-")
-            lo_i, hi_i, step_i = int(lo), int(hi or lo), int(step or 1)
-            if lo_i < 1 or hi_i < lo_i or step_i < 1 or (hi_i - lo_i) // step_i > 100_000:
-                raise ValueError
-            (ranged if dash else listed).update(range(lo_i, hi_i + 1, step_i))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected counts like 1,8,64 or 1-16 or 8-64:8 (positive, low-high), "
-                                         f"got {text!r}") from None
-    out = Counts(sorted(listed | ranged))
-    out.ranged = frozenset(ranged - listed)
-    return out
-
-
-def whole_nodes(counts: Counts, per_node: int) -> list[int]:
-    """``counts`` less the ranged ones that would leave a node part-filled."""
-    return [p for p in counts if p not in counts.ranged or p <= per_node or p % per_node == 0]
-
-
-def params_count(text: str) -> int:
-    """'25.6M', '138e6', '1000' -> parameters (argparse type)."""
-    import argparse
-
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(text[-1:].lower(), 1)
-    try:
-        value = float(text[:-1] if scale != 1 else text) * scale
-    except ValueError:
-        value = -1
-    if not 1 <= value < 1e13:
-        raise argparse.ArgumentTypeError(f"expected a parameter count like 25.6M or 1000000, got {text!r}")
-    return int(round(value))
 
 
 def configure(p) -> None:
@@ -85,7 +37,7 @@ def configure(p) -> None:
     m.add_argument("--params", type=params_count, metavar="N", help="parameters (25.6M, 138e6, ...)")
     g.add_argument("--width", type=positive_int, default=1024, help="mlp/cnn1d width (default 1024)")
     g.add_argument("--image-size", type=positive_int, default=224, help="ResNet input side (default 224)")
-    g.add_argument("--bytes-per-param", type=positive_int, default=4, help="gradient bytes per parameter (4; 2: fp16)")
+    g.add_argument("--bytes-per-param", type=positive_int, help="gradient bytes per parameter (4; 2: fp16)")
     g = p.add_argument_group("one device")
     t = g.add_mutually_exclusive_group(required=True)
     t.add_argument("--throughput", type=positive_float, metavar="X",
@@ -93,7 +45,7 @@ def configure(p) -> None:
     t.add_argument("--measure", action="store_true",
                    help="time --model's step here (forward, backward, update, when each gradient is ready)")
     g.add_argument("--batch-per-device", type=positive_int, default=64, metavar="B", help="default %(default)s")
-    g.add_argument("--backward-share", type=positive_float, default=2 / 3,
+    g.add_argument("--backward-share", type=positive_float,
                    help="with --throughput: backward's share of the step, over which gradients arrive (2/3)")
     g.add_argument("--measure-steps", type=positive_int, default=10, help="timed steps for --measure (10)")
     g.add_argument("--threads", type=positive_int,
@@ -106,17 +58,17 @@ def configure(p) -> None:
     g = p.add_argument_group("the machines (or --cost-model)")
     g.add_argument("--devices-per-node", type=positive_int, default=1, metavar="G", help="default %(default)s")
     g.add_argument("--intra-bw", type=positive_float, metavar="GB/s", help="between devices of a node, one way")
-    g.add_argument("--intra-latency", type=nonnegative_float, default=5.0, metavar="us", help="default 5")
+    g.add_argument("--intra-latency", type=nonnegative_float, metavar="us", help="default 5")
     g.add_argument("--inter-bw", type=positive_float, metavar="Gbit/s", help="each node's network link")
-    g.add_argument("--inter-latency", type=nonnegative_float, default=20.0, metavar="us", help="default 20")
+    g.add_argument("--inter-latency", type=nonnegative_float, metavar="us", help="default 20")
     g.add_argument("--reduce-bw", type=positive_float, metavar="GB/s",
                    help="bytes reduced per second (default: free, as on GPUs)")
     g.add_argument("--cost-model", metavar="PATH",
                    help="model.json from `hpcjobs model` (measured across nodes: both links) instead")
     g = p.add_argument_group("the job")
-    g.add_argument("--devices", type=device_counts, default=device_counts("1,2,4,8,16,32,64,128,256"),
+    g.add_argument("--devices", type=device_counts,
                    help="device counts: 1,8,64,256 or 1-16 or 8-64:8; above one node a range keeps whole nodes "
-                        "(default 1,2,4,...,256)")
+                        "(default: 1,2,4,... up to a node, then 2,4,8,... nodes, to 256 devices or 2 nodes)")
     g.add_argument("--algorithm", choices=("auto",) + tuple(n for n in COSTS if n != "ring_pipelined"),
                    default="auto", help="auto: the cheapest with a formula for the layout (default)")
     g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
@@ -146,15 +98,9 @@ def _network(args):
 
     gamma = 1e-9 / args.reduce_bw if args.reduce_bw else 0.0
     if args.cost_model:
-        from ..perfmodel import Machine, costing
+        from ..perfmodel import costing
 
-        try:
-            with open(args.cost_model) as f:
-                data = json.load(f)
-            net = Machine(**data["machine"])
-            node = Machine(**data["node_machine"]) if "node_machine" in data else None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UsageError(f"--cost-model {args.cost_model}: not a model.json of `hpcjobs model` ({e})")
+        net, node = args._machines
         if node is None:  # measured inside one node: the network from the flags, if any
             inter = Linear(args.inter_latency * 1e-6, 8e-9 / args.inter_bw, gamma) if args.inter_bw else None
             return Network(args.devices_per_node, costing(net), inter)
@@ -201,10 +147,11 @@ def _workload(args):
                                      args.backward_share), f"{args.model}, {sum(map(math.prod, shapes))} parameters")
 
 
-def _payload(spec: str | None, measure: bool):
+def _payload(spec: str | None, measure: bool, model: str | None):
     """The compressor's payload bytes (from compressing a tensor of each
     bucket's shape); with ``measure``, also its codec time and its cost per
-    byte reduced, timed here."""
+    byte reduced, timed here. Without ``model`` (``--params``: the gradient
+    as vectors), a compressor that leaves vectors whole is refused."""
     if not spec:
         return None
     import timeit
@@ -244,6 +191,9 @@ def _payload(spec: str | None, measure: bool):
         # an allgather's payloads are each decompressed and summed on every device (compressed_allreduce)
         return c + d if comp.summable else c + P * d + (P - 1) * a
 
+    if not model and nbytes(1 << 16, (1 << 16,)) >= 4 << 16:
+        raise UsageError(f"--compression {spec} sends vectors as they are (it compresses matrices), and --params "
+                         "plans the gradient as vectors: give --model")
     per_byte = None
     if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
         payload, _ = compressed((1 << 18,))
@@ -253,26 +203,6 @@ def _payload(spec: str | None, measure: bool):
     payload, _ = compressed((1 << 10,))
     parts = len(payload) if isinstance(payload, tuple) else 1
     return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte, parts)
-
-
-def _target(args):
-    from ..convergence import fit_metrics, predict_epochs
-    from ..planner import Target
-
-    if not args.metrics:
-        return None
-    epochs, losses = fit_metrics(args.metrics)  # checks the file: JSON lines with epoch and loss
-    p = predict_epochs(epochs, losses, args.target_loss, args.loss_model)
-    records = plan_runs.lines(args.metrics)
-    last = records[-1]
-    if "global_batch" not in last or "step" not in last:
-        raise ValueError(f"{args.metrics}: the last line needs global_batch and step (a train --metrics file)")
-    noise = args.noise_scale
-    if noise is None:
-        seen = [r["noise_scale"] for r in records if r.get("noise_scale")]
-        noise = statistics.median(seen) if seen else None
-    return Target(args.target_loss, p.epochs, p.low, p.high, int(last["global_batch"]),
-                  int(last["step"] // last["epoch"] * last["global_batch"]), noise)
 
 
 def predict(args) -> tuple:
@@ -296,16 +226,20 @@ def predict(args) -> tuple:
         raise UsageError("--loss-model picks the curve fitted to --metrics: give --metrics and --target-loss")
     check_outputs(None, [("--json", args.json, False), ("--plot", args.plot, False)])
     with usage(ValueError):
+        check_flags(args)
         net = _network(args)
         devices = whole_nodes(args.devices, args.devices_per_node)
+        if not devices:
+            raise UsageError(f"--devices: no count fills whole nodes of {args.devices_per_node} "
+                             "(--devices-per-node)")
         for P in devices:  # every layout costed before anything is measured
             allreduce_s(1, P, net, args.algorithm)
         runs = plan_runs.read_against(args.against, devices)
+        target = args.metrics and plan_runs.target(args.metrics, args.target_loss, args.loss_model, args.noise_scale)
         workload, what = _workload(args)
-        target = _target(args)
         fitted, points = plan_runs.fit(args.runs)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
-                    _payload(args.compression, args.measure), target, fitted)
+                    _payload(args.compression, args.measure, args.model), target or None, fitted)
         checks = plan_runs.against(runs, rows)
     return rows, workload, net, what, target, points, checks
 
@@ -325,7 +259,7 @@ def run(args) -> int:
               + ", ".join(f"({p}, {t:.4g})" for p, t in points))
     if target:
         print(f"# target loss {target.loss}: {target.epochs:.3g} epochs [{target.low:.3g}, {target.high:.3g}] at "
-              f"batch {target.base_batch} ({LOSS_NAMES[args.loss_model]} fit of {args.metrics}); noise scale "
+              f"batch {target.base_batch} ({plan_runs.FITS[args.loss_model]} fit of {args.metrics}); noise scale "
               + (f"{target.noise_scale:.4g} samples" if target.noise_scale else "unknown: epochs taken as batch-free"))
     if target and target.noise_scale:
         print(f"# the noise scale is the critical batch (McCandlish et al.): {target.noise_scale:.4g} samples = "

@@ -1,6 +1,8 @@
-"""The ``train --metrics`` files ``hpcjobs plan`` reads besides the loss
-curve: ``--runs``, measured steps for the black-box fit to go through, and
-``--against``, measured runs to hold the predictions against.
+"""The files ``hpcjobs plan`` reads, checked: ``--metrics``, the loss curve
+to a target; ``--cost-model``, the links ``hpcjobs model`` measured; and
+train ``--metrics`` files besides the loss curve: ``--runs``, measured steps
+for the black-box fit to go through, and ``--against``, measured runs to
+hold the predictions against.
 
 A run's step is the median over its epochs after the first (which pays for
 warm-up) of the epoch's time per step. Against a run, each step is split
@@ -14,9 +16,13 @@ device). A compressor's codec runs inside the reductions in both.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
+from ..convergence import is_number, last_run
+
 NEEDED = ("ranks", "epoch_s", "step", "epoch")
+FITS = {"optimus": "Optimus", "power": "power-law"}  # the loss models' names in words
 
 
 def lines(path: str) -> list[dict]:
@@ -106,3 +112,66 @@ def table(checks: list[dict]) -> str:
                        ms(c["rest_s"]), ms(c["compute_s"])] for c in checks]
     widths = [max(len(row[i]) for row in cells) for i in range(len(head))]
     return "\n".join("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells)
+
+
+def target(path: str, loss: float, model: str, noise_scale: float | None):
+    """``--metrics`` and ``--target-loss``: the :class:`hpcjobs.planner.Target`
+    of the file's last run, its noise scale the median of that run's (or
+    ``noise_scale``). ValueError where the file is not a train ``--metrics``
+    file, or the target is one the fit never reaches or the run had passed
+    by its first epoch: those would plan on a time of inf or 0."""
+    from ..convergence import fit_metrics, predict_epochs
+    from ..planner import Target
+
+    epochs, losses = fit_metrics(path)  # checks the file: JSON lines with epoch and loss
+    if loss >= losses[0]:
+        raise ValueError(f"--target-loss {loss}: {path} was at {losses[0]:.4g} after epoch {epochs[0]}, so "
+                         "its run reached the target within its first epoch; give a lower target")
+    p = predict_epochs(epochs, losses, loss, model)
+    if math.isinf(p.epochs):
+        floor = getattr(p.fit, "beta2", None)
+        why = f"its loss levels off at {floor:.4g}" if floor is not None else "it is flat"
+        raise ValueError(f"--target-loss {loss}: the {FITS[model]} fit of {path} never reaches it ({why}); give a "
+                         "higher target" + (", or try --loss-model power" if model == "optimus" else ""))
+    run = last_run(lines(path))
+    last = run[-1]
+    if not all(is_number(last.get(k)) and last[k] > 0 for k in ("global_batch", "step", "epoch")):
+        raise ValueError(f"{path}: the last line needs numeric global_batch, step and epoch (a train --metrics file)")
+    if noise_scale is None:
+        seen = [r["noise_scale"] for r in run if is_number(r.get("noise_scale")) and r["noise_scale"] > 0]
+        noise_scale = statistics.median(seen) if seen else None
+    return Target(loss, p.epochs, p.low, p.high, int(last["global_batch"]),
+                  int(last["step"] // last["epoch"] * last["global_batch"]), noise_scale)
+
+
+MACHINE_NUMBERS = ("alpha", "beta", "beta_pingpong", "gamma")
+MACHINE_LISTS = ("sizes", "message_s", "oneway_s", "reduce_s")
+
+
+def cost_model(path: str):
+    """``--cost-model``: ``(between, inside)``, the Machines of a model.json
+    of ``hpcjobs model`` (``inside`` None where it was measured inside one
+    node), each checked: finite non-negative constants, and costs at the
+    same increasing sizes, all positive."""
+    from ..perfmodel import Machine
+
+    def machine(data) -> Machine:
+        m = Machine(**data)
+        for name in MACHINE_NUMBERS:
+            if not is_number(getattr(m, name)) or getattr(m, name) < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {getattr(m, name)!r}")
+        columns = [getattr(m, name) for name in MACHINE_LISTS]
+        if not all(isinstance(c, list) and c and len(c) == len(m.sizes) for c in columns):
+            raise ValueError(f"{', '.join(MACHINE_LISTS)} must be lists of the same length, not empty")
+        if not all(is_number(v) and v > 0 for c in columns for v in c) or sorted(set(m.sizes)) != m.sizes:
+            raise ValueError("sizes must increase and every size and cost be a number > 0")
+        return m
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        net = machine(data["machine"])
+        node = machine(data["node_machine"]) if "node_machine" in data else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--cost-model {path}: not a model.json of `hpcjobs model` ({e})") from None
+    return net, node

@@ -1,0 +1,103 @@
+"""``hpcjobs plan``'s flags: the device and parameter counts it parses,
+and the flags that only go together, checked before anything is measured."""
+
+from __future__ import annotations
+
+from . import plan_runs
+from .args import UsageError
+
+
+class Counts(list):
+    """Device counts as given; ``ranged`` those that came from a range."""
+
+    ranged: frozenset = frozenset()
+
+
+def device_counts(text: str) -> Counts:
+    """'1,8,64', '1-16' or '8-64:8' (low-high[:step]) -> sorted distinct
+    counts (argparse type). Above one node a range keeps whole nodes only
+    (:func:`whole_nodes`); a count listed alone is kept as given."""
+    import argparse
+
+    listed, ranged = set(), set()
+    try:
+        for part in text.split(","):
+            span, _, step = part.strip().partition(":")
+            lo, dash, hi = span.partition("-")
+            lo_i, hi_i, step_i = int(lo), int(hi or lo), int(step or 1)
+            if lo_i < 1 or hi_i < lo_i or step_i < 1 or (hi_i - lo_i) // step_i > 100_000:
+                raise ValueError
+            (ranged if dash else listed).update(range(lo_i, hi_i + 1, step_i))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected counts like 1,8,64 or 1-16 or 8-64:8 (positive, low-high), "
+                                         f"got {text!r}") from None
+    out = Counts(sorted(listed | ranged))
+    out.ranged = frozenset(ranged - listed)
+    return out
+
+
+def whole_nodes(counts: Counts, per_node: int) -> list[int]:
+    """``counts`` less the ranged ones that would leave a node part-filled."""
+    return [p for p in counts if p not in counts.ranged or p <= per_node or p % per_node == 0]
+
+
+def params_count(text: str) -> int:
+    """'25.6M', '138e6', '1000' -> parameters (argparse type)."""
+    import argparse
+
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        value = -1
+    if not 1 <= value < 1e13:
+        raise argparse.ArgumentTypeError(f"expected a parameter count like 25.6M or 1000000, got {text!r}")
+    return int(round(value))
+
+
+def default_counts(per_node: int) -> Counts:
+    """1, 2, 4, ... below a node, the node, then 2, 4, 8, ... nodes: to 256
+    devices, or 2 nodes where a node has more than 128."""
+    counts = [p for p in (1 << i for i in range(9)) if p < per_node] + [per_node]
+    while counts[-1] * 2 <= max(256, 2 * per_node):
+        counts.append(counts[-1] * 2)
+    return Counts(counts)
+
+
+def check_flags(args) -> None:
+    """Refuses flags that would be ignored, then fills in the defaults."""
+    two_level = False
+    if args.cost_model:
+        net, node = plan_runs.cost_model(args.cost_model)
+        two_level = node is not None
+        args._machines = net, node
+    given = [f for f, v in (("--intra-bw", args.intra_bw), ("--intra-latency", args.intra_latency),
+                            ("--inter-bw", args.inter_bw), ("--inter-latency", args.inter_latency),
+                            ("--reduce-bw", args.reduce_bw)) if v is not None]
+    if two_level and given:
+        raise UsageError(f"--cost-model {args.cost_model} was measured across nodes: it gives both links, so "
+                         f"{', '.join(given)} would be ignored; leave {_them(given)} out")
+    inside = [f for f in given if f.startswith("--intra")]
+    if args.cost_model and inside:
+        raise UsageError(f"--cost-model {args.cost_model} gives the link inside a node: {', '.join(inside)} would "
+                         f"be ignored; leave {_them(inside)} out")
+    if inside and args.devices_per_node == 1:
+        raise UsageError(f"{', '.join(inside)}: the link between devices of a node, and --devices-per-node is 1: "
+                         "give --devices-per-node")
+    if args.noise_scale is not None and not args.metrics:
+        raise UsageError("--noise-scale scales the epochs to a target: give --metrics and --target-loss")
+    measured = [f for f, v in (("--bytes-per-param", args.bytes_per_param),
+                               ("--backward-share", args.backward_share)) if v is not None]
+    if args.measure and measured:
+        raise UsageError(f"--measure times the step and reads the gradients: {', '.join(measured)} would be "
+                         f"ignored; leave {_them(measured)} out")
+    for name, default in (("intra_latency", 5.0), ("inter_latency", 20.0), ("bytes_per_param", 4),
+                          ("backward_share", 2 / 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.devices is None:
+        args.devices = default_counts(args.devices_per_node)
+
+
+def _them(flags: list) -> str:
+    return "it" if len(flags) == 1 else "them"
