@@ -134,16 +134,17 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
                    help="sync: allreduce every step; async: parameter server (the first --servers ranks serve); "
                         "local: local SGD; easgd: elastic averaging; hogwild: lock-free shared memory, one node "
                         "(default: %(default)s)")
-    g.add_argument("--servers", type=positive_int, default=DEFAULTS.servers,
-                   help="async: server ranks, each owning an equal shard (default %(default)s)")
+    g.add_argument("--servers", type=positive_int,
+                   help="async (and easgd --easgd-form async): server ranks, each owning an equal shard "
+                        f"(default {DEFAULTS.servers})")
     g.add_argument("--staleness-bound", type=nonnegative_int, metavar="S",
                    help="async: a worker more than S pushes ahead of the slowest waits (0: lockstep; default none)")
     g.add_argument("--staleness-lr", action="store_true",
                    help="async: weigh each gradient by 1/its staleness, in the momentum buffer too (Zhang et al. 2016)")
     g.add_argument("--fixed-delay", type=nonnegative_int, metavar="K",
                    help="async, deterministic: gradient i is computed on version i-K and applied in order")
-    g.add_argument("--local-steps", type=positive_int, default=DEFAULTS.local_steps, metavar="H",
-                   help="local: steps between averages; easgd: between elastic moves (default %(default)s)")
+    g.add_argument("--local-steps", type=positive_int, metavar="H",
+                   help=f"local: steps between averages; easgd: between elastic moves (default {DEFAULTS.local_steps})")
     g.add_argument("--post-local-epochs", type=nonnegative_int, default=DEFAULTS.post_local_epochs,
                    metavar="E", help="local: average after every step for the first E epochs (post-local SGD)")
     g.add_argument("--average-momentum", action="store_true",
@@ -217,6 +218,12 @@ def config_from_args(args, size: int) -> TrainConfig:
         if args.global_batch % (size * passes):
             raise UsageError(f"--global-batch {args.global_batch} does not divide by {size} ranks x {passes} passes")
         values["batch_per_rank"] = args.global_batch // (size * passes)
+    mode = values.get("mode", "sync")
+    served = mode == "async" or values.get("easgd_form") == "async"
+    if getattr(args, "servers", None) is not None and not served:  # left at its default, it said nothing
+        raise UsageError(f"--servers is for --mode async and easgd --easgd-form async, not mode {mode}")
+    if getattr(args, "local_steps", None) is not None and mode not in ("local", "easgd"):
+        raise UsageError(f"--local-steps is for --mode local and easgd, not mode {mode}")
     if getattr(args, "noise_scale", False) and size < 2:
         raise UsageError("--noise-scale compares one rank's gradient with the average over ranks: run 2 or more")
     with usage():

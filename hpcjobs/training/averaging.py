@@ -57,6 +57,7 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * size)
+    _check_periods(cfg, size, spe)
     if cfg.mode == "hogwild":
         return _hogwild(cfg, comm, ds, model, spe, straggler)
     flat = flatten(model)
@@ -64,26 +65,44 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     return _Averaging(cfg, comm, ds, model, flat, spe, straggler).run()
 
 
+def _check_periods(cfg: TrainConfig, W: int, spe: int) -> None:
+    """ValueError, alike on every rank, for periods and rates the averaging
+    modes cannot train with (``W`` ranks, ``spe`` steps per epoch)."""
+    if cfg.mode in ("local", "easgd") and cfg.epochs * spe < cfg.local_steps and not cfg.post_local_epochs:
+        what = "average" if cfg.mode == "local" else "elastic move"
+        raise ValueError(f"mode {cfg.mode}: {cfg.epochs} epoch(s) of {spe} steps make no {what} every "
+                         f"{cfg.local_steps} steps; train longer or lower --local-steps")
+    if cfg.mode == "easgd":
+        # Each move multiplies the gap between the ranks' mean and the center by 1 - (W + 1) a (module
+        # docstring): past 2 / (W + 1) it grows at every move (the asynchronous form needs only a < 1).
+        alpha, bound = cfg.moving_rate(W), 2 / (W + 1)
+        if alpha >= bound:
+            raise ValueError(f"mode easgd with {W} ranks: moving rate {alpha:g} multiplies the gap between the "
+                             f"center and the ranks' mean by {1 - (W + 1) * alpha:.3g} at each move, so it grows; "
+                             f"give --elastic-alpha below 2/(W+1) = {bound:.4g} (default 0.9/W = {0.9 / W:.4g})")
+
+
 def _hogwild(cfg, comm, ds, model, spe, straggler) -> list[dict]:
     """One copy of the parameters, in rank 0's segment of a shared window that every rank maps."""
-    from ..collectives._shared import is_single_node
+    from ..collectives._shared import allocate_shared, free_window, is_single_node
 
     if not is_single_node(comm):
         raise ValueError("mode hogwild shares the parameters in one node's memory: run every rank on one node")
     n = sum(p.numel() for p in model.parameters())
-    win = MPI.Win.Allocate_shared(4 * n if comm.Get_rank() == 0 else 0, 4, comm=comm)
+    win, ended = allocate_shared(4 * n if comm.Get_rank() == 0 else 0, comm), False  # locked for passive access
     try:
-        win.Lock_all(MPI.MODE_NOCHECK)
         mem, _ = win.Shared_query(0)
         shared = torch.from_numpy(np.frombuffer(mem, dtype=np.float32, count=n))
         flatten(model, into=shared, fill=comm.Get_rank() == 0)
         win.Sync()
         comm.Barrier()
-        return _Averaging(cfg, comm, ds, model, shared, spe, straggler, win).run()
+        history = _Averaging(cfg, comm, ds, model, shared, spe, straggler, win).run()
+        ended = True
+        return history
     finally:
         del model  # its parameters are views of the window
-        win.Unlock_all()
-        win.Free()
+        if ended or comm.Get_size() == 1:  # freeing is collective: a rank that failed would wait there for
+            free_window(win)  # ranks going on without it, and the job never reach its Abort (modes.py)
 
 
 class _Averaging:
@@ -97,7 +116,10 @@ class _Averaging:
         self.opt = None if self.hogwild else _make_optimizer(cfg, model)
         self.alpha = cfg.moving_rate(self.W)
         self.center = flat.clone() if cfg.mode == "easgd" else None
-        self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, comm=comm) if cfg.hogwild_lock else None
+        # hogwild_lock: an exclusive lock on rank 0's counter of updates, held from a fetch-and-add on it
+        # (flushed: an implementation may take a lock only at the first access) until the update is in
+        self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, 8, comm=comm) if cfg.hogwild_lock else None
+        self.one, self.before = np.ones(1, np.int64), np.zeros(1, np.int64)
         self.grad = np.empty(flat.numel(), np.float32)
         self.momentum = np.zeros(flat.numel(), np.float32)
         # local with average_momentum: the parameters and the momentum buffers, averaged in one allreduce
@@ -107,6 +129,7 @@ class _Averaging:
         cfg, comm = self.cfg, self.comm
         history, step, since, wall = [], 0, 0, 0.0
         comm.Barrier()
+        ended = False
         try:
             for epoch in range(cfg.epochs):
                 idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
@@ -124,10 +147,18 @@ class _Averaging:
                 epoch_s = time.monotonic() - t_epoch  # training only, as sync's: the test is not timed
                 history.append(self._record(epoch, step, sums, sent, epoch_s, epoch_s + wall))
                 wall += epoch_s
+            ended = True
         finally:
-            if self.lock is not None:
+            if self.lock is not None and (ended or self.W == 1):  # collective: as the window's (_hogwild)
                 self.lock.Free()
         return history
+
+    def _locked_updates(self) -> int:
+        """Every rank's updates so far, from rank 0's counter (hogwild_lock)."""
+        self.lock.Lock(0, MPI.LOCK_SHARED)
+        self.lock.Get(self.before, 0)
+        self.lock.Unlock(0)
+        return int(self.before[0])
 
     def _step(self, step: int) -> None:
         if not self.hogwild:
@@ -143,6 +174,8 @@ class _Averaging:
         self.momentum += g
         if self.lock is not None:
             self.lock.Lock(0, MPI.LOCK_EXCLUSIVE)
+            self.lock.Fetch_and_op(self.one, self.before, 0, op=MPI.SUM)
+            self.lock.Flush(0)  # the lock is held from here
         self.flat.sub_(torch.from_numpy(self.momentum), alpha=lr)  # in place on the shared vector
         if self.lock is not None:
             self.lock.Unlock(0)
@@ -175,9 +208,12 @@ class _Averaging:
         maxes = np.array([epoch_s, wall_s, sent], np.float64)
         comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
         comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        extra = {}
         if self.hogwild:
             self.win.Sync()
             comm.Barrier()  # every rank's last update is in
+            if self.lock is not None:
+                extra["locked_updates"] = self._locked_updates()
             test_loss, test_acc = evaluate(self.model, self.ds, comm)
         else:
             own = flat.clone()
@@ -193,7 +229,7 @@ class _Averaging:
         record = finish_record(self.cfg, {
             "epoch": epoch + 1, "step": step, "lr": lr, "loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
             "test_loss": test_loss, "test_acc": test_acc, "epoch_s": maxes[0], "wall_s": maxes[1],
-            "samples": sums[2], "sent_bytes": maxes[2]}, self.W)
+            "samples": sums[2], "sent_bytes": maxes[2], **extra}, self.W)
         if comm.Get_rank() == 0:
             report(self.cfg, record)
         return record

@@ -9,6 +9,8 @@ train``'s flags are these fields, and their defaults are these defaults.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 from ..collectives.names import MESSAGE_ALGORITHMS
@@ -208,20 +210,28 @@ class TrainConfig:
         knobs = {"async": ("staleness_bound", "staleness_lr", "fixed_delay"),
                  "local": ("post_local_epochs", "average_momentum"), "easgd": ("elastic_alpha", "easgd_form"),
                  "hogwild": ("hogwild_lock",)}
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for mode, names in knobs.items():
-            for name in names:
-                if self.mode != mode and getattr(self, name) not in (None, False, 0):
+            for name in names:  # set to anything but its default (staleness_bound 0 too: it was ignored)
+                if self.mode != mode and getattr(self, name) != defaults[name]:
                     raise ValueError(f"{name} is a knob of mode {mode}, not {self.mode}")
         if self.mode == "sync":
             return
         refused = [(self.compression != "none", "compression"), (self.backward_passes_per_step != 1,
                    "backward_passes_per_step"), (bool(self.checkpoint), "checkpoint"), (self.noise_scale,
                    "noise_scale"), (self.amp != "none", "amp"), (self.device == "cuda", "device cuda"),
-                   (self.batch_norm, "batch_norm"), (self.model not in MODELS, f"model {self.model}")]
+                   (self.batch_norm, "batch_norm"), (self.model not in MODELS, f"model {self.model}"),
+                   (self.target_loss is not None, "target_loss"), (self.nonfinite != "ignore", "nonfinite")]
         for bad, name in refused:
             if bad:
                 raise ValueError(f"mode {self.mode} trains {' or '.join(MODELS)} without BatchNorm, uncompressed, "
-                                 f"one pass per step, on CPUs, without checkpoints: {name} is for mode sync")
+                                 f"one pass per step, on CPUs, without checkpoints, target-loss predictions or "
+                                 f"nonfinite checks: {name} is for mode sync")
+        served = self.mode == "async" or self.easgd_form == "async"
+        if self.straggler is not None and served and parse_straggler(self.straggler)[0] < self.servers:
+            raise ValueError(f"straggler {self.straggler}: rank {parse_straggler(self.straggler)[0]} is a server in "
+                             f"mode {self.mode} (the first {self.servers} rank(s) serve; they compute no steps): "
+                             "name a worker's rank")
         if self.mode in ("async", "hogwild") and self.optimizer not in ASYNC_OPTIMIZERS[:1 + (self.mode == "async")]:
             raise ValueError(f"mode {self.mode} applies {' or '.join(ASYNC_OPTIMIZERS[:1 + (self.mode == 'async')])}"
                              f" updates itself, not {self.optimizer}")

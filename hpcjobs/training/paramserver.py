@@ -86,7 +86,7 @@ __all__ = ["train_async", "run_async", "reference_fixed_delay", "shard_bounds", 
 HDR = 64  # bytes of float64 header at the front of every message
 TAG_PULL, TAG_PARAMS, TAG_PUSH, TAG_DONE, TAG_SNAP, TAG_SHARD, TAG_STOP, TAG_FINAL, TAG_ALIVE = range(7101, 7110)
 IDLE_S = 2e-4  # a server's nap when no message waits: it leaves the cores to the workers
-FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself after COUNT pushes (tests)
+FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself after COUNT pushes, 0 too (tests)
 
 
 class PeerLost(RuntimeError):

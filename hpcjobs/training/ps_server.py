@@ -265,6 +265,10 @@ class Server:
         for k in range(1, self.S):
             self.comm.Send(finished, dest=k, tag=TAG_STOP)
             audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout))
+        if not self.history:  # no push was ever applied: no epoch line to end with. Exits 3, as a lost peer
+            # does (MPI_Abort's code is lost under mpirun --enable-recovery: it exited 0)
+            raise PeerLost(f"every worker was lost before a push was applied (workers lost: "
+                               f"{', '.join(str(self.S + w) for w in sorted(self.lost)) or 'none'}): nothing trained")
         last = self.history[-1]
         diffs = [a["diff"] for a in audits if a["diff"] is not None]
         last.update({"pushes_applied": audits[0]["applied"], "pushes_reported": audits[0]["pushed"],

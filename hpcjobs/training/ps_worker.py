@@ -37,6 +37,7 @@ class Worker:
             self.opt = _make_optimizer(ctx.cfg, ctx.model)
 
     def run(self) -> list[dict]:
+        _die_if_told(self.comm.Get_rank(), 0)  # the fault tests: a worker lost before its first push
         if self.ctx.elastic:
             self._run_elastic()
         else:

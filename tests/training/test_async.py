@@ -89,6 +89,11 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="local", easgd_form="async"), "easgd_form is a knob of mode easgd, not local"),
     (dict(mode="easgd", easgd_form="gossip"), "unknown easgd_form 'gossip'"),
     (dict(mode="local", average_momentum=True, momentum=0.0), "optimizer sgd or nesterov with momentum > 0"),
+    (dict(mode="local", staleness_bound=0), "staleness_bound is a knob of mode async, not local"),
+    (dict(mode="local", target_loss=0.3), "target_loss is for mode sync"),
+    (dict(mode="hogwild", nonfinite="abort"), "nonfinite is for mode sync"),
+    (dict(mode="async", straggler="0:3"), "rank 0 is a server in mode async"),
+    (dict(mode="easgd", easgd_form="async", servers=2, straggler="1:2"), "rank 1 is a server in mode easgd"),
     (dict(straggler="1"), "RANK:FACTOR"),
     (dict(straggler="1:0.5"), "FACTOR >= 1"),
 ])
@@ -268,3 +273,17 @@ def test_hogwild_alone_is_sgd_and_together_it_learns():
     assert hogwild[0]["test_loss"] == pytest.approx(sgd[0]["test_loss"], rel=1e-6)
     together = train(TrainConfig(**dict(common, epochs=2), mode="hogwild", hogwild_lock=True))
     assert together[-1]["loss"] < together[0]["loss"] < np.log(10)  # below chance, and lower again
+    # each update took the lock (a fetch-and-add on its counter, flushed), every rank's, each epoch
+    spe = steps_per_epoch(400, TINY["batch_per_rank"] * comm.Get_size())
+    assert [r["locked_updates"] for r in together] == [spe * comm.Get_size(), 2 * spe * comm.Get_size()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_easgd_rate_that_makes_the_center_overshoot_is_refused_on_every_rank():
+    """Each move multiplies the gap between the ranks' mean and the center
+    by 1 - (W + 1) a; at 2 / (W + 1) and above it does not shrink."""
+    W = MPI.COMM_WORLD.Get_size()
+    with pytest.raises(ValueError, match=r"below 2/\(W\+1\)"):
+        train(TrainConfig(**TINY, epochs=1, mode="easgd", elastic_alpha=min(0.99, 2 / (W + 1))))
+    with pytest.raises(ValueError, match="make no elastic move every 1000 steps"):
+        train(TrainConfig(**TINY, epochs=1, mode="easgd", local_steps=1000))

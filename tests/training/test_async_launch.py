@@ -72,3 +72,11 @@ def test_a_killed_server_ends_every_worker_with_an_error():
     for rank in (1, 2, 3):
         assert f"rank {rank}: server rank 0 sent nothing for 2 s: presumed lost" in out.stderr, out.stderr[-3000:]
     assert seconds < 60
+
+
+def test_every_worker_lost_before_a_push_ends_the_job_saying_so():
+    out, seconds = _train(2, *SMALL, "--epochs", "2", "--peer-timeout", "2", fault="1:0")
+    assert out.returncode != 0
+    assert "every worker was lost before a push was applied (workers lost: 1): nothing trained" in out.stderr, \
+        out.stderr[-3000:]
+    assert "IndexError" not in out.stderr and seconds < 60

@@ -27,6 +27,12 @@ from launch import mpirun_script
     (["--mode", "async", "--global-batch", "64"], "--global-batch is for --mode sync"),
     (["--mode", "async", "--servers", "2"], "mode async needs workers: 2 ranks and 2 server(s)"),
     (["--mode", "local", "--straggler", "2:3"], "straggler rank 2 is not one of the 2 ranks"),
+    # knobs the mode would ignore, and periods and rates it cannot train with
+    (["--mode", "local", "--servers", "1"], "--servers is for --mode async and easgd --easgd-form async"),
+    (["--mode", "async", "--local-steps", "4"], "--local-steps is for --mode local and easgd, not mode async"),
+    (["--mode", "easgd", "--elastic-alpha", "0.8"], "by -1.4 at each move, so it grows; give --elastic-alpha "
+                                                    "below 2/(W+1) = 0.6667"),
+    (["--mode", "local", "--local-steps", "1000"], "make no average every 1000 steps"),
 ])
 def test_bad_train_arguments_exit_2_on_every_rank(args, words):
     out = _mpirun(2, "train", "--epochs", "1", *args)
