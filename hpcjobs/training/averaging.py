@@ -44,7 +44,7 @@ from .data import load_dataset, rank_batches, steps_per_epoch
 from .models import build_model
 from .stepping import Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
 
-__all__ = ["train_averaging"]
+__all__ = ["check_periods", "train_averaging"]
 
 
 def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
@@ -57,7 +57,7 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * size)
-    _check_periods(cfg, size, spe)
+    check_periods(cfg, size, spe)
     if cfg.mode == "hogwild":
         return _hogwild(cfg, comm, ds, model, spe, straggler)
     flat = flatten(model)
@@ -65,7 +65,7 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     return _Averaging(cfg, comm, ds, model, flat, spe, straggler).run()
 
 
-def _check_periods(cfg: TrainConfig, W: int, spe: int) -> None:
+def check_periods(cfg: TrainConfig, W: int, spe: int) -> None:
     """ValueError, alike on every rank, for periods and rates the averaging
     modes cannot train with (``W`` ranks, ``spe`` steps per epoch)."""
     if cfg.mode in ("local", "easgd") and cfg.epochs * spe < cfg.local_steps and not cfg.post_local_epochs:

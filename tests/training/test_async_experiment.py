@@ -52,6 +52,15 @@ def test_rows_it_does_not_know_are_a_usage_error():
     assert out.returncode == 2 and "unknown: gossip" in out.stderr
 
 
+def test_a_row_whose_period_outlasts_the_run_is_refused_before_any_row_runs(tmp_path):
+    # 480 training samples / (32 x 2 workers) = 7 steps: local SGD's H = 16 would never average
+    out = mpirun(3, "experiment", "async", "--epochs", "1", "--num-samples", "600", "--rows", "sync,local H=16",
+                 "--seeds", "1", "--out", str(tmp_path))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "row 'local H=16': mode local: 1 epoch(s) of 7 steps make no average every 16 steps" in out.stderr
+    assert not (tmp_path / "runs.jsonl").exists()  # refused before the sync row ran
+
+
 def test_every_row_can_be_named_in_rows():
     """--rows is comma-separated: no row's name may hold a comma."""
     from hpcjobs.cli.args import comma_list
