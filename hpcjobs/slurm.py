@@ -1,5 +1,6 @@
-"""Slurm: the job templates in ``slurm/``, filled in for a job, and the
-launcher command that starts the ranks from inside one.
+"""Slurm: the job templates in ``slurm/`` (``hpcjobs/slurm_templates``),
+filled in for a job, and the launcher command that starts the ranks from
+inside one.
 
 This module starts no MPI: it runs on a login node and on the batch host.
 The commands around it are ``hpcjobs slurm render / submit / launch``
@@ -19,14 +20,17 @@ Inside a job (the last line of every template)::
 2. makes the per-job results directory ``$HPCJOBS_RESULTS/<job name>-<job id>``
    and substitutes it for ``{job_dir}`` in the arguments;
 3. sets ``MASTER_ADDR`` (the first node of ``scontrol show hostnames``, as
-   its ``NodeAddr``) and ``MASTER_PORT`` for torch.distributed, and
+   its ``NodeAddr``; ``HPCJOBS_MASTER_ADDR`` if set) and ``MASTER_PORT``
+   (20000 + job id mod 12000; ``HPCJOBS_MASTER_PORT``) for torch.distributed,
+   whatever ``MASTER_*`` the submit shell passed on, and
    ``HPCJOBS_EXPECT_WORLD_SIZE`` to the job's task count, so ranks that come
    up as singletons (a launcher that does not match the MPI) fail loudly;
 4. asks each rank to bind to its GPU by local rank (``HPCJOBS_BIND_GPU``,
    read by :func:`hpcjobs.runtime.bind_gpu` in every rank) unless
    ``HPCJOBS_CPU=1``;
 5. execs ``srun --mpi=$HPCJOBS_SRUN_MPI`` (default pmix;
-   ``--kill-on-bad-exit=1``: a rank that fails ends the job) or, with
+   ``--kill-on-bad-exit=1``: a rank that fails ends the job; ``--export=ALL``:
+   all of this reaches the ranks under ``sbatch --export=NONE`` too) or, with
    ``HPCJOBS_LAUNCHER=mpirun``, ``mpirun`` over the allocation.
 
 Which ``--mpi`` goes with which MPI: docs/cluster.md, "Which launcher with
@@ -46,14 +50,16 @@ __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_command
            "master_address"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
-_TIME = re.compile(r"^(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
+_TIME = re.compile(r"(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})")
 _SBATCH = re.compile(r"^#SBATCH --(?P<key>[a-z-]+)=(?P<value>\S+)(?P<rest>.*)$")
 
 
 def template_dir() -> Path:
-    """``slurm/`` beside the package (an editable install or a checkout)."""
-    return Path(__file__).resolve().parent.parent / "slurm"
+    """The templates, package data (``hpcjobs/slurm_templates``, which the
+    checkout's ``slurm/`` links to): there in any install, not only an
+    editable one."""
+    return Path(__file__).resolve().parent / "slurm_templates"
 
 
 def template_path(name: str) -> Path:
@@ -73,7 +79,7 @@ def _time(text: str) -> str:
     a day count below 24; or UNLIMITED / INFINITE."""
     if text.upper() in ("UNLIMITED", "INFINITE"):
         return text
-    m = _TIME.match(text)
+    m = _TIME.fullmatch(text)
     if not m:
         raise ValueError(f"--time {text!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS)")
     later = [int(f) for f in m["rest"].split(":")[1:]]
@@ -82,9 +88,12 @@ def _time(text: str) -> str:
     return text
 
 
-def _name(flag: str, text: str) -> str:
-    if not _NAME.match(text):
-        raise ValueError(f"{flag} {text!r}: use letters, digits, '_', '.', '-' (at most 64, not starting with . or -)")
+def _name(flag: str, text: str, listed: bool = False) -> str:
+    """A name Slurm takes (``listed``: a comma-separated list of them, as
+    partitions are)."""
+    if not all(_NAME.fullmatch(part) for part in (text.split(",") if listed else [text])):
+        raise ValueError(f"{flag} {text!r}: use letters, digits, '_', '.', '-' (at most 64, not starting with . or -)"
+                         + (", names separated by commas" if listed else ""))
     return text
 
 
@@ -114,18 +123,20 @@ class RenderOptions:
         if self.job_name is not None:
             _name("--job-name", self.job_name)
         if self.partition is not None:
-            _name("--partition", self.partition)
+            _name("--partition", self.partition, listed=True)
         if self.account is not None:
             _name("--account", self.account)
 
 
 def job_commands(template: str) -> list[tuple[str, ...]]:
     """The hpcjobs commands a template runs with the job's arguments
-    (``hpcjobs slurm launch -- COMMAND ... "${JOB_ARGS[@]}"``)."""
+    (``hpcjobs slurm launch -- COMMAND ... ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}``:
+    the array, or nothing where it is empty, which bash before 4.4 under
+    ``set -u`` would call unbound)."""
     commands = []
     for line in template.replace("\\\n", " ").splitlines():
         m = re.search(r"hpcjobs slurm launch -- (.*)", line)
-        if m and '"${JOB_ARGS[@]}"' in line:
+        if m and '${JOB_ARGS[@]+"${JOB_ARGS[@]}"}' in line:
             words = []
             for word in m.group(1).split():
                 if not re.fullmatch(r"[a-z][a-z-]*", word):
@@ -151,6 +162,14 @@ def render(template: str, opts: RenderOptions) -> str:
     values = {"nodes": opts.nodes, "ntasks-per-node": opts.ntasks_per_node, "gpus-per-node": opts.gpus_per_node,
               "cpus-per-task": opts.cpus_per_task, "time": opts.time, "job-name": opts.job_name}
     cpu = opts.cpu or opts.gpus_per_node == 0
+    if opts.cpu and opts.gpus_per_node:
+        raise ValueError(f"--cpu asks for no GPUs: leave out --gpus-per-node {opts.gpus_per_node}")
+    if not cpu:  # one rank drives one GPU (runtime.bind_gpu): the one given sets the other
+        tasks, gpus = opts.ntasks_per_node, opts.gpus_per_node
+        if tasks is not None and gpus is not None and tasks != gpus:
+            raise ValueError(f"--ntasks-per-node {tasks} and --gpus-per-node {gpus}: each rank drives one GPU, so "
+                             "give them equal (or --cpu)")
+        values["ntasks-per-node"] = values["gpus-per-node"] = tasks if tasks is not None else gpus
     out, seen = [], set()
     for line in template.splitlines():
         m = _SBATCH.match(line)
@@ -208,7 +227,13 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     new = dict(env)
     new["HPCJOBS_JOB_DIR"] = str(job_dir)
     new["HPCJOBS_EXPECT_WORLD_SIZE"] = str(ntasks)
-    new.setdefault("MASTER_PORT", str(20000 + int(env["SLURM_JOB_ID"]) % 20000))
+    # torch.distributed's rendezvous: the first node of this job, whatever MASTER_ADDR/MASTER_PORT the submit
+    # shell passed on (a torchrun habit, MASTER_ADDR=localhost, would send every node to itself); an address
+    # of one's own through HPCJOBS_MASTER_ADDR / HPCJOBS_MASTER_PORT. The port is below Linux's ephemeral range.
+    new.pop("MASTER_ADDR", None)
+    if env.get("HPCJOBS_MASTER_ADDR"):
+        new["MASTER_ADDR"] = env["HPCJOBS_MASTER_ADDR"]
+    new["MASTER_PORT"] = env.get("HPCJOBS_MASTER_PORT") or str(20000 + int(env["SLURM_JOB_ID"]) % 12000)
     if env.get("HPCJOBS_CPU", "0") != "1":
         new["HPCJOBS_BIND_GPU"] = "1"
     new.setdefault("PMIX_MCA_psec", "native")  # Slurm's PMIx server and the wheel's client agree on it
@@ -222,7 +247,9 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
         cpus = env.get("SLURM_CPUS_PER_TASK", "")
         # --kill-on-bad-exit: a rank that exits non-zero ends the step, as mpirun does. Without it a rank that
         # failed before MPI started (bad input on one node) left the others in MPI_Init until the time limit.
-        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", "--kill-on-bad-exit=1",
+        # --export=ALL: the environment set here reaches the ranks also in a job submitted with --export=NONE
+        # (or SBATCH_EXPORT=NONE), whose srun would pass on only SLURM_* (MPI_Init then failed, OPAL_PREFIX lost).
+        cmd = ["srun", f"--mpi={env.get('HPCJOBS_SRUN_MPI', 'pmix')}", "--kill-on-bad-exit=1", "--export=ALL",
                *([f"--cpus-per-task={cpus}"] if cpus else []), *shlex.split(env.get("HPCJOBS_SRUN_FLAGS", "")),
                *hpcjobs]
     elif launcher == "mpirun":

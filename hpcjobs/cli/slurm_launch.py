@@ -32,8 +32,12 @@ def run(args) -> int:
         raise UsageError(f"the ranks' command would fail: {error}")
     with usage():
         cmd, env = launch_command(dict(os.environ), list(args.passthrough))
-    if "MASTER_ADDR" not in env:  # asks scontrol: only where the job did not set it
+    if "MASTER_ADDR" not in env:  # asks scontrol, unless HPCJOBS_MASTER_ADDR said
         env["MASTER_ADDR"] = master_address(os.environ.get("SLURM_JOB_NODELIST", ""))
+    replaced = [f"{k}={os.environ[k]}" for k in ("MASTER_ADDR", "MASTER_PORT") if os.environ.get(k, env[k]) != env[k]]
+    if replaced:
+        print(f"# replaced {' '.join(replaced)} from the submitting shell with this job's (HPCJOBS_MASTER_ADDR / "
+              "HPCJOBS_MASTER_PORT set one's own)", flush=True)
     Path(env["HPCJOBS_JOB_DIR"]).mkdir(parents=True, exist_ok=True)
     if cmd[0] == "mpirun":
         stale = clear_stale_mpi_sessions(env.get("TMPDIR"))

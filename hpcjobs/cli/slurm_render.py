@@ -17,12 +17,14 @@ from .args import UsageError, positive_int, usage
 def configure(p) -> None:
     p.add_argument("template", help=f"one of {', '.join(TEMPLATES)}, or a path to a .sbatch file")
     p.add_argument("--nodes", "-N", type=positive_int, help="nodes")
-    p.add_argument("--ntasks-per-node", type=positive_int, help="ranks per node (= GPUs per node)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (0 = CPU mode)")
+    p.add_argument("--ntasks-per-node", type=positive_int,
+                   help="ranks per node (= GPUs per node: either sets the other)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (0 = CPU mode; = ranks per node)")
     p.add_argument("--cpus-per-task", type=positive_int, help="cores per rank")
     p.add_argument("--time", "-t", help="wall-clock limit (HH:MM:SS, D-HH:MM:SS, ...)")
     p.add_argument("--job-name", "-J", help="job name (letters, digits, _ . -)")
-    p.add_argument("--partition", "-p", help="partition (else sbatch's default or SBATCH_PARTITION)")
+    p.add_argument("--partition", "-p",
+                   help="partition, or several separated by commas (else sbatch's default or SBATCH_PARTITION)")
     p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
     p.add_argument("--cpu", action="store_true", help="CPU mode: no GPU request, HPCJOBS_CPU=1 by default")
     p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"

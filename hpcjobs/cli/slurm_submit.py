@@ -37,12 +37,15 @@ def run(args) -> int:
     script.write_text(text)
     script.chmod(0o755)
     cmd = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    job_id = proc.stdout.strip().split(";")[0]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The id as soon as sbatch prints it: with --wait sbatch returns only when the job ends, and an id seen
+    # only then could not be given to squeue or scancel meanwhile.
+    job_id = proc.stdout.readline().strip().split(";")[0]
     if job_id:
         print(job_id, flush=True)
+        print(f"# submitted {script} as job {job_id}" + (", waiting for it to end" if args.wait else ""),
+              file=sys.stderr, flush=True)
+    _, err = proc.communicate()
     if proc.returncode != 0:
-        print(f"hpcjobs slurm submit: sbatch exited {proc.returncode}: {proc.stderr.strip()}", file=sys.stderr)
-        return proc.returncode
-    print(f"# submitted {script} as job {job_id}", file=sys.stderr)
-    return 0
+        print(f"hpcjobs slurm submit: sbatch exited {proc.returncode}: {err.strip()}", file=sys.stderr)
+    return proc.returncode

@@ -82,6 +82,10 @@ def jobs(cluster, tmp_path_factory):
     stale = work / "tmp-mpirun" / f"ompi.{int(Path('/proc/sys/kernel/pid_max').read_text()) + 1}"
     plan["mpirun"] = ({"HPCJOBS_LAUNCHER": "mpirun", "TMPDIR": str(stale.parent)}, "allreduce")
     plan["large-batch"] = ({"HPCJOBS_TRAIN_JOB": "large-batch"}, "train")
+    # sbatch --export=NONE (sites set SBATCH_EXPORT=NONE): only these and SLURM_* reach the job, and its
+    # srun would pass the ranks only SLURM_* unless told --export=ALL (MPI_Init failed: OPAL_PREFIX lost)
+    plan["export-none"] = ({"SBATCH_EXPORT": "HPCJOBS_VENV,OMPI_ALLOW_RUN_AS_ROOT,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"},
+                           "allreduce")
 
     def submit(label):
         extra, template = plan[label]
@@ -106,7 +110,7 @@ def jobs(cluster, tmp_path_factory):
                 if label not in results:
                     state, code, elapsed, nodes = _job_state(cluster, job_id, env)
                     if state in DONE:
-                        out = (work / f"hpcjobs-{plan[label][1]}-{job_id}.out")
+                        out = work / f"test-{label}-{job_id}.out"  # --output=%x-%j.out
                         results[label] = dict(id=job_id, state=state, exit=code, elapsed=elapsed, nodes=nodes,
                                               output=out.read_text() if out.exists() else "",
                                               dir=work / "results" / f"test-{label}-{job_id}")
@@ -225,6 +229,32 @@ def test_nccl_template_in_cpu_mode_uses_gloo(jobs):
     assert {row[4] for row in _rows(r["output"])} >= {"ring", "mpi", "gloo"}
     rows = {row["impl"] for row in json.loads((r["dir"] / "train.json").read_text())["results"]}
     assert rows == {"single", "ours:auto", "ddp"}
+
+
+def test_a_job_submitted_without_the_users_environment_starts_its_ranks(jobs):
+    r = jobs["export-none"]
+    _ok(r)
+    assert "--export=ALL" in r["output"]
+    _exact_and_counted(_rows(r["output"]))
+
+
+def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
+    env = _slurm_env()
+    proc = subprocess.Popen([*cluster, sys.executable, "-m", "hpcjobs", "slurm", "submit", "allreduce", "-N", "2",
+                             "--ntasks-per-node", "2", "--cpus-per-task", "1", "-t", "10", "--cpu", "-J", "test-wait",
+                             "--wait", "--script", str(tmp_path / "wait.sbatch"), "--", "--max-bytes", "1K",
+                             "--iters", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=env)
+    try:
+        job_id = proc.stdout.readline().strip()
+        assert job_id.isdigit() and proc.poll() is None, (job_id, proc.stderr.read() if proc.poll() else "")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"# submitted {tmp_path / 'wait.sbatch'} as job {job_id}, waiting for it to end" in err
+    assert "float32" in (tmp_path / f"test-wait-{job_id}.out").read_text()
 
 
 def test_allreduce_template_launched_with_mpirun(jobs):

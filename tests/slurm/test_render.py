@@ -69,10 +69,39 @@ def test_job_args_survive_the_shell_exactly(tmp_path):
     (dict(job_name="x; rm -rf /"), "--job-name"), (dict(partition="-p"), "--partition"),
     (dict(account="a b"), "--account"), (dict(nodes=0), "--nodes must be a positive integer"),
     (dict(gpus_per_node=-1), "--gpus-per-node"),
+    (dict(job_name="x\n"), "--job-name"), (dict(partition="gpu\n"), "--partition"), (dict(time="10\n"), "Slurm time"),
+    (dict(partition="gpu,,long"), "--partition"),
+    (dict(ntasks_per_node=8, gpus_per_node=4), "each rank drives one GPU, so give them equal"),
+    (dict(cpu=True, gpus_per_node=4), "--cpu asks for no GPUs"),
 ])
 def test_bad_values_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         render(template_path("train").read_text(), RenderOptions(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs,tasks,gpus", [
+    (dict(ntasks_per_node=8), 8, 8), (dict(gpus_per_node=2), 2, 2), (dict(), 4, 4),  # the template's 4 and 4
+])
+def test_ranks_and_gpus_per_node_follow_each_other(kwargs, tasks, gpus):
+    text = render(template_path("train").read_text(), RenderOptions(**kwargs))
+    assert f"#SBATCH --ntasks-per-node={tasks} " in text and f"#SBATCH --gpus-per-node={gpus} " in text
+
+
+def test_a_list_of_partitions_is_passed_on():
+    assert "#SBATCH --partition=gpu,gpu-long" in render(template_path("train").read_text(),
+                                                        RenderOptions(partition="gpu,gpu-long"))
+
+
+def test_an_empty_job_args_array_is_not_unbound_in_an_old_bash(tmp_path):
+    """bash before 4.4 under set -u calls an empty "${A[@]}" unbound, and
+    every template ended there when given no job arguments: the templates
+    expand ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}, which no bash calls unbound."""
+    for name in TEMPLATES:
+        text = template_path(name).read_text()
+        assert '"${JOB_ARGS[@]}"' not in text.replace('${JOB_ARGS[@]+"${JOB_ARGS[@]}"}', ""), name
+    script = tmp_path / "empty.sh"
+    script.write_text('set -u\nJOB_ARGS=()\nprintf "[%s]" ${JOB_ARGS[@]+"${JOB_ARGS[@]}"} end\n')
+    assert subprocess.run(["bash", str(script)], capture_output=True, text=True).stdout == "[end]"
 
 
 @pytest.mark.parametrize("job_args,words", [
@@ -153,14 +182,26 @@ JOB = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "hpcjobs-tra
 def test_launch_with_srun():
     cmd, env = launch_command(dict(JOB), ["train", "--metrics", "{job_dir}/m.jsonl"])
     # a rank that exits non-zero ends the step (before MPI starts the others would wait in MPI_Init)
-    assert cmd[:4] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--cpu-bind=cores"]
+    # --export=ALL: under sbatch --export=NONE srun would pass the ranks only SLURM_* (MPI_Init failed)
+    assert cmd[:5] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--export=ALL", "--cpu-bind=cores"]
     assert cmd[-4:] == ["hpcjobs", "train", "--metrics", "/scratch/me/results/hpcjobs-train-77/m.jsonl"]
     # Slurm 22.05's srun does not inherit the job's --cpus-per-task: passed on, or each task gets one core
     cmd, _ = launch_command(dict(JOB, SLURM_CPUS_PER_TASK="4"), ["tune"])
-    assert cmd[:5] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--cpus-per-task=4", "--cpu-bind=cores"]
+    assert cmd[:6] == ["srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--export=ALL", "--cpus-per-task=4",
+                       "--cpu-bind=cores"]
     assert env["HPCJOBS_EXPECT_WORLD_SIZE"] == "8" and env["HPCJOBS_BIND_GPU"] == "1"
     assert env["HPCJOBS_JOB_DIR"] == "/scratch/me/results/hpcjobs-train-77"
     assert env["MASTER_PORT"] == str(20077)
+
+
+def test_the_rendezvous_is_the_jobs_whatever_the_submit_shell_had():
+    _, env = launch_command(dict(JOB, MASTER_ADDR="localhost", MASTER_PORT="29500"), ["tune"])
+    assert "MASTER_ADDR" not in env and env["MASTER_PORT"] == "20077"  # the address: the first node (scontrol)
+    _, env = launch_command(dict(JOB, SLURM_JOB_ID="31999", HPCJOBS_MASTER_ADDR="n7", MASTER_ADDR="localhost"),
+                            ["tune"])
+    assert env["MASTER_ADDR"] == "n7" and env["MASTER_PORT"] == str(20000 + 31999 % 12000) < "32768"
+    _, env = launch_command(dict(JOB, HPCJOBS_MASTER_PORT="29501"), ["tune"])
+    assert env["MASTER_PORT"] == "29501"
 
 
 def test_launch_with_mpirun_in_cpu_mode():
@@ -185,3 +226,17 @@ def test_bind_gpu_picks_the_local_ranks_gpu(monkeypatch, env, want):
         monkeypatch.setenv(k, v)
     bind_gpu()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == want
+
+
+def test_the_templates_are_package_data_and_the_checkouts_slurm_folder_links_to_them():
+    """A non-editable install (pip install .) has them too: before they sat
+    outside the package, and render said "no template 'allreduce'" there."""
+    import hpcjobs
+    from hpcjobs.slurm import template_dir
+
+    package = Path(hpcjobs.__file__).resolve().parent
+    assert template_dir() == package / "slurm_templates"
+    assert '"slurm_templates/*.sbatch"' in (package.parent / "pyproject.toml").read_text()
+    checkout = package.parent / "slurm"
+    if checkout.exists():  # the checkout's slurm/, where the docs say sbatch slurm/X.sbatch
+        assert checkout.resolve() == template_dir()
