@@ -3,8 +3,8 @@
 DDP hands a comm hook each gradient bucket (a flat tensor) and waits on the
 future it returns. :func:`register` installs one that sends the bucket
 through :func:`hpcjobs.compression.compressed_allreduce` -- each compressor
-on the collective it needs (fp16/bf16 and QSGD on an allreduce, top-k,
-random-k and 1-bit sign on an allgather, PowerSGD on two allreduces of its
+on the collective it needs (fp16/bf16 and random-k on an allreduce, top-k,
+QSGD and 1-bit sign on an allgather, PowerSGD on two allreduces of its
 factors), with error feedback if asked::
 
     import hpcjobs.torch_backend  # noqa: F401

@@ -112,8 +112,9 @@ def add_comm_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--algorithm", choices=("auto",) + ALGORITHMS, default=DEFAULTS.algorithm,
                    help="allreduce (default: %(default)s)")
     g.add_argument("--compression", type=compression_spec, default=DEFAULTS.compression, metavar="NAME[:PARAM]",
-                   help=f"gradient compression: {', '.join(COMPRESSIONS)}; topk:RATIO, randomk:RATIO, "
-                        "qsgd:LEVELS, powersgd:RANK (default: %(default)s)")
+                   help=f"gradient compression: {', '.join(COMPRESSIONS)}; topk:RATIO, randomk:RATIO (unscaled: "
+                        "without --error-feedback a step moves RATIO of the gradient), qsgd:LEVELS, powersgd:RANK "
+                        "(default: %(default)s)")
     g.add_argument("--error-feedback", action="store_true",
                    help="add back what compression dropped at the next step (needs --compression)")
     g.add_argument("--fusion-bytes", type=parse_bytes, default=DEFAULTS.fusion_bytes,

@@ -135,11 +135,11 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
             rows = ring.allgatherv([_numpy(p) for p in parts], proxy) if size > 1 else [[_numpy(p) for p in parts]]
             sent += proxy.sent
             mean = None
-            for row in rows:  # rank order: the same sum on every rank
+            for row in rows:  # rank order: the same sum on every rank, in float32 at least (fp16 sums overflow)
                 got = tuple(_torch(a, p) for a, p in zip(row, parts))
                 d = compressor.decompress(got if isinstance(payload, tuple) else got[0], ctx)
-                mean = d.clone() if mean is None else mean.add_(d)
-            mean = mean.div_(size) if size > 1 else mean
-    if memory is not None:
-        memory.update(name, x, local)
+                mean = d.to(torch.promote_types(d.dtype, torch.float32), copy=True) if mean is None else mean.add_(d)
+            mean = (mean.div_(size) if size > 1 else mean).to(x.dtype)
+    if memory is not None:  # a step counts where the average, the same on every rank, is finite
+        memory.update(name, x, local, applied=bool(torch.isfinite(mean).all()))
     return mean, sent

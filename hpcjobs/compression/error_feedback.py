@@ -12,9 +12,17 @@ so g + e_old = D(C(x)) + e_new exactly, at every step: nothing is lost,
 only delayed. The residuals belong to this rank (each rank drops different
 things) and go into checkpoints through ``state_dict``.
 
-A step whose compensated tensor is not finite (an overflow that fp16's loss
-scaling or ``nonfinite="skip"`` then skips) keeps the residual it had: inf
-minus inf kept as the residual would turn every later gradient into NaN.
+Whether a step counts is decided from the average, which is the same on
+every rank, not from this rank's own numbers: where the average is not
+finite (an overflow anywhere, which fp16's loss scaling or
+``nonfinite="skip"`` then skips on every rank) every rank keeps the residual
+it had, as nothing was applied; where it is finite the residual is updated,
+its own non-finite entries (an overflow here that the compressor did not
+send: random-k's unsampled inf) set to zero, as inf minus inf kept would
+turn every later gradient into NaN. Before 2026-11-28 each rank decided from
+its own tensor: a rank whose own inf went unsent kept its old residual and
+sent it again, and ranks without an overflow lost what they had sent in a
+step the others' overflow then skipped.
 Residuals of gradients scaled by a loss scale are in its units: when the
 scale changes, :meth:`rescale` them by new / old.
 """
@@ -42,12 +50,16 @@ class ErrorFeedback:
                              f"the tensor {tensor.dtype}{tuple(tensor.shape)}; one name, one tensor")
         return tensor + e
 
-    def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
-        """Keep ``compensated - decompressed`` as ``name``'s residual, unless
-        it is not finite: then the residual stays as it was (module docstring)."""
+    def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor,
+               applied: bool = True) -> None:
+        """Keep ``compensated - decompressed`` as ``name``'s residual, its
+        non-finite entries zero, if the step was ``applied`` (its average
+        finite, the same on every rank); else the residual stays as it was
+        (module docstring)."""
+        if not applied:
+            return
         e = compensated - decompressed
-        if bool(torch.isfinite(e).all()):
-            self.residuals[name] = e
+        self.residuals[name] = torch.where(torch.isfinite(e), e, torch.zeros((), dtype=e.dtype, device=e.device))
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale's new / old)."""

@@ -30,15 +30,22 @@ CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # among them: its saved state_dict brings back the saved ones, and a changed flag would be silently ignored.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
                 "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
-                "compression", "error_feedback", "seq_len", "layers", "heads", "embed")
+                "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes")
 
 
-def _used(key: str, optimizer: str) -> bool:
-    """Whether ``optimizer`` takes the setting ``key`` (momentum: the SGDs,
-    RMSprop and LARS; the trust coefficient: LARS): one it ignores may change."""
+def _used(key: str, cfg: TrainConfig) -> bool:
+    """Whether the run uses the setting ``key`` (momentum: the SGDs, RMSprop
+    and LARS; the trust coefficient: LARS; the bucket size: the residuals of
+    error feedback with a cast, kept per fused bucket, so other buckets
+    would take them): one it ignores may change."""
     if key == "momentum":
-        return optimizer in ("sgd", "nesterov", "rmsprop", "lars")
-    return key != "trust_coefficient" or optimizer == "lars"
+        return cfg.optimizer in ("sgd", "nesterov", "rmsprop", "lars")
+    if key == "fusion_bytes":
+        from ..compression.names import make_compressor
+
+        compressor = make_compressor(cfg.compression)
+        return cfg.error_feedback and compressor is not None and compressor.fusable
+    return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
 class CheckpointError(RuntimeError):
@@ -125,7 +132,7 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
             old = state["config"]
             defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
             changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)
-                       and _used(k, cfg.optimizer)]
+                       and _used(k, cfg)]
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))

@@ -51,6 +51,7 @@ share its cores, emulated hosts and containers included), ``overlap="auto"`` cho
 
 from __future__ import annotations
 
+import contextlib
 import math
 import queue
 import sys
@@ -66,6 +67,7 @@ from ..comm import private
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
 from .buckets import Bucket, check_layout, layout
+from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 
 __all__ = ["DistributedOptimizer", "NonFiniteGradientError"]
@@ -75,7 +77,7 @@ class NonFiniteGradientError(FloatingPointError):
     """An averaged gradient holds NaN or Inf (``nonfinite="abort"``); raised on every rank alike."""
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(OptimizerState):
     """Average gradients over ``comm`` with hpcjobs' allreduce, then step.
 
     Args:
@@ -197,6 +199,8 @@ class DistributedOptimizer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step = 0  # reductions done: random-k's and PowerSGD's step, checkpointed
+        self._synced = False  # synchronize() ran and no gradient has arrived since: step() does not again
+        self._skip_sync = False  # inside skip_synchronize()
         self.reset_stats()
         self._reset_buckets()
 
@@ -210,6 +214,7 @@ class DistributedOptimizer:
         self._next = 0
 
     def _hook(self, param: torch.Tensor) -> None:
+        self._synced = False
         key = id(param)
         self._passes[key] += 1
         n = self._passes[key]
@@ -281,12 +286,16 @@ class DistributedOptimizer:
         """Finish this step's reductions and leave the averages in ``.grad``.
 
         Parameters whose gradient never arrived contribute ``.grad`` if they
-        have one, else zeros. Called by :meth:`step`.
+        have one, else zeros. Called by :meth:`step`, unless it ran since the
+        last gradient arrived (``synchronize()``, clip the averages,
+        ``step()``: one reduction, as Horovod's ``skip_synchronize`` would
+        give; a second would average, and compress, the averages again).
         """
         t0 = time.perf_counter()
         if self._alone:
             for bucket in self._buckets:
                 bucket.zero_unused_grads()
+            self._synced = True
             return self._finish_step(t0)
         for bucket in self._buckets:
             bucket.fill_missing()
@@ -303,7 +312,19 @@ class DistributedOptimizer:
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
         for bucket in self._buckets:
             bucket.unpack()
+        self._synced = True
         self._finish_step(t0)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's: :meth:`step` inside it steps on ``.grad`` as it is
+        (after a :meth:`synchronize` of one's own: since it, a plain
+        :meth:`step` does not reduce again either)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
 
     def _finish_step(self, t0: float) -> None:
         if self.noise_scale:  # a step whose average overflowed counts nowhere, the same on every rank
@@ -323,7 +344,9 @@ class DistributedOptimizer:
         if closure is not None:  # its backward would replace the averages with this rank's own gradients
             raise TypeError("DistributedOptimizer.step() takes no closure: its backward would replace the averaged "
                             "gradients with this rank's own (LBFGS and the like are not supported)")
-        self.synchronize()
+        if not (self._synced or self._skip_sync):
+            self.synchronize()
+        self._synced = False
         if self.nonfinite != "ignore":
             bad = self.nonfinite_parameters()
             if bad:
@@ -336,54 +359,6 @@ class DistributedOptimizer:
                     print(f"hpcjobs: warning: {what}; step skipped", file=sys.stderr, flush=True)
                 return None
         return self._optimizer.step()
-
-    def nonfinite_parameters(self) -> list[str]:
-        """Names of the parameters whose averaged gradient (after
-        :meth:`synchronize`) holds a NaN or an Inf."""
-        return [name for b in self._buckets for name in (b.nonfinite_grads() if self._alone else b.nonfinite())]
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
-
-    def reset_stats(self) -> None:
-        """Zero the counters: ``comm_s`` (time in allreduce, on the thread), ``wait_s`` (time ``step()`` spent
-        before the optimizer ran), ``steps``, ``skipped_steps`` (non-finite gradients), ``allreduces``,
-        ``sent_bytes`` (bytes this rank sent, counted with compression or a message-passing algorithm, else 0),
-        ``grad_sq_rank``/``grad_sq_avg`` (``noise_scale``: squared norms over ``noise_steps``, finite ones)."""
-        self.stats = {"comm_s": 0.0, "wait_s": 0.0, "steps": 0, "allreduces": 0, "sent_bytes": 0,
-                      "skipped_steps": 0, "grad_sq_rank": 0.0, "grad_sq_avg": 0.0, "noise_steps": 0}
-
-    @property
-    def counts_bytes(self) -> bool:
-        """Whether ``stats["sent_bytes"]`` counts: with compression, or with
-        a message-passing algorithm (shared memory sends no messages)."""
-        return self._counted
-
-    def compression_state_dict(self) -> dict:
-        """This rank's compression state: the step count, the error-feedback
-        residuals and the compressor's own state (PowerSGD's warm start).
-        Residuals differ from rank to rank: checkpoint every rank's."""
-        return {"step": self._step,
-                "memory": self.memory.state_dict() if self.memory is not None else None,
-                "compressor": self.compression.state_dict() if hasattr(self.compression, "state_dict") else None}
-
-    def load_compression_state_dict(self, state: dict) -> None:
-        self._step = int(state["step"])
-        if self.memory is not None and state.get("memory") is not None:
-            self.memory.load_state_dict(state["memory"])
-        if state.get("compressor") is not None and hasattr(self.compression, "load_state_dict"):
-            self.compression.load_state_dict(state["compressor"])
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
-
-    # the wrapped optimizer, and its fields as torch code expects of an optimizer
-    optimizer = property(lambda self: self._optimizer)
-    param_groups = property(lambda self: self._optimizer.param_groups)
-    state = property(lambda self: self._optimizer.state)
-    state_dict = property(lambda self: self._optimizer.state_dict)
-    load_state_dict = property(lambda self: self._optimizer.load_state_dict)
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""

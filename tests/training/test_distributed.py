@@ -237,10 +237,13 @@ def test_a_summable_compressor_reduces_its_payload():
 @pytest.mark.parametrize("make", [lambda: TopKCompressor(0.25), lambda: SignCompressor(),
                                   lambda: PowerSGDCompressor(1), lambda: RandomKCompressor(0.5, seed=3)],
                          ids=["topk", "sign", "powersgd", "randomk"])
-def test_compressed_steps_apply_what_compressed_allreduce_computes(make):
+@pytest.mark.parametrize("sync_first", [False, True], ids=["step", "synchronize-then-step"])
+def test_compressed_steps_apply_what_compressed_allreduce_computes(make, sync_first):
     """Two steps of the optimizer with error feedback apply, per parameter,
     exactly compressed_allreduce of each rank's gradient with its own memory
-    (the arithmetic redone here by name and step)."""
+    (the arithmetic redone here by name and step). synchronize() and then
+    step(), Horovod's habit to clip the averages in between, reduces once:
+    step() used to reduce, and compress, the averages again."""
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     torch.manual_seed(0)
@@ -255,6 +258,8 @@ def test_compressed_steps_apply_what_compressed_allreduce_computes(make):
         x, y = torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        if sync_first:
+            opt.synchronize()
         opt.step()
         ref.zero_grad()
         torch.nn.functional.cross_entropy(ref(x), y).backward()
@@ -267,6 +272,7 @@ def test_compressed_steps_apply_what_compressed_allreduce_computes(make):
         assert torch.equal(p, q), name
     state = opt.compression_state_dict()
     assert state["step"] == 2 and set(state["memory"]["residuals"]) == set(ref_params)
+    assert opt.stats["steps"] == 2
     opt.close()
 
 

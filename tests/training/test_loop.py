@@ -163,9 +163,16 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     # the optimizer's saved settings would come back with its state and overrule the flag: refused, not ignored
     with pytest.raises(CheckpointError, match="another experiment: momentum 0.9 -> 0.5"):
         train(cfg(checkpoint=f"{d}/o.pt", resume=True, momentum=0.5), comm)
-    # a setting the optimizer does not take may change (plain SGD has no trust coefficient)
-    history = train(cfg(checkpoint=f"{d}/o.pt", resume=True, epochs=2, trust_coefficient=0.01), comm)
+    # a setting the optimizer does not take may change (plain SGD has no trust coefficient), and the bucket
+    # size without error feedback on a cast
+    history = train(cfg(checkpoint=f"{d}/o.pt", resume=True, epochs=2, trust_coefficient=0.01, fusion_bytes=4096),
+                    comm)
     assert [h["epoch"] for h in history] == [1, 2]
+    # fp16's residuals are kept per fused bucket: other buckets would take another bucket's
+    train(cfg(checkpoint=f"{d}/f.pt", epochs=1, compression="fp16", error_feedback=True), comm)
+    with pytest.raises(CheckpointError, match="another experiment: fusion_bytes"):
+        train(cfg(checkpoint=f"{d}/f.pt", resume=True, epochs=2, compression="fp16", error_feedback=True,
+                  fusion_bytes=4096), comm)
 
 
 @pytest.mark.mpi(min_size=1)
