@@ -65,6 +65,17 @@ def run(args) -> int:
     with usage():
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "optimizer": "sgd", "base_batch": base})
         template.validate()
+        from ..training.data import load_dataset
+
+        train_size = len(load_dataset(template.dataset, comm=comm, data_dir=template.data_dir,
+                                      num_samples=template.num_samples, seed=template.data_seed,
+                                      seq_len=template.seq_len).train)
+    if max(batches) > train_size:  # before the grid: steps_per_epoch would refuse it after the smaller batches ran
+        raise UsageError(f"--max-batch {max(batches)} is larger than the {train_size} training samples: lower it or "
+                         "give more --num-samples")
+    if args.warmup_epochs > args.epochs and set(args.warmups) & {"gradual", "constant"}:
+        print0(f"# experiment large-batch: warning: {args.warmup_epochs:g} warmup epochs in a run of {args.epochs}: "
+               "the warmup rows never reach their peak rate")
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
     print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples} samples), "

@@ -10,13 +10,15 @@ count (rank 0's: every rank's scaler sees the same averaged gradients, so
 they are equal), so a resumed run skips the steps the unbroken one skips
 instead of starting again from the initial scale. Files are written
 atomically (temp file, fsync, rename, fsync the directory) and read with
-``weights_only=True``.
+``weights_only=True``. Parameters that are not finite (a run that diverged)
+are not written: the last checkpoint, from before, stays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +32,8 @@ CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # among them: its saved state_dict brings back the saved ones, and a changed flag would be silently ignored.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
                 "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
-                "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes")
+                "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
+                "no_decay_bn_bias")  # the optimizer's parameter groups: torch's own error was "different number"
 
 
 def _used(key: str, cfg: TrainConfig) -> bool:
@@ -102,7 +105,16 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
           partial: dict | None, scaler=None) -> None:
     """Write a checkpoint after ``epoch`` whole epochs and ``step`` steps of
     the next (collective: every rank's own state goes to rank 0). ``scaler``:
-    fp16's ``GradScaler``, whose state rank 0 saves."""
+    fp16's ``GradScaler``, whose state rank 0 saves. Nothing is written
+    where a parameter is not finite on some rank (module docstring)."""
+    from mpi4py import MPI
+
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if not comm.allreduce(finite, op=MPI.LAND):  # the same answer on every rank: all skip the gather below
+        if comm.Get_rank() == 0:
+            print(f"hpcjobs: warning: parameters not finite after epoch {epoch} step {step}: {cfg.checkpoint} not "
+                  "written (the last one, if any, stays)", file=sys.stderr, flush=True)
+        return
     mine = {"torch_rng": torch.get_rng_state(),
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
     if partial is not None:

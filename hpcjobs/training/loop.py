@@ -251,12 +251,20 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
         run.opt.load_compression_state_dict(_moved(mine["compression"], run.device))
     if run.rank == 0 and not cfg.quiet and run.start_epoch == 0:
         peak = sched.scaled_lr(run.schedule.base_lr, run.schedule.base_batch, run.global_batch)
+        k = run.global_batch / run.schedule.base_batch
+        warm = (f"{cfg.warmup} warmup {cfg.warmup_epochs:g} epochs" if k > 1 or cfg.warmup == "none" else
+                f"k = {k:g}: no warmup (--base-batch sets the batch the rate is for)")
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(run.ds.train)} train / {len(run.ds.test)} test), "
               f"{run.size} ranks x {cfg.batch_per_rank} x {cfg.backward_passes_per_step} passes = global batch "
               f"{run.global_batch}, {run.steps_per_epoch} steps/epoch, peak lr {peak:g} "
-              f"({cfg.warmup} warmup {cfg.warmup_epochs:g} epochs), {cfg.optimizer}, algorithm {cfg.algorithm}, "
+              f"({warm}), {cfg.optimizer}, algorithm {cfg.algorithm}, "
               f"{run.opt.num_buckets} buckets, overlap {run.opt.overlap}"
               + (f", autocast to {cfg.amp}" if cfg.amp != "none" else "") + f", on {run.device}", flush=True)
+        late = [f"milestone {m:g} is not before the last epoch" for m in (cfg.milestones or ()) if m >= cfg.epochs]
+        if k > 1 and cfg.warmup != "none" and cfg.warmup_epochs > cfg.epochs:
+            late.append(f"a warmup of {cfg.warmup_epochs:g} epochs never reaches the peak rate")
+        for what in late:
+            print(f"# train: warning: in a run of {cfg.epochs} epochs {what}", flush=True)
 
 
 def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float]:

@@ -37,8 +37,8 @@ The other form, ``v <- m*v + lr*g; w <- w - v`` (eq. 10), must scale ``v`` by
 it reproduces eq. 10 *without* the correction, which is how the ablation runs.
 
 :func:`parameter_groups` turns weight decay off for BatchNorm and bias
-parameters (Goyal sec. 5.1 applies decay to weights only in some recipes; it
-is an option here). LARS, for the largest batches, is in
+parameters (every parameter of fewer than two dimensions: a superset of
+Goyal's, who leave BatchNorm's γ and β undecayed; an option here). LARS, for the largest batches, is in
 :mod:`hpcjobs.training.lars`.
 """
 

@@ -27,6 +27,19 @@ def test_experiment_refuses_batches_that_do_not_divide_by_the_ranks(tmp_path):
     assert out.returncode == 2 and "do not divide by 3 ranks" in out.stderr
 
 
+def test_experiment_refuses_a_batch_larger_than_the_data_before_the_grid_and_warns_of_a_long_warmup(tmp_path):
+    # 480 training samples: batch 512 cannot make one step; before, batches 16..256 trained first
+    out = _mpirun(2, "experiment", "large-batch", "--model", "mlp", "--width", "16", "--dataset", "synthetic",
+                  "--num-samples", "600", "--min-batch", "16", "--max-batch", "512", "--out", str(tmp_path / "a"))
+    assert out.returncode == 2 and "--max-batch 512 is larger than the 480 training samples" in out.stderr, out.stderr
+    assert not (tmp_path / "a" / "runs.jsonl").exists()
+    out = _mpirun(2, "experiment", "large-batch", "--model", "mlp", "--width", "16", "--dataset", "synthetic",
+                  "--num-samples", "600", "--min-batch", "16", "--max-batch", "32", "--seeds", "1", "--epochs", "1",
+                  "--warmup-epochs", "2", "--warmups", "gradual", "--out", str(tmp_path / "b"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "warning: 2 warmup epochs in a run of 1: the warmup rows never reach their peak rate" in out.stdout
+
+
 def test_batch_sizes_double():
     assert batch_sizes(32, 4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert batch_sizes(32, 100) == [32, 64]

@@ -1,6 +1,7 @@
 """The training loop: metrics, checkpoints, resume, and bad checkpoints."""
 
 import json
+import math
 import types
 
 import numpy as np
@@ -173,6 +174,32 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     with pytest.raises(CheckpointError, match="another experiment: fusion_bytes"):
         train(cfg(checkpoint=f"{d}/f.pt", resume=True, epochs=2, compression="fp16", error_feedback=True,
                   fusion_bytes=4096), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_header_says_when_warmup_does_nothing_or_cannot_finish(capsys):
+    comm = MPI.COMM_WORLD
+    train(cfg(epochs=1, quiet=False), comm)  # no base batch: k = 1, the "gradual warmup" changes nothing
+    train(cfg(epochs=1, quiet=False, base_batch=4, warmup_epochs=2, decay="step", milestones=(1,)), comm)
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        assert "(k = 1: no warmup (--base-batch sets the batch the rate is for))" in out, out
+        assert "warning: in a run of 1 epochs a warmup of 2 epochs never reaches the peak rate" in out, out
+        assert "warning: in a run of 1 epochs milestone 1 is not before the last epoch" in out, out
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_run_that_diverges_keeps_its_last_good_checkpoint(tmp_path_factory):
+    """Resumed at a rate that diverges, the run stops; its NaN parameters
+    used to overwrite the checkpoint it started from, the only good state."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "diverge")
+    train(cfg(checkpoint=f"{d}/d.pt", epochs=1), comm)
+    history = train(cfg(checkpoint=f"{d}/d.pt", resume=True, epochs=3, lr=1e12), comm)
+    assert not math.isfinite(history[-1]["loss"]) and len(history) == 2  # epoch 2 diverged, and it stopped
+    comm.Barrier()
+    state = load_checkpoint(f"{d}/d.pt")
+    assert state["epoch"] == 1 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
 @pytest.mark.mpi(min_size=1)
