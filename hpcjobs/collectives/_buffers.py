@@ -128,7 +128,7 @@ def as_flat(buf) -> Flat:
         ValueError: non-contiguous, read-only, sparse, or not on the CPU.
     """
     if isinstance(buf, np.ndarray):
-        arr = buf
+        arr = buf if type(buf) is np.ndarray else buf.view(np.ndarray)  # np.matrix stays 2-D when reshaped
         flags = arr.flags
         if not flags.writeable:
             raise ValueError("buffer is read-only: collectives work in place and need a writable array")
@@ -257,8 +257,8 @@ def _float16_div(data: np.ndarray, size: int) -> None:
     so the bits are the same (checked on every float16 and divisors 2 to
     64). Without torch, numpy's divide."""
     torch = _optional_torch()
-    if torch is None:
-        np.true_divide(data, data.dtype.type(size), out=data)
+    if torch is None:  # by a float32 divisor: as float16, 2049 ranks were 2048, and 65520 or more inf
+        np.true_divide(data, np.float32(size), out=data, casting="unsafe")
     else:
         torch.from_numpy(data).div_(size)
 

@@ -147,16 +147,37 @@ def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Ca
         count = oneshot_next(flat, op, comm) if oneshot_next is not None else None
         if count is not None:
             carry = (flat, op)
-    if flat is None:
-        values = (name, None, None, op, None, *extra)
-    elif type(flat) is Flat:
-        values = (name, flat.data.size, flat.dtype, op, "cpu", *extra)
-    else:
-        values = (name, flat.count, flat.dtype, op, flat.device, *extra)
-    carried = agree_values(comm, name, names, values, error, carry)
+    carried = agree_values(comm, name, names, (*_values(name, buf, flat, op), *extra), error, carry)
     if carried:
         count()
     return flat, comm, carried
+
+
+def _values(name: str, buf, flat, op: str) -> tuple:
+    """The check's values of :data:`_FIELDS` for ``buf`` (``flat``: it as
+    parsed, or None). An array of more than one dimension in Fortran order
+    says so: its elements are reduced in memory order, so against a C-order
+    array on another rank element (i, j) would meet another element."""
+    if flat is None:
+        return name, None, None, op, None
+    if type(flat) is Flat:
+        fortran = type(buf) is np.ndarray and buf.ndim > 1 and not buf.flags.c_contiguous
+        return name, flat.data.size, flat.dtype, op, "cpu, Fortran order" if fortran else "cpu"
+    return name, flat.count, flat.dtype, op, flat.device
+
+
+def refuse(buf, op: str, comm, name: str, error: BaseException):
+    """Raise ``error`` on every rank of ``comm``: this rank cannot make the
+    call (an unknown algorithm's) that the others make, and they wait in its
+    check, where every rank now raises a MismatchError naming this rank's
+    error. With checks off it is raised here alone."""
+    comm = private(comm)
+    try:
+        flat = as_flat(buf) if type(buf) is np.ndarray or not is_device_buffer(buf) else as_device_flat(buf)
+    except (TypeError, ValueError):
+        flat = None
+    agree_values(comm, name, _RUN_FIELDS, (*_values(name, buf, flat, op), ""), error)
+    raise error
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,8 @@ def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
                         pipeline: bool = False, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
     """Reduce ``buf`` across ranks so that rank ``r`` holds reduced chunk ``r``.
 
-    Chunk ``r`` is ``buf.flat[b[r]:b[r+1]]`` with
+    Chunk ``r`` is elements ``b[r]:b[r+1]`` in memory order (``buf.flat``
+    for a C-order array, ``buf.ravel("K")`` for a Fortran-order one) with
     ``b = hpcjobs.collectives.chunk_bounds(buf.size, comm.size)``; the rest
     of ``buf`` holds partial sums afterwards (it is scratch space).
 

@@ -22,7 +22,7 @@ import functools
 from mpi4py import MPI
 
 from . import auto, cuda_ipc, hierarchical, oneshot, shm, staged
-from ._frame import Algorithm, run
+from ._frame import Algorithm, refuse, run
 from .device import DeviceFlat
 from .messages import MESSAGE_PASSING
 from .names import ALGORITHMS, DEVICE_ALGORITHMS
@@ -109,7 +109,11 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
     """
     if algorithm == "auto":
         return run(buf, op, comm, AUTO, _auto)
-    return lookup(algorithm).run(buf, op, comm)
+    try:
+        found = lookup(algorithm)
+    except ValueError as e:  # the others, calling a known one, wait in its check: raised there too
+        refuse(buf, op, comm, f"allreduce(algorithm={algorithm!r})", e)
+    return found.run(buf, op, comm)
 
 
 # auto's step on either kind of buffer, the registries bound: a partial, so

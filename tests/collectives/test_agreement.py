@@ -72,6 +72,41 @@ def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_unknown_algorithm_on_one_rank_is_an_error_on_every_rank():
+    """Before, the rank with the typo raised at once and the others waited
+    in the check until the watchdog's 300 s."""
+    comm = MPI.COMM_WORLD
+    alg = "ring-pipelined" if comm.Get_rank() == 1 else "ring_pipelined"
+    buf = np.ones(8)
+    _raises_everywhere(lambda: allreduce(buf, algorithm=alg, comm=comm), comm, "rank 1: ValueError",
+                       "unknown algorithm 'ring-pipelined'", "allreduce(algorithm='ring-pipelined')")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_arrays_in_c_and_fortran_order_on_different_ranks_are_refused():
+    """Elements are reduced in memory order: a Fortran-order array against
+    a C-order one would sum element (i, j) with another. Alike on every
+    rank, Fortran order reduces element by element."""
+    comm = MPI.COMM_WORLD
+    values = np.arange(12.0).reshape(3, 4) * (comm.Get_rank() + 1)
+    mine = np.asfortranarray(values) if comm.Get_rank() == 1 else values.copy()
+    _raises_everywhere(lambda: ring_allreduce(mine, comm=comm), comm, "device differs", "cpu, Fortran order")
+    alike = np.asfortranarray(values)
+    ring_allreduce(alike, comm=comm)
+    P = comm.Get_size()
+    assert np.array_equal(alike, np.arange(12.0).reshape(3, 4) * P * (P + 1) / 2)
+
+
+def test_a_numpy_subclass_is_reduced_as_the_array_it_holds():
+    m = np.matrix(np.arange(6.0).reshape(2, 3))
+    ring_allreduce(m, op="max", comm=MPI.COMM_SELF)
+    assert isinstance(m, np.matrix) and np.array_equal(np.asarray(m), np.arange(6.0).reshape(2, 3))
+    from hpcjobs.collectives._buffers import as_flat
+
+    assert as_flat(m).data.shape == (6,)  # np.matrix.reshape(-1) stays (1, 6): the steps' slices took rows
+
+
+@pytest.mark.mpi(min_size=2)
 def test_compressed_allreduce_and_allgatherv_check_their_arguments():
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

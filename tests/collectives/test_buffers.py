@@ -133,3 +133,21 @@ def test_an_integer_average_over_more_ranks_than_the_dtype_counts_to(dtype, size
     finish_avg(data, dtype, size)
     assert data.tolist() == want and data.dtype == np.dtype(dtype)
     finish_avg(np.zeros(0, dtype), dtype, size)  # an empty chunk too
+
+
+@pytest.mark.parametrize("size", [3, 2049, 70000])
+def test_float16_avg_divides_alike_with_and_without_torch(monkeypatch, size):
+    """Without torch (an optional extra) numpy divided by the rank count as
+    float16: 2049 ranks became 2048, and from 65520 inf (every average 0).
+    Ranks with and without torch must end with the same bits."""
+    torch = pytest.importorskip("torch")
+    from hpcjobs.collectives import _buffers
+
+    x = (np.arange(-3000, 3000, dtype=np.float32) * 7.3).astype(np.float16)
+    with_torch = x.copy()
+    finish_avg(with_torch, "float16", size)
+    monkeypatch.setattr(_buffers, "_optional_torch", lambda: None)
+    without = x.copy()
+    finish_avg(without, "float16", size)
+    assert np.array_equal(without.view(np.uint16), with_torch.view(np.uint16))
+    assert np.array_equal(with_torch, torch.from_numpy(x.copy()).div_(size).numpy())
