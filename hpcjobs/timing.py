@@ -34,10 +34,14 @@ from mpi4py import MPI
 __all__ = ["shuffled_rounds", "Rounds"]
 
 
-def shuffled_rounds(n: int, rounds: int) -> list[list[int]]:
+def shuffled_rounds(n: int, rounds: int, seed: object = 0) -> list[list[int]]:
     """``rounds`` orders of ``range(n)``, each shuffled afresh by one
-    generator with a fixed seed, so every rank gets the same ones."""
-    shuffle, orders = random.Random(n).shuffle, []
+    generator seeded with ``n`` and ``seed`` (the same on every rank: the
+    message size, the pass), so every rank gets the same ones and another
+    size or pass other ones. Seeded by ``n`` alone, every size and pass had
+    the same orders, and an implementation's time after another's (shm's
+    swings 3-4x with the call before) was the same bias everywhere."""
+    shuffle, orders = random.Random(f"{n}/{seed}").shuffle, []
     for _ in range(rounds):
         turn = list(range(n))
         shuffle(turn)
@@ -57,9 +61,9 @@ class Rounds:
 
     __slots__ = ("n", "warmup", "order", "times", "turn")
 
-    def __init__(self, n: int, warmup: int, rounds: int):
+    def __init__(self, n: int, warmup: int, rounds: int, seed: object = 0):
         self.n, self.warmup = n, warmup
-        self.order = [j for turn in shuffled_rounds(n, warmup + rounds) for j in turn]
+        self.order = [j for turn in shuffled_rounds(n, warmup + rounds, seed) for j in turn]
         self.times = np.zeros((rounds, n))
         self.turn = 0
 

@@ -376,7 +376,10 @@ slurm_down() {
     # The pids are read once: a daemon removes its pid file as it exits.
     local dir=$STATE/slurm f pids="" p
     for f in "$dir"/slurmd.*.pid "$dir"/slurmctld.pid; do
-        [ -s "$f" ] && pids="$pids $(cat "$f" 2>/dev/null)"
+        [ -s "$f" ] || continue
+        p=$(cat "$f" 2>/dev/null)
+        # a pid file a killed daemon left: its pid may be another process's by now
+        case "$(cat "/proc/$p/comm" 2>/dev/null)" in slurmd|slurmctld) pids="$pids $p" ;; esac
     done
     for p in $pids; do kill "$p" 2>/dev/null || true; done
     for p in $pids; do

@@ -34,13 +34,18 @@ PY
 if [ "${HOROVOD_FORCE_REBUILD:-0}" = 1 ]; then rm -f "$cache"/*.whl; fi
 wheel=$(ls "$cache"/horovod-$version-*.whl 2>/dev/null | head -n 1 || true)
 if [ -z "$wheel" ]; then
-    if { ! command -v cmake || ! command -v g++; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing cmake and g++ (Debian packages) to build Horovod"
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake g++ make >/dev/null
+    # torch's extension headers include Python.h: a system Python needs its -dev package
+    python_h="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"
+    if { ! command -v cmake || ! command -v g++ || [ ! -f "$python_h" ]; } >/dev/null 2>&1 \
+            && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing cmake, g++ and python3-dev (Debian packages) to build Horovod"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends cmake g++ make \
+            python3-dev >/dev/null
     fi
     for tool in cmake g++ mpicc; do
         command -v "$tool" >/dev/null 2>&1 || { say "building Horovod needs $tool on PATH (Debian: apt-get install cmake g++)"; exit 1; }
     done
+    [ -f "$python_h" ] || { say "building Horovod needs $python_h (Debian: apt-get install python3-dev)"; exit 1; }
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
     say "downloading the Horovod $version sdist"
@@ -68,9 +73,10 @@ marker="$("$py" -c 'import sys; print(sys.prefix)')/.hpcjobs-horovod-wheel"
 if ! installed || [ "$(cat "$marker" 2>/dev/null)" != "$wheel" ]; then
     say "installing $(basename "$wheel")"
     "$py" -m pip install -q --no-deps --force-reinstall "$wheel"
-    echo "$wheel" >"$marker"
-    # Horovod's own run-time dependencies (not torch: that stays pinned).
+    # Horovod's own run-time dependencies (not torch: that stays pinned), then the marker: a run stopped
+    # before them must not pass for done
     "$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
+    echo "$wheel" >"$marker"
 fi
 check=$(horovodrun --check-build 2>&1)
 echo "$check"

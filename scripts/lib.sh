@@ -10,6 +10,7 @@
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HPCJOBS_VENV:-$ROOT/.venv}
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac  # absolute: the scripts cd to the repository after
 
 say() { printf '[hpcjobs] %s\n' "$*" >&2; }
 
@@ -21,6 +22,11 @@ ensure_venv() {
     if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
         say "$py is $("$py" -V 2>&1); hpcjobs needs Python >= 3.10"; return 1
     fi
+    if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+        # a venv whose creation stopped half way (killed, or ensurepip missing): made again below
+        say "$VENV has no working pip (a creation that stopped half way?): making it again"
+        rm -rf "$VENV"
+    fi
     if [ ! -x "$VENV/bin/python" ]; then
         say "creating virtual environment $VENV"
         if ! "$py" -m venv "$VENV" 2>/dev/null; then
@@ -29,7 +35,7 @@ ensure_venv() {
                 say "installing python3-venv"
                 rm -rf "$VENV"
                 apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-                "$py" -m venv "$VENV"
+                "$py" -m venv "$VENV" || { say "'$py -m venv' failed after installing python3-venv"; return 1; }
             else
                 say "'$py -m venv' failed; install your distribution's venv package (Debian: python3-venv)"; return 1
             fi

@@ -47,9 +47,37 @@ summaries=()
 # The last pytest summary line of a log, e.g. "1208 passed, 176 skipped in 34.3s".
 summary_of() { grep -aE '^[=]* *[0-9]+ (passed|failed|error|skipped)' "$1" | tail -n 1 | sed 's/=//g; s/^ *//'; }
 
+# Each run goes to the background and is waited for: `timeout` puts itself in a process group of its own,
+# so Ctrl-C (or CI's SIGTERM) reached only this script and tee, and the script waited on, for the run it
+# could not stop. The trap stops the run, and as root takes down what its fixtures brought up.
+running=""
+stop_run() {
+    say "interrupted: stopping the run and what it started"
+    if [ -n "$running" ]; then
+        kill -TERM "$running" 2>/dev/null  # timeout passes it on to pytest or mpirun
+        wait 2>/dev/null
+    fi
+    if [ "$(id -u)" = 0 ]; then scripts/emulated_cluster.sh down >/dev/null 2>&1; fi
+    exit 130
+}
+trap stop_run INT TERM
+
+# run_logged LOG SECONDS CMD...: CMD under timeout, its output on stdout and in LOG; CMD's exit code.
+run_logged() {
+    local log=$1 limit=$2
+    shift 2
+    timeout -k 15 "$limit" "$@" > >(tee "$log") 2>&1 &
+    running=$!
+    wait "$running"
+    local rc=$?
+    running=""
+    wait  # tee too (bash >= 5.1 waits for the last process substitution), before the log is read
+    return "$rc"
+}
+
 say "serial: pytest --with-mpi (1 process)"
-timeout -k 15 "$serial_timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/serial.log"
-rc=${PIPESTATUS[0]}
+run_logged "$logs/serial.log" "$serial_timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" tests
+rc=$?
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     say "serial pytest timed out after ${serial_timeout_s}s (HPCJOBS_SERIAL_TIMEOUT)"
     # killed, its fixtures did not tear down: the emulated hosts, their Slurm daemons and /etc/hosts lines
@@ -65,9 +93,9 @@ mpirun_cmd
 for n in ${HPCJOBS_TEST_SIZES:-2 3 4 5}; do
     say "mpirun -n $n: pytest --with-mpi -m mpi"
     clean_stale_mpi_sessions  # any a killed launch of the run before left
-    HPCJOBS_RANK_LOG="$logs/np$n" timeout -k 15 "$timeout_s" \
-        "${MPIRUN[@]}" -n "$n" scripts/rank_pytest.sh --with-mpi -m mpi "${pytest_args[@]}" tests 2>&1 | tee "$logs/np$n.log"
-    rc=${PIPESTATUS[0]}
+    HPCJOBS_RANK_LOG="$logs/np$n" run_logged "$logs/np$n.log" "$timeout_s" \
+        "${MPIRUN[@]}" -n "$n" scripts/rank_pytest.sh --with-mpi -m mpi "${pytest_args[@]}" tests
+    rc=$?
     if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         say "mpirun -n $n timed out after ${timeout_s}s"
     fi

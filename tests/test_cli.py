@@ -28,6 +28,7 @@ def test_a_group_without_a_command_prints_its_help_and_exits_2():
 @pytest.mark.parametrize("args,words", [
     (["--min-bytes", "0"], "size must be positive"),
     (["--min-bytes", "1K", "--max-bytes", "8"], "--min-bytes 1024 is larger than --max-bytes 8"),
+    (["--min-bytes", "1", "--max-bytes", "3"], "holds one float32 element (4 bytes)"),  # was an empty table, "OK"
     (["--impl", "ring,butterfly"], "unknown implementation 'butterfly'"),
     (["--segment-bytes", "64Q"], "not a size"),
     (["--iters", "-3"], "must be positive"),

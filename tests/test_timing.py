@@ -43,3 +43,11 @@ def test_rounds_time_each_call_after_the_warmup_and_say_which_is_last():
         r.call(comm, calls.append, j)
     assert calls == r.order and last == [False] * 6 + [True] * 3
     assert r.times.shape == (2, 3) and (r.times > 0).all()
+
+
+def test_each_size_and_pass_takes_its_own_orders():
+    """Seeded by the count alone, every size and every pass had the same
+    orders, so what ran before each call was the same bias everywhere."""
+    orders = {seed: Rounds(4, 2, 10, seed).order for seed in [(1024, 0), (1024, 1), (4096, 0), (4096, 1)]}
+    assert len({tuple(o) for o in orders.values()}) == 4
+    assert Rounds(4, 2, 10, (1024, 1)).order == orders[(1024, 1)]  # the same on every rank

@@ -24,7 +24,7 @@ def auto_iters(nbytes: int) -> int:
 
 
 def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str], object],
-                     check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int
+                     check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int, seed: object = 0
                      ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Time several implementations of one operation in ``warmup + iters``
     interleaved rounds (:class:`hpcjobs.timing.Rounds`).
@@ -34,13 +34,14 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str
     implementation's final call. Both get the label, so an implementation
     that works on its own copy of the buffer (on a GPU, say) can be given
     its input and have its output read back outside the timed call.
+    ``seed`` (the same on every rank: the size, the pass) picks the orders.
 
     Returns:
         (label -> this rank's ``iters`` durations in seconds,
          label -> this rank's wrong-element count)
     """
     labels = list(runs)
-    rounds = Rounds(len(labels), warmup, iters)
+    rounds = Rounds(len(labels), warmup, iters, seed)
     wrong: dict[str, int] = {}
     while not rounds.done:
         label, last = labels[rounds.current], rounds.last_call

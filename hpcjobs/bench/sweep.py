@@ -59,7 +59,10 @@ from .baselines import ADAPTERS, LATE_BASELINES, DeviceStage, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
 from .names import BASELINES, BUFFERS
 
-_PERIOD = 6  # lcm of the two input patterns' periods (3 and 2)
+# The inputs repeat every _PERIOD elements, a prime: a chunk moved by a whole number of periods is the only
+# misplacement the check cannot see (with the period of 3 before, ranks r and r + 3 held the same input and
+# sums at 3, 6, 12 ranks came out the same at every element: a rank dropped or a chunk rotated went unseen).
+_PERIOD = 251
 
 
 @dataclass
@@ -85,10 +88,23 @@ class Record:
         return asdict(self)
 
 
-def _pattern(rank: int, op: str) -> list[int]:
+def _pattern(rank: int, op: str) -> np.ndarray:
+    """Rank ``rank``'s small integers, a hash of position and rank: every
+    rank's differ from every other's, and so do the sums along the buffer.
+    0..3 to sum (exact in bfloat16 up to 64 ranks), 1..2 to multiply, and
+    for min and max 0..27, whose extremes vary with the position."""
+    i = np.arange(_PERIOD, dtype=np.uint64)
+    with np.errstate(over="ignore"):  # splitmix64's finalizer, wrapping in uint64 as it should
+        x = i * np.uint64(0x9E3779B97F4A7C15) + np.uint64(rank + 1) * np.uint64(0xD1B54A32D192ED03)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    h = (x ^ (x >> np.uint64(31))).astype(np.int64) & 0xFFFF
+    i = i.astype(np.int64)
     if op == "prod":
-        return [1 + (i + rank) % 2 for i in range(_PERIOD)]
-    return [(i + rank) % 3 for i in range(_PERIOD)]
+        return 1 + h % 2
+    if op in ("min", "max"):
+        return (i % 7) * 4 + h % 4
+    return h % 4
 
 
 def _to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -254,7 +270,7 @@ def _make_buffer(count: int, dtype: str, framework: str, buffers: str = "private
 def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], dtype: str = "float32",
         op: str = "sum", iters: int | None = None, warmup: int = 3, framework: str = "numpy",
         on_record: Callable[[Record], None] | None = None, buffers: str = "private", device: str = "cpu",
-        wire=None) -> list[Record]:
+        wire=None, pass_index: int = 0) -> list[Record]:
     """Measure every implementation at every size; return one Record each.
 
     Args:
@@ -274,6 +290,8 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         wire: a :class:`hpcjobs.bench.wire.WireMeter` (runs across hosts):
             after the timed calls, each row's bytes on each host's uplink,
             counted in an untimed pass of its own.
+        pass_index: which of several passes this is: with the size, it
+            seeds the order the implementations take turns in.
     """
     if buffers not in BUFFERS:
         raise ValueError(f"buffers must be one of {', '.join(BUFFERS)}, got {buffers!r}")
@@ -322,7 +340,7 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
             while isinstance(fn, Impl) and fn.settled is not None and not fn.settled(target, op, comm):
                 reset(label)
                 runs[label]()
-        times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup)
+        times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup, seed=(nbytes, pass_index))
         on_wire = wire.measure_rows(runs, reset) if wire is not None else {}
         if checked:
             set_checks(False)  # as the benchmarks run (unchecked_benchmarks)

@@ -171,7 +171,8 @@ def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, i
         WrongResults: a wrong result in any pass, on every rank alike (the
             counts are summed over ranks).
     """
-    runs = [run(comm, sizes, implementations(names), iters=iters, on_record=on_record) for _ in range(passes)]
+    runs = [run(comm, sizes, implementations(names), iters=iters, on_record=on_record, pass_index=p)
+            for p in range(passes)]
     wrong = sum(r.wrong for records in runs for r in records)
     if wrong:
         raise WrongResults(f"{wrong} wrong elements: not writing a tuning table from a broken run")

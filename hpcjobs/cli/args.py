@@ -100,7 +100,15 @@ def sweep_sizes(args) -> list[int]:
         raise UsageError(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     if args.factor < 2:
         raise UsageError("--factor must be at least 2")
-    return size_sweep(args.min_bytes, args.max_bytes, args.factor)
+    sizes = size_sweep(args.min_bytes, args.max_bytes, args.factor)
+    dtype = getattr(args, "dtype", "float32")  # tune measures float32
+    import numpy as np
+
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    if not any(n >= itemsize for n in sizes):  # every size skipped: an empty table, and tune an empty one written
+        raise UsageError(f"no size from --min-bytes {args.min_bytes} to --max-bytes {args.max_bytes} holds one "
+                         f"{dtype} element ({itemsize} bytes)")
+    return sizes
 
 
 def apply_placement(args) -> None:

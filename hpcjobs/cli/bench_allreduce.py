@@ -41,8 +41,9 @@ def configure(p) -> None:
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--passes", type=positive_int, default=1,
                    help="run the whole sweep this many times, auto measuring afresh in each, then print each "
-                        "row's median over the passes (default 1). On a shared machine load comes in spells of "
-                        "seconds, longer than a row takes: one pass can catch a spell that the median rides over")
+                        "row's median over the passes (default 1; Horovod's rows once, after the last pass). On a "
+                        "shared machine load comes in spells of seconds, longer than a row takes: one pass can "
+                        "catch a spell that the median rides over")
     p.add_argument("--segment-bytes", default=None, metavar="SIZE[,SIZE...]",
                    help="ring_pipelined and hierarchical segment size(s): one row each, e.g. hierarchical/1M; "
                         "0 is hierarchical not pipelined (default: ring_pipelined's own 1M; hierarchical 1/32 of the "
@@ -165,8 +166,10 @@ def run(args) -> int:
             if args.passes > 1:
                 auto.remeasure()  # each pass measures as a fresh job would
                 print0(f"# pass {n + 1} of {args.passes}")
-            records = sweep.run(comm, sizes, first, on_record=lambda r: print0(row(r)), **settings)
-            if late:
+            records = sweep.run(comm, sizes, first, on_record=lambda r: print0(row(r)), pass_index=n, **settings)
+            # Horovod once, after the last pass: its controller, once started, keeps a thread busy beside every
+            # later row, and horovod-gloo cannot start after its MPI controller has (a second pass died there)
+            if late and n == args.passes - 1:
                 print0(f"# {', '.join(late)}: measured after the others, each in its own pass beside "
                        "MPI_Allreduce as an anchor (Horovod's background thread keeps ~half a core busy on rank 0 "
                        "once initialised)")

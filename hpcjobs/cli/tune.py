@@ -34,7 +34,7 @@ def run(args) -> int:
     apply_placement(args)
     unchecked_benchmarks()
     comm = private()
-    # the table is added to an existing file after every pass: one that cannot take it is refused now
+    # the table is added to an existing file once every pass is done: one that cannot take it is refused now
     check_outputs(comm, [("--out", args.out, False, tune.merge_problem)])
     topo = detect_private(comm)
     names, left_out = tune.applicable(is_single_node(comm), topo.num_nodes)

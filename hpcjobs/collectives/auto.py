@@ -200,7 +200,7 @@ class _Timing:
     true). ``left`` counts the calls to go before the next measurement.
     """
 
-    __slots__ = ("names", "fns", "fn", "timed", "rounds", "left")
+    __slots__ = ("names", "fns", "fn", "timed", "rounds", "left", "nbytes", "measured")
 
     def __init__(self, names: list[str], registry: dict[str, Algorithm], nbytes: int, device: bool = False):
         self.names = names
@@ -208,8 +208,9 @@ class _Timing:
         if device:
             self.fns = [_waited(fn) for fn in self.fns]
         self.fn = self.fns[0]
-        self.timed = timed_rounds(nbytes)
-        self.rounds = Rounds(len(names), UNTIMED_TURNS, self.timed) if len(names) > 1 else None
+        self.timed, self.nbytes, self.measured = timed_rounds(nbytes), nbytes, 0
+        # each measurement in its own orders, the same on every rank: seeded by the size and its count
+        self.rounds = Rounds(len(names), UNTIMED_TURNS, self.timed, (nbytes, 0)) if len(names) > 1 else None
         self.left = 0 if len(names) > 1 else float("inf")
 
     def count(self) -> None:
@@ -227,7 +228,8 @@ class _Timing:
             # its best call would hide that.
             self.fn = self.fns[int(np.argmin(np.median(rounds.times, axis=0)))]
             self.left = max(1, REMEASURE_EVERY - rounds.calls)
-            self.rounds = Rounds(len(self.names), UNTIMED_TURNS, self.timed)
+            self.measured += 1
+            self.rounds = Rounds(len(self.names), UNTIMED_TURNS, self.timed, (self.nbytes, self.measured))
 
 
 # Decisions live on the communicator (MPI attribute), so they go with it;

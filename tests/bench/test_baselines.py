@@ -86,6 +86,25 @@ def test_horovod_with_gloo_and_with_mpi_in_one_table_exact(order, tmp_path):
         assert "# anchor beside horovod-gloo: MPI_Allreduce took" in out.stdout
 
 
+def test_horovod_in_several_passes_runs_once_after_the_last(tmp_path):
+    """Started in pass 1, Horovod's MPI controller kept a thread busy beside
+    pass 2's rows, and horovod-gloo could not start again there: the run
+    died with a traceback. Its rows come once, after the last pass."""
+    from launch import mpirun
+
+    _require_horovod()
+    out = mpirun(2, "bench", "allreduce", "-b", "8", "-e", "256", "-f", "32", "--iters", "2", "--impl", "ring",
+                 "--baselines", "mpi,horovod-gloo,horovod", "--passes", "2", timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    second = lines.index("# pass 2 of 2")
+    impls = [l.split()[4] for l in lines if l and not l.startswith("#")]
+    before = [l.split()[4] for l in lines[:second] if l and not l.startswith("#")]
+    assert "horovod" not in before and "horovod-gloo" not in before
+    # the second pass's 2 sizes, then the medians' 2: each once per size in each
+    assert impls.count("horovod") == impls.count("horovod-gloo") == 4, out.stdout
+
+
 def test_horovod_does_not_claim_bfloat16():
     assert not horovod_supports("bfloat16")
 

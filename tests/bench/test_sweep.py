@@ -164,3 +164,19 @@ def test_median_records_take_each_rows_median_time_and_recompute_its_bandwidths(
     assert ring.algbw_gbps == pytest.approx(1000 / 20e-6 / 1e9)  # 0.05 GB/s
     assert ring.busbw_gbps == pytest.approx(ring.algbw_gbps * 2 * 3 / 4)
     assert median_records(passes[:2])[0].time_us == 20.0  # two passes: the mean of the middle two
+
+
+@pytest.mark.parametrize("size", [3, 6, 12])
+def test_the_inputs_tell_every_rank_and_position_apart(size):
+    """With inputs that repeat every 3 elements and every 3 ranks, ranks r
+    and r + 3 held the same input and the sum came out the same at every
+    element: a dropped rank or a rotated chunk left #wrong at 0."""
+    for op in ("sum", "prod", "min"):
+        inputs = [make_input(251, "int64", op, r) for r in range(size)]
+        assert len({a.tobytes() for a in inputs}) == size, op
+    total = expected_output(502, "int64", "sum", size)
+    assert len(set(total.tolist())) > 5
+    dropped = sum(make_input(502, "int64", "sum", r) for r in range(size - 1))  # the last rank left out
+    assert (dropped != total).mean() > 0.5
+    rotated = np.roll(total, 4)  # a chunk shifted by a few elements
+    assert (rotated != total).mean() > 0.5

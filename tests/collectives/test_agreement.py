@@ -97,6 +97,7 @@ def test_arrays_in_c_and_fortran_order_on_different_ranks_are_refused():
     assert np.array_equal(alike, np.arange(12.0).reshape(3, 4) * P * (P + 1) / 2)
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix's own
 def test_a_numpy_subclass_is_reduced_as_the_array_it_holds():
     m = np.matrix(np.arange(6.0).reshape(2, 3))
     ring_allreduce(m, op="max", comm=MPI.COMM_SELF)
