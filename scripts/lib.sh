@@ -23,9 +23,17 @@ ensure_venv() {
         say "$py is $("$py" -V 2>&1); hpcjobs needs Python >= 3.10"; return 1
     fi
     if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
-        # a venv whose creation stopped half way (killed, or ensurepip missing): made again below
-        say "$VENV has no working pip (a creation that stopped half way?): making it again"
-        rm -rf "$VENV"
+        # A venv this script began and never finished (no install stamp; killed, or ensurepip missing): pip
+        # again, else made again. Any other prefix without pip (a conda env, a broken pip config) is left alone.
+        if [ -f "$VENV/pyvenv.cfg" ] && [ ! -f "$VENV/.hpcjobs-installed" ]; then
+            if ! "$VENV/bin/python" -m ensurepip -q >/dev/null 2>&1; then
+                say "$VENV was left half made (no pip): making it again"
+                rm -rf "$VENV"
+            fi
+        else
+            say "$VENV/bin/python has no working pip ('$VENV/bin/python -m pip --version' fails): fix it, or set HPCJOBS_VENV"
+            return 1
+        fi
     fi
     if [ ! -x "$VENV/bin/python" ]; then
         say "creating virtual environment $VENV"

@@ -50,28 +50,36 @@ summary_of() { grep -aE '^[=]* *[0-9]+ (passed|failed|error|skipped)' "$1" | tai
 # Each run goes to the background and is waited for: `timeout` puts itself in a process group of its own,
 # so Ctrl-C (or CI's SIGTERM) reached only this script and tee, and the script waited on, for the run it
 # could not stop. The trap stops the run, and as root takes down what its fixtures brought up.
-running=""
+running="" fifo=""
 stop_run() {
     say "interrupted: stopping the run and what it started"
     if [ -n "$running" ]; then
         kill -TERM "$running" 2>/dev/null  # timeout passes it on to pytest or mpirun
         wait 2>/dev/null
     fi
+    [ -z "$fifo" ] || rm -f "$fifo"
     if [ "$(id -u)" = 0 ]; then scripts/emulated_cluster.sh down >/dev/null 2>&1; fi
-    exit 130
+    exit "$1"
 }
-trap stop_run INT TERM
+trap 'stop_run 130' INT
+trap 'stop_run 143' TERM
 
-# run_logged LOG SECONDS CMD...: CMD under timeout, its output on stdout and in LOG; CMD's exit code.
+# run_logged LOG SECONDS CMD...: CMD under timeout, its output on stdout and in LOG; CMD's exit code. Through
+# a fifo, so that tee is this shell's child and waited for before the log is read.
 run_logged() {
-    local log=$1 limit=$2
+    local log=$1 limit=$2 tee_pid rc
     shift 2
-    timeout -k 15 "$limit" "$@" > >(tee "$log") 2>&1 &
+    fifo=$(mktemp -u "${TMPDIR:-/tmp}/hpcjobs-test-fifo.XXXXXX")  # global: the trap removes it
+    mkfifo "$fifo" || return 1
+    tee "$log" <"$fifo" &
+    tee_pid=$!
+    timeout -k 15 "$limit" "$@" >"$fifo" 2>&1 &
     running=$!
     wait "$running"
-    local rc=$?
+    rc=$?
     running=""
-    wait  # tee too (bash >= 5.1 waits for the last process substitution), before the log is read
+    wait "$tee_pid"
+    rm -f "$fifo"
     return "$rc"
 }
 

@@ -5,10 +5,12 @@ For each message size, every implementation runs ``warmup + iters`` times on
 the same buffer, in interleaved rounds (:class:`hpcjobs.timing.Rounds`; its
 input restored before each call, untimed); the time is the slowest rank's
 median. Inputs are crafted so that the exact result is known: rank ``r``
-holds ``(i + r) % 3`` at element ``i`` (``1 + (i + r) % 2`` for ``prod``),
-so every partial result is a small integer, exact in every dtype and in any
-reduction order, and the expected output depends only on ``i % 6``.
-``#wrong`` counts elements that differ from it, summed over ranks.
+holds small integers hashed from ``r`` and the element's place in a period
+of 251 (:func:`_pattern`: 0 or 1 to sum, 1 or 2 to multiply, 0..27 for min
+and max), so every partial sum is exact in every dtype and reduction order
+up to 256 ranks (bfloat16's integers), every rank's input differs from
+every other's, and so do the results along the buffer. ``#wrong`` counts
+elements that differ from the expected, summed over ranks.
 
 A row of ours makes the call ``allreduce(buf, op, algorithm, comm)``
 makes, without the name's lookup (:func:`hpcjobs.collectives.select.lookup`,
@@ -91,8 +93,8 @@ class Record:
 def _pattern(rank: int, op: str) -> np.ndarray:
     """Rank ``rank``'s small integers, a hash of position and rank: every
     rank's differ from every other's, and so do the sums along the buffer.
-    0..3 to sum (exact in bfloat16 up to 64 ranks), 1..2 to multiply, and
-    for min and max 0..27, whose extremes vary with the position."""
+    0 or 1 to sum (exact in bfloat16 up to 256 ranks), 1 or 2 to multiply,
+    and for min and max 0..27, whose extremes vary with the position."""
     i = np.arange(_PERIOD, dtype=np.uint64)
     with np.errstate(over="ignore"):  # splitmix64's finalizer, wrapping in uint64 as it should
         x = i * np.uint64(0x9E3779B97F4A7C15) + np.uint64(rank + 1) * np.uint64(0xD1B54A32D192ED03)
@@ -104,7 +106,7 @@ def _pattern(rank: int, op: str) -> np.ndarray:
         return 1 + h % 2
     if op in ("min", "max"):
         return (i % 7) * 4 + h % 4
-    return h % 4
+    return h % 2
 
 
 def _to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:

@@ -161,7 +161,7 @@ def _values(name: str, buf, flat, op: str) -> tuple:
     if flat is None:
         return name, None, None, op, None
     if type(flat) is Flat:
-        fortran = type(buf) is np.ndarray and buf.ndim > 1 and not buf.flags.c_contiguous
+        fortran = isinstance(buf, np.ndarray) and buf.ndim > 1 and not buf.flags.c_contiguous
         return name, flat.data.size, flat.dtype, op, "cpu, Fortran order" if fortran else "cpu"
     return name, flat.count, flat.dtype, op, flat.device
 

@@ -22,7 +22,10 @@ send: random-k's unsampled inf) set to zero, as inf minus inf kept would
 turn every later gradient into NaN. Before 2026-11-28 each rank decided from
 its own tensor: a rank whose own inf went unsent kept its old residual and
 sent it again, and ranks without an overflow lost what they had sent in a
-step the others' overflow then skipped.
+step the others' overflow then skipped. The decision is per tensor (per
+bucket): where another bucket's overflow makes the optimizer skip the whole
+step, this one's residual is still updated, and what it sent that step is
+lost, on every rank alike.
 Residuals of gradients scaled by a loss scale are in its units: when the
 scale changes, :meth:`rescale` them by new / old.
 """
@@ -58,8 +61,7 @@ class ErrorFeedback:
         (module docstring)."""
         if not applied:
             return
-        e = compensated - decompressed
-        self.residuals[name] = torch.where(torch.isfinite(e), e, torch.zeros((), dtype=e.dtype, device=e.device))
+        self.residuals[name] = (compensated - decompressed).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale's new / old)."""

@@ -175,7 +175,7 @@ def test_the_inputs_tell_every_rank_and_position_apart(size):
         inputs = [make_input(251, "int64", op, r) for r in range(size)]
         assert len({a.tobytes() for a in inputs}) == size, op
     total = expected_output(502, "int64", "sum", size)
-    assert len(set(total.tolist())) > 5
+    assert len(set(total.tolist())) >= 4  # not one value everywhere: 0..size of 0/1 inputs
     dropped = sum(make_input(502, "int64", "sum", r) for r in range(size - 1))  # the last rank left out
     assert (dropped != total).mean() > 0.5
     rotated = np.roll(total, 4)  # a chunk shifted by a few elements

@@ -74,8 +74,11 @@ def test_stacked_interfaces_are_the_masters_the_uppers_tunnels_and_ifb():
              {"ifname": "mv0", "link_index": 2, "link_netnsid": 0, "linkinfo": {"info_kind": "macvlan"}},
              {"ifname": "br0", "linkinfo": {"info_kind": "bridge"}}, {"ifname": "tap0", "master": "br0"},
              {"ifname": "wg0", "linkinfo": {"info_kind": "wireguard"}},
-             {"ifname": "ifb0", "linkinfo": {"info_kind": "ifb"}}]
-    assert stacked(links) == {"bond0", "bond0.7", "br0", "wg0", "ifb0"}
+             {"ifname": "ifb0", "linkinfo": {"info_kind": "ifb"}},
+             {"ifname": "vpn0", "linkinfo": {"info_kind": "tun", "info_data": {"type": "tun"}}},
+             # a tap is kind tun too, and may be a container's only uplink (slirp4netns, pasta)
+             {"ifname": "tap1", "linkinfo": {"info_kind": "tun", "info_data": {"type": "tap"}}}]
+    assert stacked(links) == {"bond0", "bond0.7", "br0", "wg0", "ifb0", "vpn0"}
 
 
 # Host A sends 200 datagrams of 1000 bytes through a macvlan on a veth and 200
