@@ -54,18 +54,13 @@ from mpi4py import MPI
 from ..collectives import (ALGORITHMS, DEVICE_ALGORITHMS, hierarchical_allreduce, ring_allreduce, symmetric_empty,
                            symmetric_free)
 from ..collectives import auto as auto_
-from ..collectives._buffers import OP_TABLE, as_flat, finish_avg
+from ..collectives._buffers import as_flat
 from ..collectives.agreement import set_checks
 from ..collectives.select import lookup
 from .baselines import ADAPTERS, LATE_BASELINES, DeviceStage, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
+from .inputs import expected_output, make_input
 from .names import BASELINES, BUFFERS
-
-# The inputs repeat every _PERIOD elements, a prime: a chunk moved by a whole number of periods is the only
-# misplacement the check cannot see (with the period of 3 before, ranks r and r + 3 held the same input and
-# sums at 3, 6, 12 ranks came out the same at every element: a rank dropped or a chunk rotated went unseen).
-_PERIOD = 251
-
 
 @dataclass
 class Record:
@@ -88,57 +83,6 @@ class Record:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _pattern(rank: int, op: str) -> np.ndarray:
-    """Rank ``rank``'s small integers, a hash of position and rank: every
-    rank's differ from every other's, and so do the sums along the buffer.
-    0 or 1 to sum (exact in bfloat16 up to 256 ranks), 1 or 2 to multiply,
-    and for min and max 0..27, whose extremes vary with the position."""
-    i = np.arange(_PERIOD, dtype=np.uint64)
-    with np.errstate(over="ignore"):  # splitmix64's finalizer, wrapping in uint64 as it should
-        x = i * np.uint64(0x9E3779B97F4A7C15) + np.uint64(rank + 1) * np.uint64(0xD1B54A32D192ED03)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    h = (x ^ (x >> np.uint64(31))).astype(np.int64) & 0xFFFF
-    i = i.astype(np.int64)
-    if op == "prod":
-        return 1 + h % 2
-    if op in ("min", "max"):
-        return (i % 7) * 4 + h % 4
-    return h % 2
-
-
-def _to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Small integers as ``dtype`` elements (bfloat16 as its uint16 bits)."""
-    if dtype == "bfloat16":
-        import torch
-
-        return torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    return values.astype(dtype)
-
-
-def make_input(count: int, dtype: str, op: str, rank: int) -> np.ndarray:
-    """Rank ``rank``'s input, as the typed data of a Flat (bf16 as bits)."""
-    return _to_dtype(np.resize(np.array(_pattern(rank, op), dtype=np.int64), count), dtype)
-
-
-def expected_output(count: int, dtype: str, op: str, size: int) -> np.ndarray:
-    """The exact allreduce of every rank's :func:`make_input`.
-
-    Integers are reduced in int64, whose wrap-around agrees with any narrower
-    integer type's modulo its width; floats in float64, exact for these values.
-    """
-    integer = dtype != "bfloat16" and np.issubdtype(np.dtype(dtype), np.integer)
-    ufunc = OP_TABLE[op].ufunc
-    acc = np.array(_pattern(0, op), dtype=np.int64 if integer else np.float64)
-    with np.errstate(over="ignore"):
-        for r in range(1, size):
-            ufunc(acc, np.array(_pattern(r, op), dtype=acc.dtype), out=acc)
-        out = _to_dtype(np.resize(acc, count), dtype)
-    if op == "avg":
-        finish_avg(out, dtype, size)
-    return out
 
 
 @dataclass(frozen=True)

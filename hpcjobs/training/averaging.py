@@ -120,6 +120,12 @@ class _Averaging:
         # (flushed: an implementation may take a lock only at the first access) until the update is in
         self.lock = MPI.Win.Allocate(8 if comm.Get_rank() == 0 else 0, 8, comm=comm) if cfg.hogwild_lock else None
         self.one, self.before = np.ones(1, np.int64), np.zeros(1, np.int64)
+        if self.lock is not None:  # MPI leaves the memory as it found it: the counter starts at 0
+            if comm.Get_rank() == 0:
+                self.lock.Lock(0, MPI.LOCK_EXCLUSIVE)
+                self.lock.Put(np.zeros(1, np.int64), 0)
+                self.lock.Unlock(0)
+            comm.Barrier()
         self.grad = np.empty(flat.numel(), np.float32)
         self.momentum = np.zeros(flat.numel(), np.float32)
         # local with average_momentum: the parameters and the momentum buffers, averaged in one allreduce
