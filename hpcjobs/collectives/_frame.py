@@ -40,7 +40,7 @@ from .agreement import agree_values
 from .device import DeviceFlat, as_device_flat, is_device_buffer
 from .watchdog import enter, leave
 
-__all__ = ["run", "prepare", "Algorithm"]
+__all__ = ["run", "prepare", "refuse", "checked", "Algorithm"]
 
 
 def run(buf, op: str, comm, name: str, step: Callable, **options):
@@ -178,6 +178,18 @@ def refuse(buf, op: str, comm, name: str, error: BaseException):
         flat = None
     agree_values(comm, name, _RUN_FIELDS, (*_values(name, buf, flat, op), ""), error)
     raise error
+
+
+def checked(buf, op: str, comm, name: str, check: Callable, *args):
+    """``check(*args)`` -- a public collective's check of its own options,
+    which returns them as the step takes them. Where it raises (TypeError,
+    ValueError: a bad option on this rank, which the others may not share)
+    the error is raised on every rank through :func:`refuse`, so the ranks
+    that passed good options do not wait in the call's check for ever."""
+    try:
+        return check(*args)
+    except (TypeError, ValueError) as e:
+        refuse(buf, op, comm, name, e)
 
 
 @dataclass(frozen=True)

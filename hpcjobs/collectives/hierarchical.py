@@ -60,7 +60,7 @@ from . import cuda_ipc, ring, shm, staged, tree
 from ._buffers import Flat, chunk_bounds, finish_avg
 from .costs import default_segment_bytes, segment_elements
 from .device import DeviceFlat, divide
-from ._frame import run
+from ._frame import checked, run
 from .messages import message_passing
 from .names import INTRA
 
@@ -276,6 +276,13 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
             communicator, ``segment_bytes`` not a positive integer, or a bad
             buffer/op (TypeError: unsupported dtype).
     """
+    name = "hierarchical_allreduce"
+    checked(buf, op, comm, name, _check_options, comm, topology, inter, intra, segment_bytes)
+    return run(buf, op, comm, name, allreduce, topology=topology, inter=inter, intra=intra,
+               ranks_per_node=ranks_per_node, segment_bytes=segment_bytes)
+
+
+def _check_options(comm, topology: Topology | None, inter: str, intra: str, segment_bytes) -> None:
     if segment_bytes is not None and (isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int)
                                       or segment_bytes < 0):
         raise ValueError(f"segment_bytes must be an integer >= 0 (0: not pipelined) or None, got {segment_bytes!r}")
@@ -284,5 +291,3 @@ def hierarchical_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *
     message_passing(inter, "inter")
     if topology is not None and topology.comm is not private(comm):
         raise ValueError("topology was detected on another communicator; pass detect(comm) for this comm")
-    return run(buf, op, comm, "hierarchical_allreduce", allreduce, topology=topology, inter=inter, intra=intra,
-               ranks_per_node=ranks_per_node, segment_bytes=segment_bytes)

@@ -46,7 +46,7 @@ from mpi4py import MPI
 
 from ..comm import exchange, private
 from ._buffers import Flat, as_flat, chunk_bounds, finish_avg, reducer, scratch
-from ._frame import run
+from ._frame import checked, run
 from .agreement import agree_or_raise
 from .watchdog import guard
 
@@ -212,8 +212,9 @@ def ring_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    return run(buf, op, comm, "ring_reduce_scatter", reduce_scatter,
-               segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
+    name = "ring_reduce_scatter"
+    return run(buf, op, comm, name, reduce_scatter,
+               segment_bytes=checked(buf, op, comm, name, _check_segment_bytes, pipeline, segment_bytes))
 
 
 def ring_allgather(buf, comm: MPI.Comm | None = None):
@@ -278,4 +279,6 @@ def ring_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
     Raises:
         TypeError, ValueError: unsupported buffer, dtype, op or segment size.
     """
-    return run(buf, op, comm, "ring_allreduce", allreduce, segment_bytes=_check_segment_bytes(pipeline, segment_bytes))
+    name = "ring_allreduce"
+    return run(buf, op, comm, name, allreduce,
+               segment_bytes=checked(buf, op, comm, name, _check_segment_bytes, pipeline, segment_bytes))

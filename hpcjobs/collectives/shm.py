@@ -83,7 +83,7 @@ from mpi4py import MPI
 from ..comm import extremes
 from . import symmetric
 from ._buffers import Flat, chunk_bounds, finish_avg, reducer
-from ._frame import run
+from ._frame import checked, run
 from ._shared import free_window, is_single_node, shared_window
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "shm_allreduce", "shm_reduce_scatter", "shm_allgather", "reduce_scatter",
@@ -298,7 +298,8 @@ def shm_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
         ValueError: the ranks of ``comm`` are not all on one node; a bad
             buffer, op or block size (TypeError for an unsupported dtype).
     """
-    return run(buf, op, comm, "shm_allreduce", allreduce, block_bytes=_check_block_bytes(block_bytes))
+    return run(buf, op, comm, "shm_allreduce", allreduce,
+               block_bytes=checked(buf, op, comm, "shm_allreduce", _check_block_bytes, block_bytes))
 
 
 def shm_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
@@ -308,10 +309,12 @@ def shm_reduce_scatter(buf, op: str = "sum", comm: MPI.Comm | None = None, *,
 
     Same arguments as :func:`shm_allreduce`; returns ``buf``.
     """
-    return run(buf, op, comm, "shm_reduce_scatter", reduce_scatter, block_bytes=_check_block_bytes(block_bytes))
+    return run(buf, op, comm, "shm_reduce_scatter", reduce_scatter,
+               block_bytes=checked(buf, op, comm, "shm_reduce_scatter", _check_block_bytes, block_bytes))
 
 
 def shm_allgather(buf, comm: MPI.Comm | None = None, *, block_bytes: int = DEFAULT_BLOCK_BYTES):
     """Copy shard r of rank r's ``buf`` into every rank's ``buf``, through
     shared memory (the inverse of :func:`shm_reduce_scatter`); returns ``buf``."""
-    return run(buf, "sum", comm, "shm_allgather", _allgather_step, block_bytes=_check_block_bytes(block_bytes))
+    return run(buf, "sum", comm, "shm_allgather", _allgather_step,
+               block_bytes=checked(buf, "sum", comm, "shm_allgather", _check_block_bytes, block_bytes))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcjobs.collectives import allreduce, ring_allgatherv, ring_allreduce, tree_allreduce
+from hpcjobs.collectives import (allreduce, hierarchical_allreduce, ring_allgatherv, ring_allreduce,
+                                 ring_reduce_scatter, shm_allreduce, tree_allreduce)
 from hpcjobs.collectives.agreement import MismatchError, checking, checks_enabled, set_checks
 from hpcjobs.compression import TopKCompressor, compressed_allreduce
 
@@ -80,6 +81,28 @@ def test_an_unknown_algorithm_on_one_rank_is_an_error_on_every_rank():
     buf = np.ones(8)
     _raises_everywhere(lambda: allreduce(buf, algorithm=alg, comm=comm), comm, "rank 1: ValueError",
                        "unknown algorithm 'ring-pipelined'", "allreduce(algorithm='ring-pipelined')")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda buf, bad, comm: ring_allreduce(buf, comm=comm, pipeline=True, segment_bytes=-8 if bad else 4096),
+     "segment_bytes must be a positive integer, got -8"),
+    (lambda buf, bad, comm: ring_reduce_scatter(buf, comm=comm, pipeline=True, segment_bytes="4k" if bad else 4096),
+     "ValueError: invalid literal"),
+    (lambda buf, bad, comm: shm_allreduce(buf, comm=comm, block_bytes=8 if bad else 4096),
+     "block_bytes must be an integer >= 64, got 8"),
+    (lambda buf, bad, comm: hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, intra="nccl" if bad else "ring"),
+     "unknown intra='nccl'"),
+    (lambda buf, bad, comm: hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, segment_bytes=1.5 if bad else 0),
+     "segment_bytes must be an integer >= 0"),
+], ids=["ring-segment", "reduce-scatter-segment", "shm-block", "hierarchical-intra", "hierarchical-segment"])
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_option_on_one_rank_is_an_error_on_every_rank(call, words):
+    """Before, the rank with the bad option raised in its own check of it
+    and the others waited in the call's check until the watchdog."""
+    comm = MPI.COMM_WORLD
+    last = comm.Get_size() - 1
+    buf = np.ones(64)
+    _raises_everywhere(lambda: call(buf, comm.Get_rank() == last, comm), comm, f"rank {last}:", words)
 
 
 @pytest.mark.mpi(min_size=2)
