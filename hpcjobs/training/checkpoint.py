@@ -17,6 +17,7 @@ are not written: the last checkpoint, from before, stays.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,10 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
                 "no_decay_bn_bias")  # the optimizer's parameter groups: torch's own error was "different number"
+# The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
+# is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
+_SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
+                  "momentum_correction", "epochs")
 
 
 def _used(key: str, cfg: TrainConfig) -> bool:
@@ -148,6 +153,7 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+            _warn_schedule_changes(cfg, old, defaults)
             if len(state["ranks"]) != comm.Get_size():
                 raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
                                       f"this run has {comm.Get_size()}")
@@ -167,7 +173,47 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
         return 0, 0, [], None
     if scaler is not None and scaled:
         scaler.load_state_dict(scaled)
-    if comm.Get_rank() == 0 and not cfg.quiet:
-        where = f", step {step} of epoch {epoch + 1}" if step else ""
-        print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
+    if comm.Get_rank() == 0:
+        if cfg.metrics:
+            _trim_metrics(cfg.metrics, epoch)
+        if not cfg.quiet:
+            where = f", step {step} of epoch {epoch + 1}" if step else ""
+            print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
     return epoch, step, history, state["ranks"] if comm.Get_rank() == 0 else []
+
+
+def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
+    """Say on stderr which of :data:`_SCHEDULE_KEYS` the resumed run changed."""
+    new = _config_dict(cfg)
+    changed = [k for k in _SCHEDULE_KEYS if old.get(k, defaults[k]) != new[k]
+               and (k != "epochs" or cfg.decay == "cosine")]
+    if changed:
+        print(f"hpcjobs: warning: resuming {cfg.checkpoint} with another schedule ("
+              + ", ".join(f"{k} {old.get(k, defaults[k])!r} -> {new[k]!r}" for k in changed)
+              + "): the resumed run is not the run that was saved", file=sys.stderr, flush=True)
+
+
+def _trim_metrics(path: str, epoch: int) -> None:
+    """Drop the lines at the end of the metrics file ``path`` for epochs
+    after ``epoch``, the checkpoint's: a run killed between an epoch's line
+    and its checkpoint wrote a line that the resumed run writes again. The
+    lines before, an earlier run's among them, stay."""
+    try:
+        lines = Path(path).read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return
+    keep = len(lines)
+    while keep:
+        try:
+            record = json.loads(lines[keep - 1])
+        except ValueError:
+            break
+        if not isinstance(record, dict) or not isinstance(record.get("epoch"), int) or record["epoch"] <= epoch:
+            break
+        keep -= 1
+    if keep < len(lines):
+        tmp = Path(path).with_name(f".{Path(path).name}.tmp{os.getpid()}")
+        tmp.write_text("".join(lines[:keep]))
+        os.replace(tmp, path)
+        print(f"# train: dropped {len(lines) - keep} line(s) after epoch {epoch} from {path}: the checkpoint is "
+              "from before them, and they are written again", file=sys.stderr, flush=True)

@@ -203,6 +203,47 @@ def test_a_run_that_diverges_keeps_its_last_good_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_run_killed_after_its_metrics_line_does_not_write_that_epoch_twice(tmp_path_factory, capsys):
+    """The epoch's line is written before its checkpoint: killed in between,
+    the resumed run wrote the epoch again, and the file held it twice."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "twice")
+    if comm.rank == 0:  # an earlier run's lines in the same file stay
+        open(f"{d}/m.jsonl", "w").write('{"epoch": 1, "loss": 9.0}\n{"epoch": 7, "loss": 8.0}\n')
+    comm.Barrier()
+    train(cfg(checkpoint=f"{d}/c.pt", metrics=f"{d}/m.jsonl", epochs=2), comm)
+    if comm.rank == 0:
+        kept = open(f"{d}/c.pt", "rb").read()
+    train(cfg(checkpoint=f"{d}/c.pt", metrics=f"{d}/m.jsonl", epochs=3, resume=True), comm)
+    if comm.rank == 0:  # the kill: epoch 3's line is in, its checkpoint is not
+        open(f"{d}/c.pt", "wb").write(kept)
+    comm.Barrier()
+    capsys.readouterr()
+    history = train(cfg(checkpoint=f"{d}/c.pt", metrics=f"{d}/m.jsonl", epochs=4, resume=True), comm)
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    if comm.rank == 0:
+        lines = [json.loads(x) for x in open(f"{d}/m.jsonl")]
+        assert [x["epoch"] for x in lines] == [1, 7, 1, 2, 3, 4]
+        assert [x["loss"] for x in lines[2:]] == [round(h["loss"], 6) for h in history]
+        assert "dropped 1 line(s) after epoch 2" in capsys.readouterr().err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_resuming_with_another_schedule_says_so(tmp_path_factory, capsys):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "schedule")
+    train(cfg(checkpoint=f"{d}/s.pt", epochs=1), comm)
+    capsys.readouterr()
+    train(cfg(checkpoint=f"{d}/s.pt", epochs=2, resume=True), comm)  # a longer run: not a change to say
+    assert "another schedule" not in capsys.readouterr().err
+    train(cfg(checkpoint=f"{d}/s.pt", epochs=3, resume=True, lr=0.01, milestones=(2.5,), decay="step"), comm)
+    err = capsys.readouterr().err
+    if comm.rank == 0:
+        assert ("warning: resuming " in err and "with another schedule (lr 0.05 -> 0.01, decay 'none' -> 'step', "
+                "milestones [] -> [2.5])" in err), err
+
+
+@pytest.mark.mpi(min_size=1)
 def test_resume_without_a_checkpoint_file_starts_fresh(tmp_path_factory):
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, "fresh")
