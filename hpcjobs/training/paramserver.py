@@ -70,6 +70,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -87,6 +88,9 @@ HDR = 64  # bytes of float64 header at the front of every message
 TAG_PULL, TAG_PARAMS, TAG_PUSH, TAG_DONE, TAG_SNAP, TAG_SHARD, TAG_STOP, TAG_FINAL, TAG_ALIVE = range(7101, 7110)
 IDLE_S = 2e-4  # a server's nap when no message waits: it leaves the cores to the workers
 FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself after COUNT pushes, 0 too (tests)
+# "RANK:VERSION:SECONDS": server RANK, at that version, answers no pull for SECONDS (it still hears and
+# heartbeats) -- the tests' stand-in for a pull held behind a slow or lost worker, on one server only
+HOLD_ENV = "HPCJOBS_FAULT_HOLD"
 
 
 class PeerLost(RuntimeError):
@@ -250,9 +254,28 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
 
 # --- waiting on a peer ------------------------------------------------------------------
 
-def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict) -> None:
-    """Wait for ``reqs`` (``reqs[i]`` from ``peers[i]``), taking heartbeats;
-    raise PeerLost when a peer waited on has been silent for ``timeout``."""
+class Beats:
+    """Heartbeats (TAG_ALIVE) from a rank that waits or serves, at most one
+    to each destination every ``period`` seconds."""
+
+    def __init__(self, comm: MPI.Intracomm, period: float):
+        self.comm, self.period = comm, period
+        self.buf, self.reqs, self.next = np.zeros(8), [], 0.0
+
+    def __call__(self, now: float, dests) -> None:
+        if now < self.next:
+            return
+        self.next = now + self.period
+        self.reqs = [r for r in self.reqs if not r.Test()]
+        self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in dests]
+
+
+def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict,
+           beat: Callable[[float], None] | None = None) -> None:
+    """Wait for ``reqs`` (``reqs[i]`` from ``peers[i]``), taking heartbeats
+    and, with ``beat``, sending them (a worker: a server that answered its
+    pull must not take its wait on another for its death); raise PeerLost
+    when a peer waited on has been silent for ``timeout``."""
     status, buf = MPI.Status(), np.empty(8)
     start = time.monotonic()
     open_ = list(range(len(reqs)))
@@ -264,6 +287,8 @@ def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, he
             comm.Recv(buf, source=status.Get_source(), tag=TAG_ALIVE)
             heard[status.Get_source()] = time.monotonic()
         now = time.monotonic()
+        if beat is not None:
+            beat(now)
         for i in open_:
             if now - max(start, heard.get(peers[i], start)) > timeout:
                 raise PeerLost(f"server rank {peers[i]} sent nothing for {timeout:g} s: presumed lost")

@@ -5,14 +5,16 @@ and on server 0 test the model every epoch and end the run."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .paramserver import (HDR, IDLE_S, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH, TAG_SHARD,
-                          TAG_SNAP, TAG_STOP, PeerLost, ShardUpdate, _await, _Ctx, _die_if_told, _recv_object)
+from .paramserver import (HDR, HOLD_ENV, IDLE_S, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH,
+                          TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await, _Ctx, _die_if_told,
+                          _recv_object)
 from .stepping import evaluate_local, finish_record, report
 
 __all__ = ["Server"]
@@ -42,7 +44,8 @@ class Server:
         self.last_lr = np.full(self.W, np.nan)  # the rate of each elastic worker's last step (its TAG_DONE)
         self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
         self.stop_mask = None  # server k: the workers server 0 counted done when it said stop
-        self.alive_reqs, self.alive_buf, self.next_alive = [], np.zeros(8), 0.0
+        self.beats, self.alive_buf = Beats(self.comm, self.cfg.peer_timeout / 4), np.zeros(8)
+        self.hold, self.held_until = _hold_of(self.comm.Get_rank()), 0.0
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
 
@@ -65,6 +68,9 @@ class Server:
                 self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
                 self.stopped = True
                 break
+            if self.held_until and now >= self.held_until:
+                self.held_until = 0.0
+                self._answer_deferred()
             if self.k and now - self.heard0 > self.cfg.peer_timeout:
                 raise PeerLost(f"server rank 0 sent nothing for {self.cfg.peer_timeout:g} s: presumed lost")
             time.sleep(IDLE_S)
@@ -96,7 +102,9 @@ class Server:
         hdr = self.inbuf[:HDR].view(np.float64)
         if src == 0 and self.k:
             self.heard0 = time.monotonic()
-        if tag == TAG_ALIVE:
+        if tag == TAG_ALIVE:  # a server's, or a waiting worker's
+            if src >= self.S and src - self.S not in self.lost:
+                self.heard[src - self.S] = time.monotonic()
             return
         if tag == TAG_SNAP:
             out = np.empty(HDR + 4 * self.shard.size, np.uint8)
@@ -151,11 +159,15 @@ class Server:
             self.kept[self.version] = self.shard.copy()
             self.kept.pop(self.version - self.cfg.fixed_delay - 1, None)
         _die_if_told(self.comm.Get_rank(), self.version)
+        if self.hold and self.version == self.hold[0]:
+            self.held_until = time.monotonic() + self.hold[1]
         epochs = self.ctx.epochs_done(self.version)
         if self.k == 0 and epochs > len(self.history) and self.version < self.ctx.total:
             self._record(epochs)
 
     def _ready(self, w: int, clock: int, wanted: int) -> bool:
+        if self.held_until:
+            return False
         if self.version >= self.ctx.total:
             return True  # answered with "stop"
         if self.kept is not None:
@@ -186,13 +198,9 @@ class Server:
         self.deferred = still
 
     def _heartbeat(self, now: float) -> None:
-        if now < self.next_alive:
-            return
-        self.next_alive = now + self.cfg.peer_timeout / 4
-        self.alive_reqs = [r for r in self.alive_reqs if not r.Test()]
-        dests = [self.S + w for w in range(self.W) if w not in self.lost]
-        dests += list(range(1, self.S)) if self.k == 0 else []
-        self.alive_reqs += [self.comm.Isend(self.alive_buf, dest=d, tag=TAG_ALIVE) for d in dests]
+        if now >= self.beats.next:
+            self.beats(now, [*(self.S + w for w in range(self.W) if w not in self.lost),
+                             *(range(1, self.S) if self.k == 0 else ())])
 
     def _find_lost(self, now: float) -> None:
         waiting = {w for w, _, _ in self.deferred}  # silent because this server holds their pull
@@ -297,3 +305,9 @@ class Server:
         if self.k == 0:
             return self.history
         return _recv_object(self.comm, 0, TAG_FINAL, self.cfg.peer_timeout)
+
+
+def _hold_of(rank: int) -> tuple[int, float] | None:
+    """(version, seconds) of :data:`~hpcjobs.training.paramserver.HOLD_ENV` for server ``rank``, or None."""
+    spec = os.environ.get(HOLD_ENV, "").split(":")
+    return (int(spec[1]), float(spec[2])) if len(spec) == 3 and spec[0] == str(rank) else None

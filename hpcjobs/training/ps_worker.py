@@ -10,8 +10,8 @@ from mpi4py import MPI
 
 from . import schedule as sched
 from .data import rank_batches
-from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH, _await, _Ctx, _die_if_told,
-                          _recv_object)
+from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH, Beats, _await, _Ctx,
+                          _die_if_told, _recv_object)
 from .stepping import Straggler, compute_step, grad_vector
 
 __all__ = ["Worker"]
@@ -30,6 +30,10 @@ class Worker:
         self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
         self.pushed_count = 0
         self.heard = {}
+        # While it waits (on one server's held pull, say) it tells every server it lives: the others, which
+        # answered, would otherwise count the wait as its silence and find it lost
+        beats = Beats(ctx.comm, ctx.cfg.peer_timeout / 4)
+        self.beat = lambda now: beats(now, range(self.S))
         self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
         if ctx.elastic:  # this worker's own SGD between elastic moves
             from .loop import _make_optimizer
@@ -112,7 +116,7 @@ class Worker:
         self.ask[:2] = clock, wanted
         for k in range(S):
             comm.Send(self.ask, dest=k, tag=TAG_PULL)
-        _await(comm, reqs, list(range(S)), self.cfg.peer_timeout, self.heard)
+        _await(comm, reqs, list(range(S)), self.cfg.peer_timeout, self.heard, self.beat)
         heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
         return None if any(h[1] for h in heads) else heads
 
@@ -120,7 +124,7 @@ class Worker:
         """Each server its slice of ``vec``, tagged with the version pulled."""
         comm, ctx = self.comm, self.ctx
         self.pushed_sum += vec
-        _await(comm, self.outreq, list(range(self.S)), self.cfg.peer_timeout, self.heard)
+        _await(comm, self.outreq, list(range(self.S)), self.cfg.peer_timeout, self.heard, self.beat)
         for k in range(self.S):
             buf = self.outbuf[k]
             buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, *stats
@@ -132,7 +136,7 @@ class Worker:
     def _finish(self, pushes: int) -> list[dict]:
         """The audit's sums to every server, then the run's history from server 0."""
         ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
+        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
         done = []
         for k in range(S):
             sl = ctx.shard(k)
@@ -141,5 +145,5 @@ class Worker:
             buf[HDR:].view(np.float64)[:] = self.pushed_sum[sl]
             done.append(buf)
             self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_DONE)
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard)
+        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
         return _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)

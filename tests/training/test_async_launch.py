@@ -15,10 +15,12 @@ SMALL = ["--model", "mlp", "--width", "4", "--num-samples", "1000", "--lr", "0.0
          "--no-progress"]
 
 
-def _train(n, *args, fault=None, timeout=120):
+def _train(n, *args, fault=None, hold=None, timeout=120):
     exe, *rest = _mpirun_prefix(n)
     extra = ["--enable-recovery", "-x", "HPCJOBS_FAULT_KILL"] if fault else []
-    with launch_env({"HPCJOBS_FAULT_KILL": fault} if fault else None) as env:
+    extra += ["-x", "HPCJOBS_FAULT_HOLD"] if hold else []
+    variables = {**({"HPCJOBS_FAULT_KILL": fault} if fault else {}), **({"HPCJOBS_FAULT_HOLD": hold} if hold else {})}
+    with launch_env(variables or None) as env:
         t0 = time.monotonic()
         try:
             out = run([exe, *extra, *rest, "-m", "hpcjobs", "train", "--mode", "async", *args], timeout, env)
@@ -64,6 +66,24 @@ def test_a_killed_worker_is_named_and_the_run_completes_without_it(tmp_path, wid
     # (and at most one each was in flight at the stop)
     assert 3 * 24 <= sum(r["pushes"] for r in records) <= 3 * 24 + 2
     assert [r["epoch"] for r in records] == [1, 2, 3]
+
+
+def test_a_worker_waiting_on_one_server_is_not_lost_to_another(tmp_path):
+    """Server rank 1 holds every pull for 20 s at its 10th push (as it would
+    behind a lost worker with a staleness bound); server 0 has answered. The
+    workers waiting on rank 1 were silent to rank 0, which found them lost
+    after the 6 s timeout -- both, and the run ended with nothing more
+    applied. They heartbeat every server while they wait now."""
+    metrics = tmp_path / "m.jsonl"
+    out, seconds = _train(4, *SMALL, "--servers", "2", "--epochs", "2", "--peer-timeout", "6",
+                          "--metrics", str(metrics), hold="1:10:20")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lost" not in out.stdout, out.stdout[-2000:]
+    assert seconds >= 20  # the hold happened
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2] and "lost_workers" not in records[-1]
+    found = re.search(r"(\d+) pushes applied, (\d+) reported pushed by the workers that finished", out.stdout)
+    assert found and found[1] == found[2], out.stdout[-2000:]
 
 
 def test_a_killed_server_ends_every_worker_with_an_error():
