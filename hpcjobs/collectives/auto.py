@@ -13,7 +13,8 @@ contenders that came close there::
 ``auto`` reads the file named by ``HPCJOBS_TUNING`` (or :func:`set_tuning`),
 takes the table with the same ranks and nodes (and, where the table records
 them, the same ranks on each node: ``"local_sizes"``), else the same nodes
-and the nearest ranks, else the nearest overall, and falls back on
+and the nearest ranks, else the nearest overall (rank 0 warns once where a
+file has no table for the layout), and falls back on
 :data:`DEFAULT_TABLE` when there is no file. It reads the node layout
 (``hpcjobs.topology``, ``HPCJOBS_RANKS_PER_NODE``) once per communicator and
 caches each decision on it per size, so a call costs a dictionary lookup.
@@ -52,7 +53,7 @@ from ._buffers import Flat, as_flat
 from . import oneshot
 from ._frame import Algorithm
 from ._shared import is_single_node
-from .tuning import DEFAULT_TABLE, _pick_table, load_tuning
+from .tuning import DEFAULT_TABLE, _pick_table, load_tuning, warn_other_layout
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, as_device_flat, is_device_buffer
 from .names import ALGORITHMS
 
@@ -125,6 +126,14 @@ def table_used(comm: MPI.Comm | None = None) -> str:
     link = f", link {t['link_gbps']:.2f} Gbit/s" if t.get("link_gbps") else ""
     here = f"{comm.Get_size()} ranks on {topo.num_nodes} node(s) {list(topo.local_sizes)}"
     return f"{path or 'built-in table'}: the table of {shape}{link}, for {here}"
+
+
+def _warn_layout(topo, ranks: int) -> None:
+    try:  # (a table this rank cannot read is refused on every rank by the step's check)
+        warn_other_layout(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None, _tuning(), ranks,
+                          topo.num_nodes, topo.local_sizes, topo.source == "override")
+    except ValueError:
+        pass
 
 
 def _row(nbytes: int, ranks: int, nodes: int, tuning: dict | None, local_sizes: tuple | None = None,
@@ -252,6 +261,8 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     topo = decisions.get("topology")
     if topo is None:  # the layout, read once per communicator (and set_tuning)
         topo = decisions["topology"] = detect_private(comm)
+        if comm.Get_rank() == 0:
+            _warn_layout(topo, comm.Get_size())
     single = is_single_node(comm)  # (collective the first time: before anything that may raise on one rank)
     try:
         names, error = candidates(flat.nbytes, comm.Get_size(), topo.num_nodes, local_sizes=topo.local_sizes,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 
 from .names import ALGORITHMS
 
@@ -117,3 +118,27 @@ def _pick_table(data: dict, ranks: int, nodes: int, local_sizes: tuple | None = 
         return (t["nodes"] != nodes, abs(t["nodes"] - nodes), fit, abs(t["ranks"] - ranks))
 
     return min(data["tables"], key=distance)
+
+
+_warned: set = set()
+
+
+def warn_other_layout(path: str | None, data: dict, ranks: int, nodes: int, local_sizes: tuple,
+                      simulated: bool) -> None:
+    """Say once, on stderr, where the tuning file ``path`` has no table for
+    this layout and ``auto`` follows the nearest one (tuned for other ranks
+    or nodes, its choices may be wrong here). The built-in table says
+    nothing: no one chose it for this layout."""
+    table = _pick_table(data, ranks, nodes, local_sizes, simulated)
+    tuned = table.get("local_sizes")
+    if path is None or (table["ranks"] == ranks and table["nodes"] == nodes
+                        and (tuned is None or tuple(tuned) == tuple(local_sizes))):
+        return
+    key = (path, ranks, nodes, tuple(local_sizes))
+    if key in _warned:
+        return
+    _warned.add(key)
+    shape = f"{table['ranks']} ranks on {table['nodes']} node(s)" + (f" {list(tuned)}" if tuned else "")
+    print(f"hpcjobs: warning: tuning table {path} has no table for {ranks} ranks on {nodes} node(s) "
+          f"{list(local_sizes)}; auto follows the one of {shape} (run `hpcjobs tune` on this layout)",
+          file=sys.stderr, flush=True)

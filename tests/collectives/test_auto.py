@@ -128,6 +128,36 @@ def test_auto_follows_the_tuning_file(tmp_path_factory, monkeypatch):
         set_tuning(None)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_tuning_file_without_this_layouts_table_says_so_once(tmp_path_factory, capsys):
+    """A file tuned on another layout was followed without a word."""
+    comm = MPI.COMM_WORLD
+    path = tmp_path_factory.mktemp(f"other{comm.Get_rank()}") / "t.json"
+    P = comm.Get_size()
+    other = {"version": 1, "tables": [{"ranks": P + 6, "nodes": 1, "local_sizes": [P + 6],
+                                       "rows": [{"max_bytes": None, "algorithm": "tree"}]}]}
+    path.write_text(json.dumps(other))
+    try:
+        set_tuning(str(path))
+        for _ in range(3):
+            buf = np.ones(100)
+            allreduce(buf, "sum", "auto", comm)
+            assert buf[0] == P
+        err = capsys.readouterr().err
+        if comm.Get_rank() == 0:
+            assert err.count("warning: tuning table") == 1, err
+            assert (f"{path} has no table for {P} ranks on 1 node(s) [{P}]; auto follows the one of {P + 6} ranks "
+                    f"on 1 node(s) [{P + 6}] (run `hpcjobs tune` on this layout)") in err, err
+        else:
+            assert "warning" not in err
+        other["tables"][0].update(ranks=P, local_sizes=[P])  # this layout's own: nothing to say
+        path.write_text(json.dumps(other))
+        set_tuning(str(path))
+        allreduce(np.ones(100), "sum", "auto", comm)
+        assert "warning" not in capsys.readouterr().err
+    finally:
+        set_tuning(None)
+
 
 @pytest.mark.mpi(min_size=2)
 def test_tuning_tables_that_differ_across_ranks_are_refused_on_every_rank(tmp_path_factory):
