@@ -134,7 +134,7 @@ if [[ " $PHASES " == *" bench "* ]]; then
     for n in $BENCH_RANKS; do bench "$n"; done
     timeout -k 15 "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench staging --bytes 64M >"$OUT/staging.txt" 2>&1 \
         || failed=1
-    tail -n 3 "$OUT/staging.txt" | tee -a "$OUT/summary.txt" >&2
+    tail -n 4 "$OUT/staging.txt" | tee -a "$OUT/summary.txt" >&2
     timeout -k 15 "$T" mpirun --oversubscribe -n 2 "$PY" -m hpcjobs bench compression --device cuda \
         --elements 1000000,25000000 --no-progress >"$OUT/compression.txt" 2>&1 || failed=1
     say "bench compression --device cuda at 2 ranks: $OUT/compression.txt"

@@ -8,7 +8,10 @@ host allreduce of the same bytes, the host→device copy -- and the staged
 transport (:mod:`hpcjobs.collectives.staged`) at each chunk size, whose time
 is then given as a ratio to the sum of the parts. A pipeline that pays comes
 in below 1 (the copies hide behind the host's reduction); an unchunked
-staging (one chunk) is about 1.
+staging (one chunk) is about 1. Every rank's input is the bench's crafted
+one (:mod:`hpcjobs.bench.inputs`), and ``#wrong`` counts, over the ranks,
+the elements each part and each chunk size left other than exact: any
+makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def run(args) -> int:
         raise UsageError(f"--chunks: {e}") from None
     import torch
 
-    from ..bench.harness import max_of_medians, time_interleaved
+    from ..bench.harness import max_of_medians, sum_over_ranks, time_interleaved
+    from ..bench.inputs import expected_output, make_input
     from ..bench.sweep import format_bytes
     from ..collectives import staged
     from ..collectives._buffers import as_flat
@@ -55,9 +59,13 @@ def run(args) -> int:
     comm = private()
     device = gpu_for_rank(comm)
     count = args.bytes // 4
-    t = torch.ones(count, device=device)
+    # the bench's crafted inputs, which tell every rank and position apart (a dropped rank, a chunk staged
+    # to the wrong place), and their exact sum
+    mine = torch.from_numpy(make_input(count, "float32", "sum", comm.Get_rank()))
+    want = torch.from_numpy(expected_output(count, "float32", "sum", comm.Get_size()))
+    t = mine.to(device)
     pinned = torch.empty(count, pin_memory=True)
-    host = torch.ones(count)
+    host = mine.clone()
     step = lookup(args.algorithm).bound
     sync = torch.cuda.synchronize
 
@@ -74,22 +82,31 @@ def run(args) -> int:
             lambda c=c: staged.allreduce(DeviceFlat(t, "float32"), "sum", comm, step, chunk_bytes=c))
 
     def reset(label):
-        t.fill_(1)
-        host.fill_(1)
+        t.copy_(mine)
+        host.copy_(mine)
+        pinned.copy_(mine)
         sync()
 
-    times, _ = time_interleaved(runs, reset, lambda label: 0, comm, args.iters, args.warmup)
+    def check(label):  # this rank's elements that differ from what the call should leave
+        got, expected = {"copy device->host": (pinned, mine), "copy host->device": (t, mine),
+                         f"host {args.algorithm}": (host, want)}.get(label, (t, want))
+        return int((got.cpu() != expected).sum())
+
+    times, wrong = time_interleaved(runs, reset, check, comm, args.iters, args.warmup)
     us = {label: max_of_medians(v, comm) * 1e6 for label, v in times.items()}
+    wrong = {label: sum_over_ranks(n, comm) for label, n in wrong.items()}
     parts = sum(us[k] for k in list(runs)[:3])
     print0(f"# hpcjobs bench staging: {format_bytes(args.bytes)} float32 sum, {comm.Get_size()} ranks, "
            f"{torch.cuda.get_device_name(device)}; host step {args.algorithm} "
            f"({'messages' if args.algorithm in MESSAGE_ALGORITHMS else 'shared memory'}); "
            "time = max over ranks of each rank's median")
-    print0(f"{'':>22} {'time (us)':>12} {'/ parts':>8}")
+    print0(f"{'':>22} {'time (us)':>12} {'/ parts':>8} {'#wrong':>7}")
     for label, v in us.items():
-        ratio = f"{v / parts:8.2f}" if label.startswith("staged/") else ""
-        print0(f"{label:>22} {v:12.1f} {ratio}")
+        ratio = f"{v / parts:8.2f}" if label.startswith("staged/") else f"{'':8}"
+        print0(f"{label:>22} {v:12.1f} {ratio} {wrong[label]:7d}")
     print0(f"{'sum of the parts':>22} {parts:12.1f}")
     best = min((k for k in us if k.startswith("staged/")), key=us.get)
     print0(f"# fastest chunk: {best.split('/')[1]} ({us[best] / parts:.2f}x the parts)")
-    return 0
+    bad = sum(wrong.values())
+    print0(f"# Out of bounds values : {bad} {'OK' if bad == 0 else 'FAILED'}")
+    return 1 if bad else 0
