@@ -22,10 +22,16 @@ send: random-k's unsampled inf) set to zero, as inf minus inf kept would
 turn every later gradient into NaN. Before 2026-11-28 each rank decided from
 its own tensor: a rank whose own inf went unsent kept its old residual and
 sent it again, and ranks without an overflow lost what they had sent in a
-step the others' overflow then skipped. The decision is per tensor (per
-bucket): where another bucket's overflow makes the optimizer skip the whole
-step, this one's residual is still updated, and what it sent that step is
-lost, on every rank alike.
+step the others' overflow then skipped.
+An optimizer steps on all its tensors or none: one tensor's overflow skips
+the step for the others too (``nonfinite="skip"``, fp16's GradScaler).
+With ``per_step=True`` (what :class:`~hpcjobs.training.DistributedOptimizer`
+uses) :meth:`update` holds the new residuals back until :meth:`commit`, at
+the end of the step's reductions, keeps them all where every tensor's average
+was finite and drops them all where one was not. Per tensor (the default,
+for a lone :func:`~hpcjobs.compression.compressed_allreduce`), a finite
+tensor's residual was updated in a step that another's overflow skipped,
+and what it had sent that step was lost.
 Residuals of gradients scaled by a loss scale are in its units: when the
 scale changes, :meth:`rescale` them by new / old.
 """
@@ -40,8 +46,10 @@ __all__ = ["ErrorFeedback"]
 class ErrorFeedback:
     """Per-tensor residuals of a compressor, keyed by name."""
 
-    def __init__(self):
+    def __init__(self, per_step: bool = False):
         self.residuals: dict[str, torch.Tensor] = {}
+        self.per_step = per_step  # hold updates back until commit() (module docstring)
+        self.pending: dict[str, tuple[torch.Tensor, bool]] = {}
 
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` plus the residual stored for ``name`` (a new tensor)."""
@@ -58,10 +66,29 @@ class ErrorFeedback:
         """Keep ``compensated - decompressed`` as ``name``'s residual, its
         non-finite entries zero, if the step was ``applied`` (its average
         finite, the same on every rank); else the residual stays as it was
-        (module docstring)."""
+        (module docstring). With ``per_step``, held back until :meth:`commit`."""
+        if self.per_step:
+            self.pending[name] = (compensated - decompressed if applied else None, applied)
+            return
         if not applied:
             return
         self.residuals[name] = (compensated - decompressed).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+    def commit(self) -> bool:
+        """End a step (``per_step``): keep every residual :meth:`update` held
+        back if every tensor's average was finite, else drop them all and
+        keep the old ones. Returns whether the step counted (True with
+        nothing held)."""
+        pending, self.pending = self.pending, {}
+        counted = all(applied for _, applied in pending.values())
+        if counted:
+            for name, (e, _) in pending.items():
+                self.residuals[name] = e.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return counted
+
+    def discard(self) -> None:
+        """Drop what :meth:`update` held back (a step that failed)."""
+        self.pending = {}
 
     def rescale(self, factor: float) -> None:
         """Multiply every residual by ``factor`` (a loss scale's new / old)."""

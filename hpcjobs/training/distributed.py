@@ -38,8 +38,9 @@ Compression (``compression=``, any :mod:`hpcjobs.compression` compressor) sends 
 :func:`~hpcjobs.compression.compressed_allreduce`. The casts (fp16, bf16) compress fused buckets whole; the
 others need one tensor at a time (top-k per layer, PowerSGD's matrices), so with them every parameter is its own
 bucket. ``error_feedback=True`` keeps each bucket's residual (:class:`~hpcjobs.compression.ErrorFeedback`, by
-parameter name); :meth:`DistributedOptimizer.compression_state_dict` carries the residuals, the compressor's
-state and the step count into checkpoints.
+parameter name), all of them updated at the end of a step's reductions or, where one bucket's average is not
+finite (a step ``nonfinite="skip"`` or fp16's scaler skips), none; :meth:`DistributedOptimizer.compression_state_dict`
+carries the residuals, the compressor's state and the step count into checkpoints.
 
 BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
@@ -154,7 +155,7 @@ class DistributedOptimizer(OptimizerState):
         # the loss scale the gradients carry (fp16's GradScaler, set before each step); this step's squared norms
         self.grad_scale, self._sq_step = 1.0, [0.0, 0.0]
         self.compression = compression
-        self.memory = ErrorFeedback() if error_feedback else None
+        self.memory = ErrorFeedback(per_step=True) if error_feedback else None
         self._fused = compression is None or compression.fusable
         self._counted = compression is not None or algorithm in MESSAGE_ALGORITHMS
         self.fusion_bytes = int(fusion_bytes)
@@ -309,7 +310,11 @@ class DistributedOptimizer(OptimizerState):
         if self._error is not None:
             error, self._error = self._error, None
             self._reset_buckets()
+            if self.memory is not None:
+                self.memory.discard()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
+        if self.memory is not None:  # the step counts for every bucket's residual, or for none
+            self.memory.commit()
         for bucket in self._buckets:
             bucket.unpack()
         self._synced = True

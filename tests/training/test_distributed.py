@@ -355,6 +355,52 @@ def test_a_nan_gradient_on_one_rank_skips_or_aborts_on_every_rank_naming_the_par
     opt.close()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_skipped_step_leaves_every_buckets_residual_as_it_was():
+    """Top-k puts every parameter in a bucket of its own; an inf in one
+    layer's gradient skips the whole step. The other buckets' residuals were
+    updated anyway, and what they had sent that step was lost: the run did
+    not go on as one that never saw the step. Now it does, bit for bit."""
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(model)
+
+    def optimizer(m):
+        return DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), comm=comm,
+                                    compression=TopKCompressor(0.3), error_feedback=True, nonfinite="skip",
+                                    overlap="none")
+
+    opt, ref_opt = optimizer(model), optimizer(ref)
+
+    def step(m, o, seed, inf=False):
+        g = torch.Generator().manual_seed(100 * seed + comm.Get_rank())
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        o.zero_grad()
+        hook = None
+        if inf and comm.Get_rank() == comm.Get_size() - 1:  # top-k sends it: every rank's average has it
+            hook = m[2].weight.register_hook(lambda g: g.index_put((torch.tensor(1), torch.tensor(2)),
+                                                                   torch.tensor(float("inf"))))
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        if hook is not None:
+            hook.remove()
+        return o.step()
+
+    step(model, opt, 0)
+    kept = {k: v.clone() for k, v in opt.memory.residuals.items()}
+    assert step(model, opt, 1, inf=True) is None and opt.stats["skipped_steps"] == 1
+    assert kept.keys() == opt.memory.residuals.keys()
+    for name, e in opt.memory.residuals.items():
+        assert torch.equal(e, kept[name]), name
+    step(model, opt, 2)
+    step(ref, ref_opt, 0)
+    step(ref, ref_opt, 2)  # the run that never saw step 1
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+    opt.close()
+    ref_opt.close()
+
+
 def test_nonfinite_must_be_a_known_mode():
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match="nonfinite"):
