@@ -48,8 +48,6 @@ CALLS = 3  # calls per row in the counted pass
 COUNTED_ELSEWHERE = frozenset({"ifb", "vxlan", "geneve", "gre", "gretap", "ip6gre", "ip6gretap", "erspan",
                                "ip6erspan", "ipip", "sit", "ip6tnl", "vti", "vti6", "xfrm", "wireguard", "tun",
                                "bareudp"})
-# ip reports a tap (a container's only uplink under slirp4netns or pasta) as kind "tun" too: counted.
-_TAP = "tap"
 
 
 def stacked(links: list[dict]) -> set[str]:
@@ -64,10 +62,10 @@ def stacked(links: list[dict]) -> set[str]:
     for link in links:
         info = link.get("linkinfo") or {}
         kind = info.get("info_kind")
-        if kind == "tun" and (info.get("info_data") or {}).get("type") == _TAP:
-            kind = _TAP
+        # ip reports a tap (a container's only uplink under slirp4netns or pasta) as kind "tun" too: counted
+        tap = kind == "tun" and (info.get("info_data") or {}).get("type") == "tap"
         on_lower = link.get("link") is not None and "link_netnsid" not in link and kind != "veth"
-        if link["ifname"] in masters or on_lower or kind in COUNTED_ELSEWHERE:
+        if link["ifname"] in masters or on_lower or (kind in COUNTED_ELSEWHERE and not tap):
             out.add(link["ifname"])
     return out
 

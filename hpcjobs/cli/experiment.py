@@ -65,11 +65,9 @@ def run(args) -> int:
     with usage():
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "optimizer": "sgd", "base_batch": base})
         template.validate()
-        from ..training.data import load_dataset
+        from ..training.data import load_dataset_of
 
-        train_size = len(load_dataset(template.dataset, comm=comm, data_dir=template.data_dir,
-                                      num_samples=template.num_samples, seed=template.data_seed,
-                                      seq_len=template.seq_len).train)
+        train_size = len(load_dataset_of(template, comm).train)
     if max(batches) > train_size:  # before the grid: steps_per_epoch would refuse it after the smaller batches ran
         raise UsageError(f"--max-batch {max(batches)} is larger than the {train_size} training samples: lower it or "
                          "give more --num-samples")

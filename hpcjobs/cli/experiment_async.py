@@ -79,18 +79,17 @@ def run(args) -> int:
             cfg.validate()
         # the averaging rows' periods and rates on the W workers, before any row runs (run_rows runs them on
         # the workers alone: one refusing there would leave rank 0 waiting)
-        from ..training.averaging import check_periods
-        from ..training.data import load_dataset, steps_per_epoch
+        from ..training.averaging import PeriodError, check_periods
+        from ..training.data import load_dataset_of, steps_per_epoch
 
-        ds = load_dataset(template.dataset, comm=comm, data_dir=template.data_dir, num_samples=template.num_samples,
-                          seed=template.data_seed, seq_len=template.seq_len)
+        ds = load_dataset_of(template, comm)
         for name, cfg in checked:
             if cfg.mode != "async" and cfg.easgd_form != "async":
                 try:
                     check_periods(cfg, workers, steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers))
-                except ValueError as e:
-                    raise UsageError(f"row {name!r}: {str(e).split('; ')[0]}; train longer (--epochs, "
-                                     "--num-samples) or leave the row out (--rows)") from None
+                except PeriodError as e:  # (a row's own rate is not a flag here: the remedy is the row's)
+                    longer = "train longer (--epochs, --num-samples) or " if e.too_short else ""
+                    raise UsageError(f"row {name!r}: {e.problem}; {longer}leave the row out (--rows)") from None
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
     print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples} samples), 1 server + {workers} "

@@ -100,7 +100,7 @@ def _network(args):
     if args.cost_model:
         from ..perfmodel import costing
 
-        net, node = args._machines
+        net, node = plan_runs.cost_model(args.cost_model)  # (check_flags read it already: it reads)
         if node is None:  # measured inside one node: the network from the flags, if any
             inter = Linear(args.inter_latency * 1e-6, 8e-9 / args.inter_bw, gamma) if args.inter_bw else None
             return Network(args.devices_per_node, costing(net), inter)

@@ -68,9 +68,7 @@ def check_flags(args) -> None:
     """Refuses flags that would be ignored, then fills in the defaults."""
     two_level = False
     if args.cost_model:
-        net, node = plan_runs.cost_model(args.cost_model)
-        two_level = node is not None
-        args._machines = net, node
+        two_level = plan_runs.cost_model(args.cost_model)[1] is not None
     given = [f for f, v in (("--intra-bw", args.intra_bw), ("--intra-latency", args.intra_latency),
                             ("--inter-bw", args.inter_bw), ("--inter-latency", args.inter_latency),
                             ("--reduce-bw", args.reduce_bw)) if v is not None]

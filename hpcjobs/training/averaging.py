@@ -31,6 +31,7 @@ schedule's for b samples (as for the parameter server).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -40,11 +41,11 @@ from mpi4py import MPI
 from . import schedule as sched
 from ..collectives.counting import counted_allreduce
 from .config import TrainConfig
-from .data import load_dataset, rank_batches, steps_per_epoch
+from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
 from .stepping import Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
 
-__all__ = ["check_periods", "train_averaging"]
+__all__ = ["PeriodError", "check_periods", "train_averaging"]
 
 
 def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
@@ -52,8 +53,7 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     returns the per-epoch records (the same list on every rank)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     straggler = Straggler(cfg.straggler, rank, size)
-    ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
-                      seed=cfg.data_seed, seq_len=cfg.seq_len)
+    ds = load_dataset_of(cfg, comm)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * size)
@@ -65,21 +65,32 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     return _Averaging(cfg, comm, ds, model, flat, spe, straggler).run()
 
 
+class PeriodError(ValueError):
+    """A period or rate an averaging mode cannot train with: ``problem``,
+    and ``remedy`` in ``hpcjobs train``'s flags; ``too_short``: the run
+    ends before the period does (a longer run mends it)."""
+
+    def __init__(self, problem: str, remedy: str, too_short: bool):
+        super().__init__(f"{problem}; {remedy}")
+        self.problem, self.remedy, self.too_short = problem, remedy, too_short
+
+
 def check_periods(cfg: TrainConfig, W: int, spe: int) -> None:
-    """ValueError, alike on every rank, for periods and rates the averaging
-    modes cannot train with (``W`` ranks, ``spe`` steps per epoch)."""
+    """:class:`PeriodError`, alike on every rank, for periods and rates the
+    averaging modes cannot train with (``W`` ranks, ``spe`` steps per epoch)."""
     if cfg.mode in ("local", "easgd") and cfg.epochs * spe < cfg.local_steps and not cfg.post_local_epochs:
         what = "average" if cfg.mode == "local" else "elastic move"
-        raise ValueError(f"mode {cfg.mode}: {cfg.epochs} epoch(s) of {spe} steps make no {what} every "
-                         f"{cfg.local_steps} steps; train longer or lower --local-steps")
+        raise PeriodError(f"mode {cfg.mode}: {cfg.epochs} epoch(s) of {spe} steps make no {what} every "
+                          f"{cfg.local_steps} steps", "train longer or lower --local-steps", True)
     if cfg.mode == "easgd":
         # Each move multiplies the gap between the ranks' mean and the center by 1 - (W + 1) a (module
         # docstring): past 2 / (W + 1) it grows at every move (the asynchronous form needs only a < 1).
         alpha, bound = cfg.moving_rate(W), 2 / (W + 1)
         if alpha >= bound:
-            raise ValueError(f"mode easgd with {W} ranks: moving rate {alpha:g} multiplies the gap between the "
-                             f"center and the ranks' mean by {1 - (W + 1) * alpha:.3g} at each move, so it grows; "
-                             f"give --elastic-alpha below 2/(W+1) = {bound:.4g} (default 0.9/W = {0.9 / W:.4g})")
+            raise PeriodError(f"mode easgd with {W} ranks: moving rate {alpha:g} multiplies the gap between the "
+                              f"center and the ranks' mean by {1 - (W + 1) * alpha:.3g} at each move, so it grows",
+                              f"give --elastic-alpha below 2/(W+1) = {bound:.4g} (default 0.9/W = {0.9 / W:.4g})",
+                              False)
 
 
 def _hogwild(cfg, comm, ds, model, spe, straggler) -> list[dict]:
@@ -89,20 +100,29 @@ def _hogwild(cfg, comm, ds, model, spe, straggler) -> list[dict]:
     if not is_single_node(comm):
         raise ValueError("mode hogwild shares the parameters in one node's memory: run every rank on one node")
     n = sum(p.numel() for p in model.parameters())
-    win, ended = allocate_shared(4 * n if comm.Get_rank() == 0 else 0, comm), False  # locked for passive access
-    try:
+    win = allocate_shared(4 * n if comm.Get_rank() == 0 else 0, comm)  # locked for passive access
+    with _free_if_all_ended(comm, lambda: free_window(win)):
         mem, _ = win.Shared_query(0)
         shared = torch.from_numpy(np.frombuffer(mem, dtype=np.float32, count=n))
         flatten(model, into=shared, fill=comm.Get_rank() == 0)
         win.Sync()
         comm.Barrier()
-        history = _Averaging(cfg, comm, ds, model, shared, spe, straggler, win).run()
+        return _Averaging(cfg, comm, ds, model, shared, spe, straggler, win).run()
+
+
+@contextlib.contextmanager
+def _free_if_all_ended(comm, free):
+    """``free()`` -- collective: a window's -- after the block, where it
+    ended without an error or this rank is alone. A rank that failed must
+    not free: it would wait there for ranks going on without it, and the job
+    would never reach its Abort (modes.py)."""
+    ended = False
+    try:
+        yield
         ended = True
-        return history
     finally:
-        del model  # its parameters are views of the window
-        if ended or comm.Get_size() == 1:  # freeing is collective: a rank that failed would wait there for
-            free_window(win)  # ranks going on without it, and the job never reach its Abort (modes.py)
+        if ended or comm.Get_size() == 1:
+            free()
 
 
 class _Averaging:
@@ -135,8 +155,7 @@ class _Averaging:
         cfg, comm = self.cfg, self.comm
         history, step, since, wall = [], 0, 0, 0.0
         comm.Barrier()
-        ended = False
-        try:
+        with _free_if_all_ended(comm, self.lock.Free if self.lock is not None else lambda: None):
             for epoch in range(cfg.epochs):
                 idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
                 sums, sent, t_epoch = np.zeros(3), 0, time.monotonic()
@@ -153,10 +172,6 @@ class _Averaging:
                 epoch_s = time.monotonic() - t_epoch  # training only, as sync's: the test is not timed
                 history.append(self._record(epoch, step, sums, sent, epoch_s, epoch_s + wall))
                 wall += epoch_s
-            ended = True
-        finally:
-            if self.lock is not None and (ended or self.W == 1):  # collective: as the window's (_hogwild)
-                self.lock.Free()
         return history
 
     def _locked_updates(self) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 
 from . import text
 
-__all__ = ["DATASETS", "Rows", "Split", "Dataset", "load_dataset", "read_idx", "default_cache_dir",
+__all__ = ["DATASETS", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx", "default_cache_dir",
            "rank_batches", "steps_per_epoch", "eval_shard"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
@@ -321,6 +321,13 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
             message = f"on rank {rank}{f' and {len(failed) - 1} other(s)' if len(failed) > 1 else ''}: {message}"
         raise kinds.get(kind, RuntimeError)(message)
     return ds
+
+
+def load_dataset_of(cfg, comm=None) -> Dataset:
+    """:func:`load_dataset` with a :class:`~hpcjobs.training.TrainConfig`'s
+    settings: what every mode and experiment trains on."""
+    return load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
+                        seed=cfg.data_seed, seq_len=cfg.seq_len)
 
 
 def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len: int) -> Dataset:

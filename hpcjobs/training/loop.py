@@ -54,7 +54,7 @@ from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .data import Dataset, load_dataset, rank_batches, steps_per_epoch
+from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
@@ -171,8 +171,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
 def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     """The data, a fresh model (seeded), the wrapped optimizer and the schedule."""
     device = pick_device(cfg.device, comm)  # a missing GPU fails before the data is read
-    ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
-                      seed=cfg.data_seed, seq_len=cfg.seq_len)
+    ds = load_dataset_of(cfg, comm)
     global_batch = cfg.global_batch(comm.Get_size())
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width, batch_norm=cfg.batch_norm,

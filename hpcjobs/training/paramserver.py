@@ -78,7 +78,7 @@ from mpi4py import MPI
 
 from . import schedule as sched
 from .config import TrainConfig
-from .data import Dataset, load_dataset, rank_batches, steps_per_epoch
+from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
 from .stepping import Straggler, compute_step, flatten, grad_vector
 
@@ -193,8 +193,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
         raise ValueError(f"mode {_name(cfg)} needs workers: {size} ranks and {servers} server(s) (the first "
                          f"{servers} ranks serve); run more ranks or fewer --servers")
     workers = size - servers
-    ds = load_dataset(cfg.dataset, comm=comm, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
-                      seed=cfg.data_seed, seq_len=cfg.seq_len)
+    ds = load_dataset_of(cfg, comm)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     flat = flatten(model)
@@ -314,8 +313,7 @@ def reference_fixed_delay(cfg: TrainConfig, workers: int) -> np.ndarray:
     """The parameters ``train_async`` ends with in fixed-delay mode with
     ``workers`` workers, computed in this process: update i is the gradient
     of worker i % W's batch on the parameters of version max(0, i - k)."""
-    ds = load_dataset(cfg.dataset, comm=None, data_dir=cfg.data_dir, num_samples=cfg.num_samples,
-                      seed=cfg.data_seed)
+    ds = load_dataset_of(cfg)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     flat = flatten(model).numpy()
