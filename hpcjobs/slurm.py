@@ -53,6 +53,8 @@ TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
 _TIME = re.compile(r"(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})")
 _SBATCH = re.compile(r"^#SBATCH --(?P<key>[a-z-]+)=(?P<value>\S+)(?P<rest>.*)$")
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.-]+(?:[&|,][A-Za-z0-9_.-]+)*")
+_MEM = re.compile(r"\d+[KMGT]?")
 
 
 def template_dir() -> Path:
@@ -107,6 +109,11 @@ class RenderOptions:
     job_name: str | None = None
     partition: str | None = None
     account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    gpu_type: str | None = None
     cpu: bool = False
     job_args: tuple[str, ...] = ()
 
@@ -126,6 +133,25 @@ class RenderOptions:
             _name("--partition", self.partition, listed=True)
         if self.account is not None:
             _name("--account", self.account)
+        if self.qos is not None:
+            _name("--qos", self.qos)
+        if self.gpu_type is not None:
+            _name("--gpu-type", self.gpu_type)
+        if self.constraint is not None and not _CONSTRAINT.fullmatch(self.constraint):
+            raise ValueError(f"--constraint {self.constraint!r}: node features (letters, digits, '_', '.', '-') "
+                             "joined by & (and), | (or) or , -- e.g. a100&ib")
+        if self.mem is not None and not _MEM.fullmatch(self.mem):
+            raise ValueError(f"--mem {self.mem!r}: memory per node as a number with K, M, G or T (M without one); "
+                             "0 asks for all of each node's memory")
+
+    def site_lines(self) -> list[str]:
+        """The #SBATCH lines of the site's choices, commented, after the job name."""
+        lines = [(f"partition={self.partition}", "partition"), (f"account={self.account}", "account charged"),
+                 (f"qos={self.qos}", "quality of service"), (f"constraint={self.constraint}", "node features"),
+                 (f"mem={self.mem}", "memory per node, 0: all"), ("exclusive", "no other job on the nodes")]
+        given = (self.partition, self.account, self.qos, self.constraint, self.mem, self.exclusive or None)
+        return [f"#SBATCH --{line}".ljust(40) + f" # {what} (render --{line.split('=')[0]})"
+                for (line, what), value in zip(lines, given) if value is not None]
 
 
 def job_commands(template: str) -> list[tuple[str, ...]]:
@@ -164,6 +190,9 @@ def render(template: str, opts: RenderOptions) -> str:
     cpu = opts.cpu or opts.gpus_per_node == 0
     if opts.cpu and opts.gpus_per_node:
         raise ValueError(f"--cpu asks for no GPUs: leave out --gpus-per-node {opts.gpus_per_node}")
+    if cpu and opts.gpu_type:
+        raise ValueError(f"--gpu-type {opts.gpu_type}: CPU mode asks for no GPUs (leave out --cpu or "
+                         "--gpus-per-node 0)")
     if not cpu:  # one rank drives one GPU (runtime.bind_gpu): the one given sets the other
         tasks, gpus = opts.ntasks_per_node, opts.gpus_per_node
         if tasks is not None and gpus is not None and tasks != gpus:
@@ -178,6 +207,9 @@ def render(template: str, opts: RenderOptions) -> str:
             seen.add(key)
             if key == "gpus-per-node" and cpu:
                 continue  # CPU mode: ask for no GPUs
+            if key == "gpus-per-node" and opts.gpu_type:  # typed GRES: TYPE:COUNT (the template's count)
+                count = values.get(key) if values.get(key) is not None else m.group("value").split(":")[-1]
+                values[key] = f"{opts.gpu_type}:{count}"
             if values.get(key) is not None:
                 head, rest = f"#SBATCH --{key}={values[key]}", m.group("rest")
                 comment = rest.lstrip()
@@ -186,10 +218,7 @@ def render(template: str, opts: RenderOptions) -> str:
                 line = (head.ljust(width - 1) + " " + comment) if comment else head
             out.append(line)
             if key == "job-name":
-                if opts.partition:
-                    out.append(f"#SBATCH --partition={opts.partition}".ljust(40) + " # partition (render --partition)")
-                if opts.account:
-                    out.append(f"#SBATCH --account={opts.account}".ljust(40) + " # account charged (render --account)")
+                out += opts.site_lines()
             continue
         if line.strip() == "JOB_ARGS=()":
             seen.add("JOB_ARGS")

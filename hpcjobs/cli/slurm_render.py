@@ -26,6 +26,11 @@ def configure(p) -> None:
     p.add_argument("--partition", "-p",
                    help="partition, or several separated by commas (else sbatch's default or SBATCH_PARTITION)")
     p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
+    p.add_argument("--qos", "-q", help="quality of service (else sbatch's default or SBATCH_QOS)")
+    p.add_argument("--constraint", "-C", help="node features, joined by & or | (e.g. a100&ib)")
+    p.add_argument("--mem", help="memory per node, e.g. 200G (0: all of it; else the site's default)")
+    p.add_argument("--exclusive", action="store_true", help="no other job on the job's nodes")
+    p.add_argument("--gpu-type", help="ask for GPUs of this type (--gpus-per-node=TYPE:N), e.g. a100")
     p.add_argument("--cpu", action="store_true", help="CPU mode: no GPU request, HPCJOBS_CPU=1 by default")
     p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"
 
@@ -53,7 +58,8 @@ def script(args) -> str:
     arguments checked, the values filled in (usage errors for bad ones)."""
     opts = RenderOptions(nodes=args.nodes, ntasks_per_node=args.ntasks_per_node, gpus_per_node=args.gpus_per_node,
                          cpus_per_task=args.cpus_per_task, time=args.time, job_name=args.job_name,
-                         partition=args.partition, account=args.account, cpu=args.cpu,
+                         partition=args.partition, account=args.account, qos=args.qos, constraint=args.constraint,
+                         mem=args.mem, exclusive=args.exclusive, gpu_type=args.gpu_type, cpu=args.cpu,
                          job_args=tuple(args.passthrough))
     with usage():
         template = template_path(args.template).read_text()

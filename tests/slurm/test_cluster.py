@@ -257,6 +257,23 @@ def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
     assert "float32" in (tmp_path / f"test-wait-{job_id}.out").read_text()
 
 
+@pytest.mark.parametrize("mem,ok", [("500M", True), ("4000M", False)])  # the emulated nodes have 2000 MB
+def test_slurm_takes_the_sites_choices_as_rendered(cluster, tmp_path, mem, ok):
+    """sbatch --test-only reads the rendered #SBATCH lines as a submission
+    would, and schedules nothing: --exclusive and --mem are taken, and a
+    --mem no node has is refused by Slurm itself (so the line is read)."""
+    script = tmp_path / "site.sbatch"
+    script.write_text(render(template_path("allreduce").read_text(),
+                             RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True,
+                                           partition="debug", mem=mem, exclusive=True)))
+    proc = subprocess.run([*cluster, "sbatch", "--test-only", str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env=_slurm_env(), timeout=60)
+    if ok:
+        assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode != 0 and "node configuration is not available" in proc.stderr, proc.stderr
+
+
 def test_allreduce_template_launched_with_mpirun(jobs):
     r = jobs["mpirun"]
     # Under mpirun every rank inherits the batch shell's SLURM_NODEID (0):

@@ -73,6 +73,10 @@ def test_job_args_survive_the_shell_exactly(tmp_path):
     (dict(partition="gpu,,long"), "--partition"),
     (dict(ntasks_per_node=8, gpus_per_node=4), "each rank drives one GPU, so give them equal"),
     (dict(cpu=True, gpus_per_node=4), "--cpu asks for no GPUs"),
+    (dict(mem="10GB"), "--mem '10GB'"), (dict(mem="-1"), "--mem"), (dict(constraint="a100 ib"), "--constraint"),
+    (dict(constraint="a100&&ib"), "--constraint"), (dict(qos="hi gh"), "--qos"),
+    (dict(gpu_type="a100:2"), "--gpu-type"),
+    (dict(cpu=True, gpu_type="a100"), "CPU mode asks for no GPUs"),
 ])
 def test_bad_values_are_refused(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
@@ -85,6 +89,23 @@ def test_bad_values_are_refused(kwargs, words):
 def test_ranks_and_gpus_per_node_follow_each_other(kwargs, tasks, gpus):
     text = render(template_path("train").read_text(), RenderOptions(**kwargs))
     assert f"#SBATCH --ntasks-per-node={tasks} " in text and f"#SBATCH --gpus-per-node={gpus} " in text
+
+
+@pytest.mark.parametrize("kwargs,gpus", [(dict(gpu_type="a100"), "a100:4"),
+                                         (dict(gpu_type="h100", ntasks_per_node=8), "h100:8")])
+def test_a_gpu_type_asks_for_typed_gpus(kwargs, gpus):
+    text = render(template_path("train").read_text(), RenderOptions(**kwargs))
+    assert f"#SBATCH --gpus-per-node={gpus} " in text
+
+
+def test_the_sites_choices_are_rendered_after_the_job_name():
+    text = render(template_path("allreduce").read_text(),
+                  RenderOptions(partition="gpu", qos="high", constraint="a100&ib", mem="0", exclusive=True))
+    lines = [line.split()[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    at = lines.index("--job-name=hpcjobs-allreduce")
+    assert lines[at + 1:at + 6] == ["--partition=gpu", "--qos=high", "--constraint=a100&ib", "--mem=0", "--exclusive"]
+    plain = render(template_path("allreduce").read_text(), RenderOptions())
+    assert not any(f"--{k}" in plain for k in ("partition", "qos", "constraint", "mem", "exclusive"))
 
 
 def test_a_list_of_partitions_is_passed_on():
