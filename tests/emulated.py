@@ -8,6 +8,7 @@ tests that need it skip with the script's reason, unless
 HPCJOBS_REQUIRE_CLUSTER=1 (CI sets it), which turns the skip into a failure.
 """
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -22,6 +23,10 @@ from launch import clean_env, launch_env, run
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "emulated_cluster.sh"
 HOSTS = 3
+# One emulated cluster per machine (its names and /run/hpcjobs-emu are fixed): a test session holds this
+# lock from bringing it up to taking it down, and a second session is refused instead of tearing the
+# first one's hosts down under it.
+LOCK = Path("/run/hpcjobs-emu.lock")
 
 
 def _env(extra=None):
@@ -31,8 +36,8 @@ def _env(extra=None):
 class Cluster:
     """A running emulated cluster of ``hosts`` hosts, h1..hN."""
 
-    def __init__(self, hosts: int):
-        self.hosts = hosts
+    def __init__(self, hosts: int, lock_fd: int | None = None):
+        self.hosts, self.lock_fd = hosts, lock_fd
 
     def script(self, *args, timeout=120, check=True, env=None):
         proc = subprocess.run([str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout,
@@ -105,19 +110,46 @@ class Cluster:
 
     def down(self):
         self.script("down", check=False)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # (releases the lock)
+            self.lock_fd = None
+
+
+def _lock() -> tuple[int | None, str | None]:
+    """:data:`LOCK`, held: (its descriptor, None); (None, why) where another
+    session holds it. Where it cannot be opened (not root) nothing is locked:
+    the cluster cannot be brought up there either, and the script says why."""
+    try:
+        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return None, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        return None, (f"another test session (pid {holder}) is using the emulated cluster ({LOCK}); there is one "
+                      "per machine: wait for that session to end")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd, None
 
 
 def start(hosts: int = HOSTS) -> Cluster:
     """Bring the cluster up, or skip (fail where HPCJOBS_REQUIRE_CLUSTER=1) with the reason."""
     required = os.environ.get("HPCJOBS_REQUIRE_CLUSTER") == "1"
-    reason = None
+    reason, fd = None, None
     if not sys.platform.startswith("linux"):
         reason = "network namespaces are Linux-only"
     else:
+        fd, reason = _lock()
+    if reason is None and sys.platform.startswith("linux"):
         proc = subprocess.run([str(SCRIPT), "up", "--hosts", str(hosts)], capture_output=True, text=True,
                               timeout=120, env=_env())
         if proc.returncode != 0:
             reason = f"scripts/emulated_cluster.sh up failed: {(proc.stderr or proc.stdout).strip()[-500:]}"
     if reason:
+        if fd is not None:
+            os.close(fd)
         (pytest.fail if required else pytest.skip)(reason)
-    return Cluster(hosts)
+    return Cluster(hosts, fd)

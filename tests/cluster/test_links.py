@@ -90,3 +90,15 @@ def test_open_mpi_settings_set_where_mpirun_runs_reach_every_host(emulated_clust
     default = emulated_cluster.mpirun("h1:1,h2:1", 2, "python", probe, "2")
     assert default.returncode == 0, default.stdout + default.stderr
     assert "h1 0 waited for the receive" in default.stdout, default.stdout + default.stderr
+
+
+def test_a_second_session_is_refused_the_cluster_while_this_one_holds_it(emulated_cluster):
+    """One emulated cluster per machine: a second test session (a second
+    scripts/test.sh) used to bring the hosts up again, and take them down,
+    under the first one's tests."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "import emulated; fd, why = emulated._lock(); print(fd, why)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tests,
+                         env=dict(os.environ, PYTHONPATH=tests), timeout=60)
+    assert out.stdout.startswith("None another test session (pid "), out.stdout + out.stderr
+    assert f"(pid {os.getpid()}) is using the emulated cluster (/run/hpcjobs-emu.lock)" in out.stdout
