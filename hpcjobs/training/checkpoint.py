@@ -1,7 +1,7 @@
 """Checkpoints that a killed job resumes from, to the same parameters.
 
 A checkpoint holds, besides rank 0's model and optimizer, every rank's own
-state: its torch RNG, its buffers (BatchNorm statistics are per rank until
+state: its torch RNG (and, on a GPU, its device's), its buffers (BatchNorm statistics are per rank until
 the epoch ends), its error-feedback residuals, and mid-epoch its share of the
 epoch's loss and accuracy sums, counters and elapsed time -- so the resumed
 run ends with the same parameters and the same epoch metrics as one never
@@ -122,6 +122,9 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
         return
     mine = {"torch_rng": torch.get_rng_state(),
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
+    on = next(model.parameters()).device
+    if on.type == "cuda":  # the device's own generator: QSGD's rounding, dropout on the GPU
+        mine["cuda_rng"] = torch.cuda.get_rng_state(on)
     if partial is not None:
         mine["partial"] = partial
     if opt.compression is not None:  # error-feedback residuals differ by rank

@@ -241,6 +241,8 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
         _to_device(run)
     except torch.cuda.OutOfMemoryError as e:  # on some ranks only: the others would wait in what follows
         raise _out_of_memory(run, e, end_job=True) from e
+    if "cuda_rng" in mine and run.device.type == "cuda":  # (a GPU run's, resumed on a GPU)
+        torch.cuda.set_rng_state(mine["cuda_rng"], run.device)
     run.opt = DistributedOptimizer(run.inner, run.model.named_parameters(), comm=user_comm, algorithm=cfg.algorithm,
                                    compression=make_compressor(cfg.compression, seed=cfg.seed),
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
