@@ -23,15 +23,16 @@ turn every later gradient into NaN. Before 2026-11-28 each rank decided from
 its own tensor: a rank whose own inf went unsent kept its old residual and
 sent it again, and ranks without an overflow lost what they had sent in a
 step the others' overflow then skipped.
-An optimizer steps on all its tensors or none: one tensor's overflow skips
-the step for the others too (``nonfinite="skip"``, fp16's GradScaler).
-With ``per_step=True`` (what :class:`~hpcjobs.training.DistributedOptimizer`
-uses) :meth:`update` holds the new residuals back until :meth:`commit`, at
-the end of the step's reductions, keeps them all where every tensor's average
-was finite and drops them all where one was not. Per tensor (the default,
-for a lone :func:`~hpcjobs.compression.compressed_allreduce`), a finite
-tensor's residual was updated in a step that another's overflow skipped,
-and what it had sent that step was lost.
+Where an optimizer skips a whole step on one tensor's overflow
+(``nonfinite="skip"``, fp16's GradScaler), the other tensors' steps are
+skipped too. With ``per_step=True`` (what
+:class:`~hpcjobs.training.DistributedOptimizer` uses) :meth:`update` holds
+the new residuals back until :meth:`commit` at the end of the step's
+reductions, which, told the step is all or none, keeps them all where every
+tensor's average was finite and none where one was not (each tensor's own
+average decides otherwise). Per tensor alone, a finite tensor's residual was
+updated in a step that another's overflow skipped, and what it had sent that
+step was lost.
 Residuals of gradients scaled by a loss scale are in its units: when the
 scale changes, :meth:`rescale` them by new / old.
 """
@@ -74,15 +75,16 @@ class ErrorFeedback:
             return
         self.residuals[name] = (compensated - decompressed).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
-    def commit(self) -> bool:
-        """End a step (``per_step``): keep every residual :meth:`update` held
-        back if every tensor's average was finite, else drop them all and
-        keep the old ones. Returns whether the step counted (True with
-        nothing held)."""
+    def commit(self, all_or_none: bool) -> bool:
+        """End a step (``per_step``): keep the residuals :meth:`update` held
+        back, each where its tensor's average was finite, or, ``all_or_none``
+        (the optimizer skips the whole step on one overflow), all of them
+        where every average was finite and none otherwise. Returns whether
+        every average was finite (True with nothing held)."""
         pending, self.pending = self.pending, {}
         counted = all(applied for _, applied in pending.values())
-        if counted:
-            for name, (e, _) in pending.items():
+        for name, (e, applied) in pending.items():
+            if applied and (counted or not all_or_none):
                 self.residuals[name] = e.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return counted
 

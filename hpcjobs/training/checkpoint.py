@@ -134,7 +134,10 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
         save_checkpoint(cfg.checkpoint, {
             "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
             "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
-            "scaler": scaler.state_dict() if scaler is not None else None})
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            # where the metrics file ended: lines after it are written again on resume (_trim_metrics)
+            "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,
+        })
 
 
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:
@@ -156,10 +159,10 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-            _warn_schedule_changes(cfg, old, defaults)
             if len(state["ranks"]) != comm.Get_size():
                 raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
                                       f"this run has {comm.Get_size()}")
+            _warn_schedule_changes(cfg, old, defaults)
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
         except FileNotFoundError:
@@ -177,8 +180,8 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
     if scaler is not None and scaled:
         scaler.load_state_dict(scaled)
     if comm.Get_rank() == 0:
-        if cfg.metrics:
-            _trim_metrics(cfg.metrics, epoch)
+        if cfg.metrics and state["config"].get("metrics") == cfg.metrics and state.get("metrics_bytes") is not None:
+            _trim_metrics(cfg.metrics, state["metrics_bytes"], epoch)
         if not cfg.quiet:
             where = f", step {step} of epoch {epoch + 1}" if step else ""
             print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
@@ -186,37 +189,46 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
 
 
 def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
-    """Say on stderr which of :data:`_SCHEDULE_KEYS` the resumed run changed."""
+    """Say on stderr which of :data:`_SCHEDULE_KEYS` the resumed run changed
+    (those either run's schedule uses: ``gamma`` and ``milestones`` with step
+    decay, ``final_lr`` and ``epochs`` with cosine, ``warmup_epochs`` with a
+    warmup)."""
     new = _config_dict(cfg)
-    changed = [k for k in _SCHEDULE_KEYS if old.get(k, defaults[k]) != new[k]
-               and (k != "epochs" or cfg.decay == "cosine")]
+    decays = {old.get("decay", defaults["decay"]), cfg.decay}
+    unused = {"gamma": "step" not in decays, "milestones": "step" not in decays, "final_lr": "cosine" not in decays,
+              "epochs": "cosine" not in decays,
+              "warmup_epochs": {old.get("warmup", defaults["warmup"]), cfg.warmup} == {"none"}}
+    changed = [k for k in _SCHEDULE_KEYS if old.get(k, defaults[k]) != new[k] and not unused.get(k, False)]
     if changed:
         print(f"hpcjobs: warning: resuming {cfg.checkpoint} with another schedule ("
               + ", ".join(f"{k} {old.get(k, defaults[k])!r} -> {new[k]!r}" for k in changed)
               + "): the resumed run is not the run that was saved", file=sys.stderr, flush=True)
 
 
-def _trim_metrics(path: str, epoch: int) -> None:
-    """Drop the lines at the end of the metrics file ``path`` for epochs
-    after ``epoch``, the checkpoint's: a run killed between an epoch's line
-    and its checkpoint wrote a line that the resumed run writes again. The
-    lines before, an earlier run's among them, stay."""
+def _trim_metrics(path: str, size: int, epoch: int) -> None:
+    """Cut the metrics file ``path`` back to ``size`` bytes, where it ended
+    when the checkpoint (after ``epoch`` epochs) was written: a run killed
+    between an epoch's line and its checkpoint wrote a line that the resumed
+    run writes again. Only where what follows is this run's lines of later
+    epochs; anything else (the file replaced, another writer) is left, and
+    said."""
     try:
-        lines = Path(path).read_text().splitlines(keepends=True)
-    except FileNotFoundError:
+        with open(path, "rb") as f:
+            f.seek(size)
+            tail = f.read()
+    except OSError:
         return
-    keep = len(lines)
-    while keep:
-        try:
-            record = json.loads(lines[keep - 1])
-        except ValueError:
-            break
-        if not isinstance(record, dict) or not isinstance(record.get("epoch"), int) or record["epoch"] <= epoch:
-            break
-        keep -= 1
-    if keep < len(lines):
-        tmp = Path(path).with_name(f".{Path(path).name}.tmp{os.getpid()}")
-        tmp.write_text("".join(lines[:keep]))
-        os.replace(tmp, path)
-        print(f"# train: dropped {len(lines) - keep} line(s) after epoch {epoch} from {path}: the checkpoint is "
-              "from before them, and they are written again", file=sys.stderr, flush=True)
+    if not tail:
+        return
+    try:
+        records = [json.loads(line) for line in tail.decode().splitlines()]
+        ours = all(isinstance(r, dict) and isinstance(r.get("epoch"), int) and r["epoch"] > epoch for r in records)
+    except ValueError:
+        ours = False
+    if not ours:
+        print(f"hpcjobs: warning: {path} holds more than this run had written when its checkpoint was (after "
+              f"epoch {epoch}), and not only its later epochs: left as it is", file=sys.stderr, flush=True)
+        return
+    os.truncate(path, size)
+    print(f"# train: dropped {len(records)} line(s) after epoch {epoch} from {path}: written after the checkpoint, "
+          "and written again now", file=sys.stderr, flush=True)

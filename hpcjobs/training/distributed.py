@@ -38,9 +38,10 @@ Compression (``compression=``, any :mod:`hpcjobs.compression` compressor) sends 
 :func:`~hpcjobs.compression.compressed_allreduce`. The casts (fp16, bf16) compress fused buckets whole; the
 others need one tensor at a time (top-k per layer, PowerSGD's matrices), so with them every parameter is its own
 bucket. ``error_feedback=True`` keeps each bucket's residual (:class:`~hpcjobs.compression.ErrorFeedback`, by
-parameter name), all of them updated at the end of a step's reductions or, where one bucket's average is not
-finite (a step ``nonfinite="skip"`` or fp16's scaler skips), none; :meth:`DistributedOptimizer.compression_state_dict`
-carries the residuals, the compressor's state and the step count into checkpoints.
+parameter name), updated at the end of a step's reductions; where the step is skipped whole on one bucket's
+overflow (``nonfinite="skip"``, or ``skips_whole_steps = True`` under a loss scaler) none is, and every
+residual stays as it was. :meth:`DistributedOptimizer.compression_state_dict` carries the residuals, the
+compressor's state and the step count into checkpoints.
 
 BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
@@ -156,6 +157,10 @@ class DistributedOptimizer(OptimizerState):
         self.grad_scale, self._sq_step = 1.0, [0.0, 0.0]
         self.compression = compression
         self.memory = ErrorFeedback(per_step=True) if error_feedback else None
+        # Whether a step whose average is not finite somewhere is skipped whole: nonfinite="skip" here, or a
+        # loss scaler's step (the caller says so, as loop.py does for fp16). Error feedback then keeps every
+        # bucket's residual of that step or none; else each bucket's own average decides.
+        self.skips_whole_steps = nonfinite == "skip"
         self._fused = compression is None or compression.fusable
         self._counted = compression is not None or algorithm in MESSAGE_ALGORITHMS
         self.fusion_bytes = int(fusion_bytes)
@@ -313,8 +318,8 @@ class DistributedOptimizer(OptimizerState):
             if self.memory is not None:
                 self.memory.discard()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
-        if self.memory is not None:  # the step counts for every bucket's residual, or for none
-            self.memory.commit()
+        if self.memory is not None:  # a step skipped as a whole counts for no bucket's residual
+            self.memory.commit(self.skips_whole_steps)
         for bucket in self._buckets:
             bucket.unpack()
         self._synced = True

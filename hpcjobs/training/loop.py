@@ -248,6 +248,7 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
                                    error_feedback=cfg.error_feedback, fusion_bytes=cfg.fusion_bytes,
                                    backward_passes_per_step=cfg.backward_passes_per_step, overlap=cfg.overlap,
                                    nonfinite=cfg.nonfinite, noise_scale=cfg.noise_scale)
+    run.opt.skips_whole_steps |= run.scaler is not None  # fp16's scaler skips a step with an inf anywhere
     if "compression" in mine:  # this rank's residuals, step count, PowerSGD's Q (read on the CPU)
         run.opt.load_compression_state_dict(_moved(mine["compression"], run.device))
     if run.rank == 0 and not cfg.quiet and run.start_epoch == 0:

@@ -394,11 +394,20 @@ def test_a_skipped_step_leaves_every_buckets_residual_as_it_was():
         assert torch.equal(e, kept[name]), name
     step(model, opt, 2)
     step(ref, ref_opt, 0)
-    step(ref, ref_opt, 2)  # the run that never saw step 1
+    step(ref, ref_opt, 2)  # the run that never saw step 1 (top-k's choice does not depend on the step count)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(p, q), name
     opt.close()
     ref_opt.close()
+    # nonfinite="ignore" steps anyway: the finite buckets' residuals follow what they sent, the other's stays
+    ignoring = DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1), ref.named_parameters(), comm=comm,
+                                    compression=TopKCompressor(0.3), error_feedback=True, overlap="none")
+    step(ref, ignoring, 0)
+    kept = {k: v.clone() for k, v in ignoring.memory.residuals.items()}
+    step(ref, ignoring, 1, inf=True)
+    changed = {name for name, e in ignoring.memory.residuals.items() if not torch.equal(e, kept[name])}
+    assert changed == set(kept) - {"2.weight"}, changed
+    ignoring.close()
 
 
 def test_nonfinite_must_be_a_known_mode():
