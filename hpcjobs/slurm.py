@@ -54,7 +54,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailin
 _TIME = re.compile(r"(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})")
 _SBATCH = re.compile(r"^#SBATCH --(?P<key>[a-z-]+)=(?P<value>\S+)(?P<rest>.*)$")
 _CONSTRAINT = re.compile(r"[A-Za-z0-9_.-]+(?:[&|,][A-Za-z0-9_.-]+)*")
-_MEM = re.compile(r"\d+[KMGT]?")
+_MEM = re.compile(r"\d+[KMGTkmgt]?")
 
 
 def template_dir() -> Path:

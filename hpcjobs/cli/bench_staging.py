@@ -81,10 +81,11 @@ def run(args) -> int:
         runs[f"staged/{format_bytes(c)}"] = waited(
             lambda c=c: staged.allreduce(DeviceFlat(t, "float32"), "sum", comm, step, chunk_bytes=c))
 
-    def reset(label):
+    def reset(label):  # every input in place, and a copy's destination holding what no input holds
         t.copy_(mine)
         host.copy_(mine)
         pinned.copy_(mine)
+        {"copy device->host": pinned, "copy host->device": t}.get(label, torch.empty(0)).fill_(-1)
         sync()
 
     def check(label):  # this rank's elements that differ from what the call should leave

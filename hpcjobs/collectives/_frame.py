@@ -182,13 +182,15 @@ def refuse(buf, op: str, comm, name: str, error: BaseException):
 
 def checked(buf, op: str, comm, name: str, check: Callable, *args):
     """``check(*args)`` -- a public collective's check of its own options,
-    which returns them as the step takes them. Where it raises (TypeError,
-    ValueError: a bad option on this rank, which the others may not share)
-    the error is raised on every rank through :func:`refuse`, so the ranks
-    that passed good options do not wait in the call's check for ever."""
+    which returns them as the step takes them. Where it raises (a bad option
+    on this rank, which the others may not share: ``int(inf)``'s
+    OverflowError too) the error is raised, with checks on, on every rank
+    through :func:`refuse`, so the ranks that passed good options do not
+    wait in the call's check for ever; with checks off on this rank alone,
+    as :func:`refuse` says."""
     try:
         return check(*args)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 -- a check's own error, whatever its kind: told to every rank
         refuse(buf, op, comm, name, e)
 
 

@@ -46,9 +46,10 @@ worker what it pushed, and the last epoch's line says both agree
 Failures: a worker silent for ``peer_timeout`` seconds is declared lost
 and the run finishes on the others, naming it (``lost_workers``); this
 needs ``mpirun --enable-recovery`` (else Open MPI ends the job when any
-process dies). Servers send a heartbeat every ``peer_timeout / 4``; a
-rank that hears nothing from a server it waits on for ``peer_timeout``
-seconds exits non-zero saying so. Server 0 also evaluates: at every
+process dies). Servers send a heartbeat every ``peer_timeout / 4``, and
+so do workers while they wait (one server's held pull is not their silence
+to the others); a rank that hears nothing from a server it waits on for
+``peer_timeout`` seconds exits non-zero saying so. Server 0 also evaluates: at every
 epoch's worth of pushes it snapshots the other shards and tests the model.
 
 **Asynchronous EASGD** (``--mode easgd --easgd-form async``; Zhang,

@@ -224,7 +224,11 @@ class Server:
             buf = np.empty(HDR + 4 * (sl.stop - sl.start), np.uint8)
             req = self.comm.Irecv(buf, source=k, tag=TAG_SHARD)
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_SNAP)
-            _await(self.comm, [req], [k], self.cfg.peer_timeout, {k: time.monotonic()})
+            heard = {k: time.monotonic()}
+            _await(self.comm, [req], [k], self.cfg.peer_timeout, heard)
+            for src, at in heard.items():  # the workers' heartbeats it took meanwhile
+                if src >= self.S and src - self.S not in self.lost:
+                    self.heard[src - self.S] = max(self.heard[src - self.S], at)
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
             self.ep.bytes_in += int(buf[:HDR].view(np.float64)[1])
             self.ep.bytes_out += int(buf[:HDR].view(np.float64)[2])

@@ -90,11 +90,15 @@ def test_an_unknown_algorithm_on_one_rank_is_an_error_on_every_rank():
      "ValueError: invalid literal"),
     (lambda buf, bad, comm: shm_allreduce(buf, comm=comm, block_bytes=8 if bad else 4096),
      "block_bytes must be an integer >= 64, got 8"),
+    (lambda buf, bad, comm: ring_allreduce(buf, comm=comm, pipeline=True,
+                                           segment_bytes=float("inf") if bad else 4096),
+     "OverflowError: cannot convert float infinity to integer"),
     (lambda buf, bad, comm: hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, intra="nccl" if bad else "ring"),
      "unknown intra='nccl'"),
     (lambda buf, bad, comm: hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, segment_bytes=1.5 if bad else 0),
      "segment_bytes must be an integer >= 0"),
-], ids=["ring-segment", "reduce-scatter-segment", "shm-block", "hierarchical-intra", "hierarchical-segment"])
+], ids=["ring-segment", "reduce-scatter-segment", "shm-block", "ring-infinite-segment", "hierarchical-intra",
+        "hierarchical-segment"])
 @pytest.mark.mpi(min_size=2)
 def test_a_bad_option_on_one_rank_is_an_error_on_every_rank(call, words):
     """Before, the rank with the bad option raised in its own check of it
