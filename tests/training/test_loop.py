@@ -93,13 +93,20 @@ def test_fp16_with_error_feedback_lives_through_the_scalers_overflows(compressio
     halved enough; those steps are skipped. Their residuals (inf - inf) and
     PowerSGD's warm start must not keep NaN, or every later step is NaN and
     skipped too; and the residuals, kept in the loss scale's units, follow
-    the scale down. The run must learn as it does without the overflows."""
+    the scale down. The run must learn as it does without the overflows:
+    its last loss within 10% of the same run's in float32 (1 to 5 ranks
+    here: within 5%; a run stuck on NaN steps stays at 2.3, 40% above).
+    (It asked for a test accuracy above 0.3 on 120 samples, which the run at
+    4 ranks with PowerSGD met by 3 samples, and missed by none -- 0.30 --
+    once a skipped step kept every bucket's residual.)"""
     comm = MPI.COMM_WORLD
-    history = train(cfg(optimizer="sgd", momentum=0.9, amp="fp16", compression=compression,
-                        error_feedback=True, batch_per_rank=max(1, 16 // comm.Get_size())), comm)
+    kw = dict(optimizer="sgd", momentum=0.9, compression=compression, error_feedback=True,
+              batch_per_rank=max(1, 16 // comm.Get_size()))
+    history = train(cfg(amp="fp16", **kw), comm)
     losses = [h["loss"] for h in history]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
-    assert history[-1]["test_acc"] > 0.3
+    fp32 = train(cfg(**kw), comm)[-1]["loss"]
+    assert losses[-1] == pytest.approx(fp32, rel=0.1), (losses, fp32)
 
 
 @pytest.mark.mpi(min_size=2)
