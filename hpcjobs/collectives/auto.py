@@ -109,8 +109,13 @@ def remeasure() -> None:
     _last = (None, None)
 
 
+def _tuning_file() -> str | None:
+    """The tuning file in effect: :func:`set_tuning`'s, else ``HPCJOBS_TUNING``'s, else None (built-in)."""
+    return _tuning_path or os.environ.get("HPCJOBS_TUNING") or None
+
+
 def _tuning() -> dict:
-    return load_tuning(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None)
+    return load_tuning(_tuning_file())
 
 
 def table_used(comm: MPI.Comm | None = None) -> str:
@@ -119,7 +124,7 @@ def table_used(comm: MPI.Comm | None = None) -> str:
     [2, 2], link 0.98 Gbit/s (tuned 4 ranks on 2 nodes [2, 2])"."""
     comm = private(comm)
     topo = detect_private(comm)
-    path = _tuning_path or os.environ.get("HPCJOBS_TUNING") or None
+    path = _tuning_file()
     t = _pick_table(_tuning(), comm.Get_size(), topo.num_nodes, topo.local_sizes, topo.source == "override")
     shape = f"{t['ranks']} ranks on {t['nodes']} node(s)" + (f" {list(t['local_sizes'])}" if t.get("local_sizes")
                                                             else "")
@@ -130,8 +135,7 @@ def table_used(comm: MPI.Comm | None = None) -> str:
 
 def _warn_layout(topo, ranks: int) -> None:
     try:  # (a table this rank cannot read is refused on every rank by the step's check)
-        warn_other_layout(_tuning_path or os.environ.get("HPCJOBS_TUNING") or None, _tuning(), ranks,
-                          topo.num_nodes, topo.local_sizes, topo.source == "override")
+        warn_other_layout(_tuning_file(), _tuning(), ranks, topo.num_nodes, topo.local_sizes, topo.source == "override")
     except ValueError:
         pass
 

@@ -71,7 +71,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -256,18 +256,19 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
 
 class Beats:
     """Heartbeats (TAG_ALIVE) from a rank that waits or serves, at most one
-    to each destination every ``period`` seconds."""
+    to each of ``dests()`` every ``period`` seconds (asked only when due:
+    a server calls this on every turn of its loop)."""
 
-    def __init__(self, comm: MPI.Intracomm, period: float):
-        self.comm, self.period = comm, period
+    def __init__(self, comm: MPI.Intracomm, period: float, dests: Callable[[], Iterable[int]]):
+        self.comm, self.period, self.dests = comm, period, dests
         self.buf, self.reqs, self.next = np.zeros(8), [], 0.0
 
-    def __call__(self, now: float, dests) -> None:
+    def __call__(self, now: float) -> None:
         if now < self.next:
             return
         self.next = now + self.period
         self.reqs = [r for r in self.reqs if not r.Test()]
-        self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in dests]
+        self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in self.dests()]
 
 
 def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict,

@@ -44,7 +44,9 @@ class Server:
         self.last_lr = np.full(self.W, np.nan)  # the rate of each elastic worker's last step (its TAG_DONE)
         self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
         self.stop_mask = None  # server k: the workers server 0 counted done when it said stop
-        self.beats, self.alive_buf = Beats(self.comm, self.cfg.peer_timeout / 4), np.zeros(8)
+        self.alive_buf = np.zeros(8)
+        self._heartbeat = Beats(self.comm, self.cfg.peer_timeout / 4, lambda: [  # the live workers, the servers
+            *(self.S + w for w in range(self.W) if w not in self.lost), *(range(1, self.S) if self.k == 0 else ())])
         self.hold, self.held_until = _hold_of(self.comm.Get_rank()), 0.0
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
@@ -103,8 +105,7 @@ class Server:
         if src == 0 and self.k:
             self.heard0 = time.monotonic()
         if tag == TAG_ALIVE:  # a server's, or a waiting worker's
-            if src >= self.S and src - self.S not in self.lost:
-                self.heard[src - self.S] = time.monotonic()
+            self._heard_worker(src, time.monotonic())
             return
         if tag == TAG_SNAP:
             out = np.empty(HDR + 4 * self.shard.size, np.uint8)
@@ -197,10 +198,10 @@ class Server:
             self.heard[w] = time.monotonic()
         self.deferred = still
 
-    def _heartbeat(self, now: float) -> None:
-        if now >= self.beats.next:
-            self.beats(now, [*(self.S + w for w in range(self.W) if w not in self.lost),
-                             *(range(1, self.S) if self.k == 0 else ())])
+    def _heard_worker(self, src: int, at: float) -> None:
+        """Rank ``src`` was heard at ``at``: a worker not lost is not silent since."""
+        if src >= self.S and src - self.S not in self.lost:
+            self.heard[src - self.S] = max(self.heard[src - self.S], at)
 
     def _find_lost(self, now: float) -> None:
         waiting = {w for w, _, _ in self.deferred}  # silent because this server holds their pull
@@ -227,8 +228,7 @@ class Server:
             heard = {k: time.monotonic()}
             _await(self.comm, [req], [k], self.cfg.peer_timeout, heard)
             for src, at in heard.items():  # the workers' heartbeats it took meanwhile
-                if src >= self.S and src - self.S not in self.lost:
-                    self.heard[src - self.S] = max(self.heard[src - self.S], at)
+                self._heard_worker(src, at)
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
             self.ep.bytes_in += int(buf[:HDR].view(np.float64)[1])
             self.ep.bytes_out += int(buf[:HDR].view(np.float64)[2])

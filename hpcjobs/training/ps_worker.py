@@ -32,8 +32,7 @@ class Worker:
         self.heard = {}
         # While it waits (on one server's held pull, say) it tells every server it lives: the others, which
         # answered, would otherwise count the wait as its silence and find it lost
-        beats = Beats(ctx.comm, ctx.cfg.peer_timeout / 4)
-        self.beat = lambda now: beats(now, range(self.S))
+        self.beat = Beats(ctx.comm, ctx.cfg.peer_timeout / 4, lambda: range(self.S))
         self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
         if ctx.elastic:  # this worker's own SGD between elastic moves
             from .loop import _make_optimizer
