@@ -50,7 +50,8 @@ process dies). Servers send a heartbeat every ``peer_timeout / 4``, and
 so do workers while they wait (one server's held pull is not their silence
 to the others); a rank that hears nothing from a server it waits on for
 ``peer_timeout`` seconds exits non-zero saying so. Server 0 also evaluates: at every
-epoch's worth of pushes it snapshots the other shards and tests the model.
+epoch's worth of pushes it snapshots the other shards and tests the model,
+heartbeating all the while (a test longer than the timeout is not its death).
 
 **Asynchronous EASGD** (``--mode easgd --easgd-form async``; Zhang,
 Choromanska, LeCun 2015, Algorithm 1) runs on the same servers, which then
@@ -92,6 +93,7 @@ FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself afte
 # "RANK:VERSION:SECONDS": server RANK, at that version, answers no pull for SECONDS (it still hears and
 # heartbeats) -- the tests' stand-in for a pull held behind a slow or lost worker, on one server only
 HOLD_ENV = "HPCJOBS_FAULT_HOLD"
+SLOW_TEST_ENV = "HPCJOBS_FAULT_SLOW_TEST"  # "SECONDS": server 0 takes that much longer over each test batch (tests)
 
 
 class PeerLost(RuntimeError):
@@ -296,9 +298,13 @@ def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, he
         time.sleep(IDLE_S)
 
 
-def _recv_object(comm: MPI.Intracomm, source: int, tag: int, timeout: float):
+def _recv_object(comm: MPI.Intracomm, source: int, tag: int, timeout: float,
+                 beat: Callable[[float], None] | None = None):
+    """A pickled object from ``source``, taking its heartbeats and, with ``beat``, sending ours."""
     status, buf, heard = MPI.Status(), np.empty(8), {source: time.monotonic()}
     while not comm.Iprobe(source, tag, status):
+        if beat is not None:
+            beat(time.monotonic())
         if comm.Iprobe(source, TAG_ALIVE, status):
             comm.Recv(buf, source=source, tag=TAG_ALIVE)
             heard[source] = time.monotonic()

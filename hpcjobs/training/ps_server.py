@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .paramserver import (HDR, HOLD_ENV, IDLE_S, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH,
+from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH,
                           TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await, _Ctx, _die_if_told,
                           _recv_object)
 from .stepping import evaluate_local, finish_record, report
@@ -48,6 +48,7 @@ class Server:
         self._heartbeat = Beats(self.comm, self.cfg.peer_timeout / 4, lambda: [  # the live workers, the servers
             *(self.S + w for w in range(self.W) if w not in self.lost), *(range(1, self.S) if self.k == 0 else ())])
         self.hold, self.held_until = _hold_of(self.comm.Get_rank()), 0.0
+        self.slow_test = float(os.environ.get(SLOW_TEST_ENV) or 0) if self.k == 0 else 0.0
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
 
@@ -226,7 +227,7 @@ class Server:
             req = self.comm.Irecv(buf, source=k, tag=TAG_SHARD)
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_SNAP)
             heard = {k: time.monotonic()}
-            _await(self.comm, [req], [k], self.cfg.peer_timeout, heard)
+            _await(self.comm, [req], [k], self.cfg.peer_timeout, heard, beat=self._heartbeat)
             for src, at in heard.items():  # the workers' heartbeats it took meanwhile
                 self._heard_worker(src, at)
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
@@ -236,7 +237,7 @@ class Server:
     def _record(self, epoch: float, show: bool = True) -> None:
         now, ep = time.monotonic(), self.ep  # the times leave out the test (the workers go on meanwhile)
         self._snapshot()
-        test = evaluate_local(self.ctx.model, self.ctx.ds)
+        test = evaluate_local(self.ctx.model, self.ctx.ds, between=self._between_test_batches)
         live = self.W - len(self.lost)
         record = {"epoch": epoch, "step": self.version, "lr": self.ctx.lr(max(0, self.version - 1)),
                   "loss": ep.sums[0] / max(1, ep.sums[2]), "train_acc": ep.sums[1] / max(1, ep.sums[2]),
@@ -252,6 +253,13 @@ class Server:
             report(self.cfg, record)
         self.t0 += time.monotonic() - now  # the test's seconds are not the run's
         self.ep, self.t_epoch = _Epoch(), time.monotonic()
+
+    def _between_test_batches(self) -> None:
+        """A test longer than the peer timeout must not be taken for a dead server 0:
+        the other servers and the workers waiting on it hear from it between batches."""
+        if self.slow_test:
+            time.sleep(self.slow_test)
+        self._heartbeat(time.monotonic())
 
     def _audit(self) -> dict:
         """What this server applied against what the finished workers say they pushed."""
@@ -276,7 +284,7 @@ class Server:
         finished[list(self.done)] = 1
         for k in range(1, self.S):
             self.comm.Send(finished, dest=k, tag=TAG_STOP)
-            audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout))
+            audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout, beat=self._heartbeat))
         if not self.history:  # no push was ever applied: no epoch line to end with. Exits 3, as a lost peer
             # does (MPI_Abort's code is lost under mpirun --enable-recovery: it exited 0)
             raise PeerLost(f"every worker was lost before a push was applied (workers lost: "

@@ -16,6 +16,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -111,9 +112,11 @@ def compute_step(model: torch.nn.Module, ds: Dataset, idx: np.ndarray) -> tuple[
 
 @torch.no_grad()
 def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None = None, amp: str = "none",
-                   device: torch.device = torch.device("cpu")) -> np.ndarray:
+                   device: torch.device = torch.device("cpu"),
+                   between: Callable[[], None] | None = None) -> np.ndarray:
     """(loss sum, right, samples) of ``model`` on the test samples ``idx`` (all when None), in this process;
-    the forward under ``amp``'s autocast on ``device``, where the model is."""
+    the forward under ``amp``'s autocast on ``device``, where the model is. ``between`` is called after each
+    batch of 256 (a parameter server heartbeats there: a long test is not its death)."""
     model.eval()
     idx = np.arange(len(ds.test)) if idx is None else idx
     sums = np.zeros(3)
@@ -123,6 +126,8 @@ def evaluate_local(model: torch.nn.Module, ds: Dataset, idx: np.ndarray | None =
             out = model(torch.from_numpy(x).to(device))
         loss, correct = losses_of(out, torch.from_numpy(y).to(device))
         sums += [float(loss.sum()), correct, len(y)]
+        if between is not None:
+            between()
     model.train()
     return sums
 

@@ -15,11 +15,13 @@ SMALL = ["--model", "mlp", "--width", "4", "--num-samples", "1000", "--lr", "0.0
          "--no-progress"]
 
 
-def _train(n, *args, fault=None, hold=None, timeout=120):
+def _train(n, *args, fault=None, hold=None, slow_test=None, timeout=120):
     exe, *rest = _mpirun_prefix(n)
-    extra = ["--enable-recovery", "-x", "HPCJOBS_FAULT_KILL"] if fault else []
-    extra += ["-x", "HPCJOBS_FAULT_HOLD"] if hold else []
-    variables = {**({"HPCJOBS_FAULT_KILL": fault} if fault else {}), **({"HPCJOBS_FAULT_HOLD": hold} if hold else {})}
+    variables = {name: value for name, value in (("HPCJOBS_FAULT_KILL", fault), ("HPCJOBS_FAULT_HOLD", hold),
+                                                 ("HPCJOBS_FAULT_SLOW_TEST", slow_test)) if value}
+    extra = ["--enable-recovery"] if fault else []
+    for name in variables:
+        extra += ["-x", name]
     with launch_env(variables or None) as env:
         t0 = time.monotonic()
         try:
@@ -81,6 +83,23 @@ def test_a_worker_waiting_on_one_server_is_not_lost_to_another(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "lost" not in out.stdout, out.stdout[-2000:]
     assert seconds >= 30  # the hold happened
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2] and "lost_workers" not in records[-1]
+    found = re.search(r"(\d+) pushes applied, (\d+) reported pushed by the workers that finished", out.stdout)
+    assert found and found[1] == found[2], out.stdout[-2000:]
+
+
+def test_a_test_longer_than_the_peer_timeout_is_not_a_dead_server(tmp_path):
+    """Server 0 tests the model at every epoch: here 3 batches of 4 s more
+    each, 12 s against a 10 s peer timeout, while server 1 and the workers
+    wait on it. It sent nothing meanwhile, and server 1 presumed it lost;
+    it heartbeats between the batches now."""
+    metrics = tmp_path / "m.jsonl"
+    out, seconds = _train(4, *SMALL, "--num-samples", "3000", "--servers", "2", "--epochs", "2",
+                          "--peer-timeout", "10", "--metrics", str(metrics), slow_test="4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "lost" not in out.stdout + out.stderr, out.stdout[-2000:]
+    assert seconds >= 2 * 12  # both tests were slow
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2] and "lost_workers" not in records[-1]
     found = re.search(r"(\d+) pushes applied, (\d+) reported pushed by the workers that finished", out.stdout)
