@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH,
-                          TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await, _Ctx, _die_if_told,
-                          _recv_object)
+from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS,
+                          TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await,
+                          _Ctx, _die_if_told, _recv_object)
 from .stepping import evaluate_local, finish_record, report
 
 __all__ = ["Server"]
