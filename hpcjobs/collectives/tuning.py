@@ -127,18 +127,21 @@ def warn_other_layout(path: str | None, data: dict, ranks: int, nodes: int, loca
                       simulated: bool) -> None:
     """Say once, on stderr, where the tuning file ``path`` has no table for
     this layout and ``auto`` follows the nearest one (tuned for other ranks
-    or nodes, its choices may be wrong here). The built-in table says
+    or nodes, or on nodes simulated on one host for real ones or the other
+    way round: its choices may be wrong here). The built-in table says
     nothing: no one chose it for this layout."""
     table = _pick_table(data, ranks, nodes, local_sizes, simulated)
     tuned = table.get("local_sizes")
-    if path is None or (table["ranks"] == ranks and table["nodes"] == nodes
-                        and (tuned is None or tuple(tuned) == tuple(local_sizes))):
+    same_shape = (table["ranks"] == ranks and table["nodes"] == nodes
+                  and (tuned is None or tuple(tuned) == tuple(local_sizes)))
+    other_kind = "layout" in table and (table["layout"] == "override") != simulated
+    if path is None or (same_shape and not other_kind):
         return
-    key = (path, ranks, nodes, tuple(local_sizes))
-    if key in _warned:
-        return
-    _warned.add(key)
+    kind = {True: " (nodes simulated on one host)", False: " (real nodes)"}
     shape = f"{table['ranks']} ranks on {table['nodes']} node(s)" + (f" {list(tuned)}" if tuned else "")
-    print(f"hpcjobs: warning: tuning table {path} has no table for {ranks} ranks on {nodes} node(s) "
-          f"{list(local_sizes)}; auto follows the one of {shape} (run `hpcjobs tune` on this layout)",
-          file=sys.stderr, flush=True)
+    message = (f"hpcjobs: warning: tuning table {path} has no table for {ranks} ranks on {nodes} node(s) "
+               f"{list(local_sizes)}{kind[simulated] if other_kind else ''}; auto follows the one of {shape}"
+               f"{kind[not simulated] if other_kind else ''} (run `hpcjobs tune` on this layout)")
+    if message not in _warned:  # once per file, layout and table followed
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)

@@ -150,11 +150,25 @@ def test_a_tuning_file_without_this_layouts_table_says_so_once(tmp_path_factory,
                     f"on 1 node(s) [{P + 6}] (run `hpcjobs tune` on this layout)") in err, err
         else:
             assert "warning" not in err
-        other["tables"][0].update(ranks=P, local_sizes=[P])  # this layout's own: nothing to say
+        other["tables"][0].update(ranks=P, local_sizes=[P], layout="shared-memory")  # this layout's own: nothing to say
         path.write_text(json.dumps(other))
         set_tuning(str(path))
         allreduce(np.ones(100), "sum", "auto", comm)
         assert "warning" not in capsys.readouterr().err
+        # the same shape, tuned where --ranks-per-node simulated the nodes on one host: said nothing either
+        other["tables"][0].update(layout="override")
+        path.write_text(json.dumps(other))
+        set_tuning(str(path))
+        for _ in range(2):
+            allreduce(np.ones(100), "sum", "auto", comm)
+        err = capsys.readouterr().err
+        if comm.Get_rank() == 0:
+            assert err.count("warning: tuning table") == 1, err
+            assert (f"{path} has no table for {P} ranks on 1 node(s) [{P}] (real nodes); auto follows the one of "
+                    f"{P} ranks on 1 node(s) [{P}] (nodes simulated on one host) (run `hpcjobs tune` on this "
+                    "layout)") in err, err
+        else:
+            assert "warning" not in err
     finally:
         set_tuning(None)
 
