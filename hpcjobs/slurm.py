@@ -53,8 +53,22 @@ TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
 _TIME = re.compile(r"(?:(?P<days>\d+)-)?(?P<first>\d+)(?P<rest>(?::\d{1,2}){0,2})")
 _SBATCH = re.compile(r"^#SBATCH --(?P<key>[a-z-]+)=(?P<value>\S+)(?P<rest>.*)$")
-_CONSTRAINT = re.compile(r"[A-Za-z0-9_.-]+(?:[&|,][A-Za-z0-9_.-]+)*")
 _MEM = re.compile(r"\d+[KMGTkmgt]?")
+
+
+def _constraint_ok(text: str) -> bool:
+    """Slurm's --constraint grammar: features (each with a node count or
+    not) joined by & (and), | (or) or , ; grouped in parentheses, which may
+    take a count, and in (unnested) brackets: matching or, ``[rack1|rack2]``,
+    and multiple counts, ``[rack1*2&rack2*4]``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.&|,*()\[\]-]+", text) or re.search(r"\[[^\]]*\[", text):
+        return False
+    s = re.sub(r"\*[1-9]\d*", "#", text)  # node counts first: a count's digits are no feature
+    s, before = re.sub(r"[A-Za-z0-9_.-]+#?", "x", s), None
+    while s != before:  # fold "x&x", "(x)", "(x)#" and "[x]" down to one "x"
+        before = s
+        s = re.sub(r"\(x\)#?|\[x\]|x[&|,]x", "x", s)
+    return s == "x"
 
 
 def template_dir() -> Path:
@@ -137,9 +151,10 @@ class RenderOptions:
             _name("--qos", self.qos)
         if self.gpu_type is not None:
             _name("--gpu-type", self.gpu_type)
-        if self.constraint is not None and not _CONSTRAINT.fullmatch(self.constraint):
-            raise ValueError(f"--constraint {self.constraint!r}: node features (letters, digits, '_', '.', '-') "
-                             "joined by & (and), | (or) or , -- e.g. a100&ib")
+        if self.constraint is not None and not _constraint_ok(self.constraint):
+            raise ValueError(f"--constraint {self.constraint!r}: node features (letters, digits, '_', '.', '-'), "
+                             "each with a node count or not (a100*2), joined by & (and), | (or) or , and grouped "
+                             "in ( ) or [ ] -- e.g. a100&ib, [rack1|rack2], [rack1*2&rack2*4]")
         if self.mem is not None and not _MEM.fullmatch(self.mem):
             raise ValueError(f"--mem {self.mem!r}: memory per node as a number with K, M, G or T (M without one); "
                              "0 asks for all of each node's memory")

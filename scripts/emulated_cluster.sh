@@ -357,7 +357,9 @@ slurm_up() {
     {
         slurm_common_conf "$dir" "h1" "$SLURM_PORT" "$NET.1"
         for i in $(seq 1 "$n"); do
-            echo "NodeName=h$i NodeAddr=$NET.$i Port=$((SLURM_PORT + i)) CPUs=$SLURM_CPUS RealMemory=2000 State=UNKNOWN"
+            # node features, for --constraint: h1 and h2 in rack1, h3 and h4 in rack2, ...
+            echo "NodeName=h$i NodeAddr=$NET.$i Port=$((SLURM_PORT + i)) CPUs=$SLURM_CPUS RealMemory=2000" \
+                "Features=emu,rack$(((i + 1) / 2)) State=UNKNOWN"
             mkdir -p "$dir/spool/h$i" "$dir/tmp/h$i"
         done
         echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"

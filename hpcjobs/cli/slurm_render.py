@@ -27,7 +27,8 @@ def configure(p) -> None:
                    help="partition, or several separated by commas (else sbatch's default or SBATCH_PARTITION)")
     p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
     p.add_argument("--qos", "-q", help="quality of service (else sbatch's default or SBATCH_QOS)")
-    p.add_argument("--constraint", "-C", help="node features, joined by & or | (e.g. a100&ib)")
+    p.add_argument("--constraint", "-C", help="node features as Slurm takes them: joined by & or |, with "
+                   "counts and brackets (e.g. a100&ib, [rack1|rack2], [a100*2&h100*2])")
     p.add_argument("--mem", help="memory per node, e.g. 200G (0: all of it; else the site's default)")
     p.add_argument("--exclusive", action="store_true", help="no other job on the job's nodes")
     p.add_argument("--gpu-type", help="ask for GPUs of this type (--gpus-per-node=TYPE:N), e.g. a100")

@@ -274,6 +274,27 @@ def test_slurm_takes_the_sites_choices_as_rendered(cluster, tmp_path, mem, ok):
         assert proc.returncode != 0 and "node configuration is not available" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("constraint,refused", [
+    ("emu", None), ("[rack1|rack2]", None), ("[rack1*1&rack2*1]", None), ("(rack1|rack2)&emu", None),
+    ("rack2&emu", "node configuration is not available"),  # one node in rack2, 2 asked for
+    ("gpu", "Invalid feature specification"),
+])
+def test_slurm_reads_the_rendered_constraint(cluster, tmp_path, constraint, refused):
+    """The emulated nodes have features emu and rack1 (h1, h2) or rack2
+    (h3): Slurm takes brackets, counts and parentheses as rendered, and
+    refuses what no 2 nodes have (so the line is read, not passed over)."""
+    script = tmp_path / "constraint.sbatch"
+    script.write_text(render(template_path("allreduce").read_text(),
+                             RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True,
+                                           partition="debug", constraint=constraint)))
+    proc = subprocess.run([*cluster, "sbatch", "--test-only", str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env=_slurm_env(), timeout=60)
+    if refused is None:
+        assert proc.returncode == 0 and "to start at" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode != 0 and refused in proc.stderr, proc.stderr
+
+
 def test_allreduce_template_launched_with_mpirun(jobs):
     r = jobs["mpirun"]
     # Under mpirun every rank inherits the batch shell's SLURM_NODEID (0):

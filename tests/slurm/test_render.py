@@ -74,7 +74,9 @@ def test_job_args_survive_the_shell_exactly(tmp_path):
     (dict(ntasks_per_node=8, gpus_per_node=4), "each rank drives one GPU, so give them equal"),
     (dict(cpu=True, gpus_per_node=4), "--cpu asks for no GPUs"),
     (dict(mem="10GB"), "--mem '10GB'"), (dict(mem="-1"), "--mem"), (dict(constraint="a100 ib"), "--constraint"),
-    (dict(constraint="a100&&ib"), "--constraint"), (dict(qos="hi gh"), "--qos"),
+    (dict(constraint="a100&&ib"), "--constraint"), (dict(constraint="[a|[b]]"), "--constraint"),
+    (dict(constraint="a*0"), "--constraint"), (dict(constraint="(a&b"), "--constraint"),
+    (dict(constraint="a#b"), "--constraint"), (dict(qos="hi gh"), "--qos"),
     (dict(gpu_type="a100:2"), "--gpu-type"),
     (dict(cpu=True, gpu_type="a100"), "CPU mode asks for no GPUs"),
 ])
@@ -100,10 +102,11 @@ def test_a_gpu_type_asks_for_typed_gpus(kwargs, gpus):
 
 def test_the_sites_choices_are_rendered_after_the_job_name():
     text = render(template_path("allreduce").read_text(),
-                  RenderOptions(partition="gpu", qos="high", constraint="a100&ib", mem="0", exclusive=True))
+                  RenderOptions(partition="gpu", qos="high", constraint="[a100*2&h100*2]", mem="0", exclusive=True))
     lines = [line.split()[1] for line in text.splitlines() if line.startswith("#SBATCH")]
     at = lines.index("--job-name=hpcjobs-allreduce")
-    assert lines[at + 1:at + 6] == ["--partition=gpu", "--qos=high", "--constraint=a100&ib", "--mem=0", "--exclusive"]
+    assert lines[at + 1:at + 6] == ["--partition=gpu", "--qos=high", "--constraint=[a100*2&h100*2]", "--mem=0",
+                                    "--exclusive"]
     plain = render(template_path("allreduce").read_text(), RenderOptions())
     assert not any(f"--{k}" in plain for k in ("partition", "qos", "constraint", "mem", "exclusive"))
 
