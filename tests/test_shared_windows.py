@@ -58,6 +58,25 @@ def test_a_window_is_kept_from_its_making_to_its_freeing_by_its_owner():
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_whose_unlock_fails_still_frees_the_window_with_its_peers():
+    """Rank 1 unlocked its window already (as an exit hook's free after a
+    script's own unlock): its unlock raised, it skipped the free, and the
+    others waited in the free for good. It frees, then raises."""
+    comm = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    before = dict(_shared._live)
+    win = allocate_shared(64, comm)
+    if comm.Get_rank() == 1:
+        win.Unlock_all()
+        with pytest.raises(MPI.Exception, match="RMA_SYNC"):
+            free_window(win)
+    else:
+        free_window(win)
+    assert win == MPI.WIN_NULL and _shared._live == before
+    comm.Barrier()
+    comm.Free()
+
+
 @pytest.mark.mpi(min_size=2)  # one rank reduces without a window
 def test_a_communicators_oneshot_segments_leave_the_list_when_it_is_freed():
     import numpy as np

@@ -90,14 +90,18 @@ def allocate_shared(nbytes: int, comm: MPI.Intracomm, noncontig: bool = False) -
 
 def free_window(win: MPI.Win) -> None:
     """Unlock and free a window from :func:`allocate_shared` or
-    :func:`shared_window` (collective)."""
+    :func:`shared_window` (collective). A rank whose unlock fails (its
+    window already unlocked) still frees, then raises: its peers wait for
+    it in the free."""
     if win != MPI.WIN_NULL:
         with _lock:
             for key, live in list(_live.items()):
                 if live is win:
                     del _live[key]
-        win.Unlock_all()
-        win.Free()
+        try:
+            win.Unlock_all()
+        finally:
+            win.Free()
 
 
 _lock = threading.Lock()
