@@ -353,10 +353,12 @@ def formula_bytes(algorithm: str, nbytes: int, size: int) -> int:
     return round(evaluate(COSTS[algorithm].sent, P=size, N=nbytes))
 
 
-def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine | None = None) -> None:
+def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine | None = None,
+          ranks_per_node: int | None = None) -> None:
     """``out``/model.json (the machine, every row, the counted bytes) and,
     with matplotlib, ``out``/model.png: predicted against measured. Across
-    nodes ``m`` is the network's machine and ``node`` the one inside a node."""
+    nodes ``m`` is the network's machine and ``node`` the one inside a node,
+    measured with ``ranks_per_node`` (1: the network's stands in)."""
     import json
     import os
 
@@ -364,6 +366,8 @@ def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine
     data = {"ranks": P, "machine": m.to_dict(), "rows": rows, "bytes": counted}
     if node is not None:
         data["node_machine"] = node.to_dict()
+    if ranks_per_node is not None:
+        data["ranks_per_node"] = ranks_per_node
     with open(os.path.join(out, "model.json"), "w") as f:
         json.dump(data, f, indent=1)
     try:

@@ -98,6 +98,8 @@ def test_a_file_and_a_shipped_set_together_are_refused(tmp_path):
     (HEADER + "x,y,0,0.9,s,--params 1M --throughput 10\n", "devices must be a positive count"),
     (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10,extra\n", "rows.csv:2: 7 fields"),
     (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --devices 4\n", "--devices is not a hardware description"),
+    (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --inter-bw 1 --against p2.jsonl\n",
+     "--against is not a hardware description"),
     (HEADER + "x,y,2,0.9,s,--params 1M --throughput 10 --inter-bw 1 --bogus 3\n", "(x): unrecognized arguments"),
     (HEADER + "x,y,8,0.9,s,--params 1M --throughput 10 --devices-per-node 4\n", "give --intra-bw"),
     (HEADER, "a header and no rows"),

@@ -244,6 +244,10 @@ def test_plan_predicts_time_to_target_from_a_metrics_file(tmp_path):
     assert rows[0]["epochs"] == pytest.approx(18, rel=2e-3)
     assert rows[1]["epochs"] == pytest.approx(18 * (1 + 128 / 128) / (1 + 64 / 128), rel=2e-3)
     assert rows[0]["time_to_target_s"] == pytest.approx(rows[0]["epochs"] * 640 / 640, rel=1e-9)
+    target = json.loads(out.read_text())["target"]  # what the rows were scaled from
+    assert target["epochs"] == pytest.approx(18, rel=2e-3) and target["low"] <= target["epochs"] <= target["high"]
+    assert (target["loss"], target["base_batch"], target["samples_per_epoch"], target["noise_scale"], target["fit"],
+            target["metrics"]) == (0.2, 64, 640, 128.0, "optimus", str(metrics))
 
 
 def test_plan_fits_the_power_law_when_asked(tmp_path):
@@ -323,6 +327,44 @@ def test_plan_holds_its_rows_against_measured_runs(tmp_path):
     assert "| devices |" in r.stdout and f"{(rows[4]['iteration_s'] / 0.5 - 1):+.1%}" in r.stdout
 
 
+def test_a_metrics_file_appended_to_is_held_against_its_last_run(tmp_path):
+    """train appends to --metrics: a 4-rank run, then a 2-rank one. The
+    file's step was the median over both runs' epochs, filed under the first
+    line's 4 devices."""
+    p2 = tmp_path / "p2.jsonl"
+    _run(tmp_path / "four.jsonl", 4, [(9.0, 4.0), (5.0, 3.0), (5.0, 3.0), (5.0, 3.0)])
+    _run(tmp_path / "two.jsonl", 2, [(9.0, 5.0), (2.0, 1.0), (3.0, 2.2), (2.4, 1.6)])
+    p2.write_text((tmp_path / "four.jsonl").read_text() + (tmp_path / "two.jsonl").read_text())
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "25M", "--throughput", "100", "--batch-per-device", "32", "--devices", "1,2,4",
+                "--inter-bw", "10", "--against", str(p2), "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(out.read_text())["against"]
+    assert c["devices"] == 2 and c["measured_s"] == pytest.approx(0.24) and c["waited_s"] == pytest.approx(0.16)
+    (tmp_path / "one.jsonl").write_text(p2.read_text().replace('"epoch": 1,', '"epoch": 0.5,'))  # one run of 8 lines
+    r = hpcjobs("plan", "--params", "25M", "--throughput", "100", "--devices", "1,2,4", "--inter-bw", "10",
+                "--against", str(tmp_path / "one.jsonl"))
+    assert r.returncode == 2 and "its last run's ranks change (4, 4, 4, 4, 2, 2, 2, 2)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("step", '"100"', "the line of epoch 2: step must be a positive number, not '100'"),
+    ("wait_s", "-1", "the line of epoch 2: wait_s must be a number >= 0, not -1"),
+    ("ranks", "2.5", "the line of epoch 2: ranks must be a positive whole number, not 2.5"),
+    ("epoch_s", "0", "the line of epoch 2: epoch_s must be a positive number, not 0"),
+])
+def test_a_runs_line_without_its_numbers_is_refused_naming_it(tmp_path, field, value, words):
+    path = tmp_path / "p2.jsonl"
+    lines = _run(path, 2, [(9.0, 5.0), (2.0, 1.0), (3.0, 2.2)]) and path.read_text().splitlines()
+    record = json.loads(lines[1])
+    record[field] = json.loads(value)
+    path.write_text("\n".join([lines[0], json.dumps(record), lines[2]]) + "\n")
+    for flag in ("--runs", "--against"):
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1", flag,
+                    str(path))
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     p3 = _run(tmp_path / "p3.jsonl", 3, [(1.0, 0.5), (1.0, 0.5)])
     r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1",
@@ -343,6 +385,9 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--params", "1M", "--throughput", "10", "--devices-per-node", "4"], "--intra-bw"),
     (["--params", "1M", "--measure"], "give --model"),
     (["--params", "1M", "--throughput", "10", "--devices", "0-4"], "expected counts"),
+    (["--params", "1M", "--throughput", "10", "--devices", "1-"], "expected counts"),  # was the count 1 alone
+    (["--params", "1M", "--throughput", "10", "--devices", "1,12-"], "expected counts"),
+    (["--params", "1M", "--throughput", "10", "--inter-latency", "5"], "no network is given: give --inter-bw"),
     (["--params", "lots", "--throughput", "10"], "parameter count"),
     (["--params", "1M", "--throughput", "10", "--devices", "1,2"], "no network between nodes"),
     # flags that would be ignored, and counts that leave nothing to plan
@@ -404,6 +449,18 @@ def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
     assert math.isclose(rows[1]["iteration_s"], 0.1 + across, rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("flags,counts", [
+    ([], [1]), (["--devices-per-node", "8", "--intra-bw", "150"], [1, 2, 4, 8]),
+    (["--devices-per-node", "2", "--intra-bw", "150", "--inter-bw", "1"], [1, 2, 4, 8, 16, 32, 64, 128, 256]),
+])
+def test_without_a_network_the_default_counts_stop_at_a_node(tmp_path, flags, counts):
+    """They went on to 2 nodes and more, and the plan was refused for a count no one asked for."""
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "25.6M", "--throughput", "400", *flags, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [row["devices"] for row in json.loads(out.read_text())["rows"]] == counts
+
+
 def test_the_default_counts_fill_whole_nodes_of_any_size(tmp_path):
     out = tmp_path / "plan.json"
     r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices-per-node", "6", "--intra-bw", "100",
@@ -430,6 +487,19 @@ def test_a_target_the_fit_never_reaches_or_the_run_had_passed_is_refused(tmp_pat
     r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
                 "--target-loss", target)
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_fit_that_puts_the_target_before_the_first_epoch_is_refused(tmp_path):
+    """The power law leaves epoch 1 out: here its curve, 10 (k + 5)^-1 from
+    epoch 2, reaches 3 before epoch 1, where the run was at 5. It planned a
+    time to target of 0 on every row."""
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "global_batch": 64,
+                                           "loss": 5.0 if k == 1 else 10 / (k + 5)}) + "\n" for k in range(1, 9)))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
+                "--target-loss", "3", "--loss-model", "power")
+    assert r.returncode == 2 and "before the run's first line (epoch 1, loss 5)" in r.stderr, r.stderr
+    assert "try --loss-model optimus" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("line,words", [
@@ -485,6 +555,42 @@ def test_a_cost_model_with_impossible_values_is_refused(tmp_path, change, words)
     good = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
                    "--cost-model", str(path))
     assert good.returncode == 0, good.stderr
+
+
+def test_a_one_node_cost_model_refuses_a_reduce_bw_it_would_not_use(tmp_path):
+    """Its measured reduction cost prices every reduction, across nodes too: --reduce-bw changed nothing."""
+    from hpcjobs.perfmodel import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"ranks": 2, "machine": m}))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
+                "--cost-model", str(path), "--inter-bw", "10", "--reduce-bw", "0.001")
+    assert r.returncode == 2 and "--reduce-bw would be ignored" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("per_node,flags,planned", [
+    (2, [], 2), (2, ["--devices-per-node", "1"], 1), (None, [], 1),  # a file written before it said
+    (1, [], 1), (1, ["--devices-per-node", "4"], None),  # one rank per node: no link inside a node measured
+])
+def test_a_two_level_cost_model_gives_its_ranks_per_node(tmp_path, per_node, flags, planned):
+    """With the default of 1 device per node its link inside a node went unused; with more, and a model measured
+    at one rank per node, the network's link stood in for it."""
+    from hpcjobs.perfmodel import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path, out = tmp_path / "model.json", tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m,
+                                **({"ranks_per_node": per_node} if per_node else {})}))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2,4", "--cost-model", str(path),
+                *flags, "--json", str(out))
+    if planned is None:
+        assert r.returncode == 2 and "measured with one rank per node" in r.stderr, r.stderr
+        assert "ppr:4:node" in r.stderr
+    else:
+        assert r.returncode == 0, r.stderr
+        assert f"{planned} device(s)/node" in r.stdout and json.loads(out.read_text())["inputs"]["devices_per_node"] \
+            == planned
 
 
 def test_a_two_level_cost_model_refuses_the_link_flags_it_replaces(tmp_path):

@@ -106,7 +106,7 @@ def _across(args, comm, topo, sizes) -> int:
            "(perfmodel.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
     _print_rows(rows, names)
     if args.out and comm.Get_rank() == 0:
-        write(args.out, net, rows, [], P, node=node)
+        write(args.out, net, rows, [], P, node=node, ranks_per_node=L)
         print0(f"# written to {args.out}/model.json and {args.out}/model.png")
     return 0
 

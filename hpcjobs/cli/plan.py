@@ -11,6 +11,7 @@ count and the cheapest within 10% of it (:mod:`hpcjobs.planner`). Runs alone
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -56,7 +57,8 @@ def configure(p) -> None:
     g.add_argument("--amp", choices=AMP, default="none",
                    help="mixed precision of the step --measure times: bf16, fp16 (GPUs) (default none)")
     g = p.add_argument_group("the machines (or --cost-model)")
-    g.add_argument("--devices-per-node", type=positive_int, default=1, metavar="G", help="default %(default)s")
+    g.add_argument("--devices-per-node", type=positive_int, metavar="G",
+                   help="default 1, or the ranks per node a two-level --cost-model was measured with")
     g.add_argument("--intra-bw", type=positive_float, metavar="GB/s", help="between devices of a node, one way")
     g.add_argument("--intra-latency", type=nonnegative_float, metavar="us", help="default 5")
     g.add_argument("--inter-bw", type=positive_float, metavar="Gbit/s", help="each node's network link")
@@ -68,7 +70,8 @@ def configure(p) -> None:
     g = p.add_argument_group("the job")
     g.add_argument("--devices", type=device_counts,
                    help="device counts: 1,8,64,256 or 1-16 or 8-64:8; above one node a range keeps whole nodes "
-                        "(default: 1,2,4,... up to a node, then 2,4,8,... nodes, to 256 devices or 2 nodes)")
+                        "(default: 1,2,4,... up to a node, then 2,4,8,... nodes, to 256 devices or 2 nodes; "
+                        "one node's without a network)")
     g.add_argument("--algorithm", choices=("auto",) + tuple(n for n in COSTS if n != "ring_pipelined"),
                    default="auto", help="auto: the cheapest with a formula for the layout (default)")
     g.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
@@ -282,7 +285,9 @@ def run(args) -> int:
                                       "grad_bytes": workload.grad_bytes},
                        "rows": [{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()}
                                 for r in rows],  # never reached: null
-                       "recommendation": best, "runs": points, "against": checks}, f, indent=1)
+                       "recommendation": best, "runs": points, "against": checks,
+                       "target": None if not target else {**dataclasses.asdict(target), "fit": args.loss_model,
+                                                          "metrics": args.metrics}}, f, indent=1)
     if args.plot:
         _plot(rows, args.plot, what)
     return 0

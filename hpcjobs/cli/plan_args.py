@@ -24,6 +24,8 @@ def device_counts(text: str) -> Counts:
         for part in text.split(","):
             span, _, step = part.strip().partition(":")
             lo, dash, hi = span.partition("-")
+            if (dash and not hi) or (step and not dash):  # "12-" and "8:2": a range without its end
+                raise ValueError
             lo_i, hi_i, step_i = int(lo), int(hi or lo), int(step or 1)
             if lo_i < 1 or hi_i < lo_i or step_i < 1 or (hi_i - lo_i) // step_i > 100_000:
                 raise ValueError
@@ -65,23 +67,36 @@ def default_counts(per_node: int) -> Counts:
 
 
 def check_flags(args) -> None:
-    """Refuses flags that would be ignored, then fills in the defaults."""
-    two_level = False
+    """Refuses flags that would be ignored, then fills in the defaults:
+    ``--devices-per-node``, a two-level ``--cost-model``'s ranks per node
+    (else 1), and ``--devices``, up to 256 devices, or a node where no
+    network is given."""
+    two_level, per_node = False, None
     if args.cost_model:
         two_level = plan_runs.cost_model(args.cost_model)[1] is not None
+        per_node = plan_runs.cost_model_ranks_per_node(args.cost_model) if two_level else None
+    if args.devices_per_node is None:
+        args.devices_per_node = per_node or 1
+    elif per_node == 1 and args.devices_per_node > 1:
+        raise UsageError(f"--cost-model {args.cost_model} was measured with one rank per node: it has no link "
+                         f"inside a node for --devices-per-node {args.devices_per_node}; run `hpcjobs model` with "
+                         f"{args.devices_per_node} ranks per node (mpirun --map-by ppr:{args.devices_per_node}:node)")
     given = [f for f, v in (("--intra-bw", args.intra_bw), ("--intra-latency", args.intra_latency),
                             ("--inter-bw", args.inter_bw), ("--inter-latency", args.inter_latency),
                             ("--reduce-bw", args.reduce_bw)) if v is not None]
     if two_level and given:
         raise UsageError(f"--cost-model {args.cost_model} was measured across nodes: it gives both links, so "
                          f"{', '.join(given)} would be ignored; leave {_them(given)} out")
-    inside = [f for f in given if f.startswith("--intra")]
+    inside = [f for f in given if f.startswith("--intra")] + (["--reduce-bw"] if args.reduce_bw else [])
     if args.cost_model and inside:
-        raise UsageError(f"--cost-model {args.cost_model} gives the link inside a node: {', '.join(inside)} would "
-                         f"be ignored; leave {_them(inside)} out")
+        raise UsageError(f"--cost-model {args.cost_model} gives the link inside a node and the cost of reducing: "
+                         f"{', '.join(inside)} would be ignored; leave {_them(inside)} out")
+    inside = [f for f in inside if f != "--reduce-bw"]
     if inside and args.devices_per_node == 1:
         raise UsageError(f"{', '.join(inside)}: the link between devices of a node, and --devices-per-node is 1: "
                          "give --devices-per-node")
+    if args.inter_latency is not None and args.inter_bw is None:
+        raise UsageError("--inter-latency is the network's, and no network is given: give --inter-bw too")
     if args.noise_scale is not None and not args.metrics:
         raise UsageError("--noise-scale scales the epochs to a target: give --metrics and --target-loss")
     measured = [f for f, v in (("--bytes-per-param", args.bytes_per_param),
@@ -95,6 +110,8 @@ def check_flags(args) -> None:
             setattr(args, name, default)
     if args.devices is None:
         args.devices = default_counts(args.devices_per_node)
+        if not two_level and args.inter_bw is None:  # no network: one node's counts
+            args.devices = Counts(p for p in args.devices if p <= args.devices_per_node)
 
 
 def _them(flags: list) -> str:

@@ -37,17 +37,32 @@ def lines(path: str) -> list[dict]:
 
 
 def measured(path: str) -> dict:
-    """One run: its device count, its step and the part of it spent waiting
-    for reductions (None where the file does not say), in seconds."""
-    recs = lines(path)
-    recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
+    """One run, the file's last (:func:`~hpcjobs.convergence.last_run`: ``train``
+    appends): its device count, its step and the part of it spent waiting
+    for reductions (None where the file does not say), in seconds.
+    ValueError naming the file and the epoch where a line is not a train
+    ``--metrics`` line or the run's device count changes."""
+    recs = last_run(lines(path))
     if not recs or any(not isinstance(r, dict) or any(k not in r for k in NEEDED) for r in recs):
         raise ValueError(f"{path}: not a train --metrics file (each line needs {', '.join(NEEDED)})")
+    for r in recs:
+        for k in NEEDED:
+            if not is_number(r[k]) or r[k] <= 0 or (k == "ranks" and r[k] != int(r[k])):
+                raise ValueError(f"{path}: the line of epoch {r['epoch']!r}: {k} must be a positive "
+                                 f"{'whole ' if k == 'ranks' else ''}number, not {r[k]!r}")
+        if r.get("wait_s") is not None and (not is_number(r["wait_s"]) or r["wait_s"] < 0):
+            raise ValueError(f"{path}: the line of epoch {r['epoch']!r}: wait_s must be a number >= 0, "
+                             f"not {r['wait_s']!r}")
+    if len({r["ranks"] for r in recs}) > 1:
+        raise ValueError(f"{path}: its last run's ranks change ({', '.join(str(r['ranks']) for r in recs)}): "
+                         "one run on one device count per file")
+    devices = int(recs[0]["ranks"])
+    recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
     steps = [r["step"] / r["epoch"] for r in recs]  # steps per epoch
     waited = None
-    if all("wait_s" in r for r in recs):
+    if all(r.get("wait_s") is not None for r in recs):
         waited = statistics.median(r["wait_s"] / n for r, n in zip(recs, steps))
-    return {"run": path, "devices": int(recs[0]["ranks"]),
+    return {"run": path, "devices": devices,
             "step_s": statistics.median(r["epoch_s"] / n for r, n in zip(recs, steps)), "waited_s": waited}
 
 
@@ -118,8 +133,9 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
     """``--metrics`` and ``--target-loss``: the :class:`hpcjobs.planner.Target`
     of the file's last run, its noise scale the median of that run's (or
     ``noise_scale``). ValueError where the file is not a train ``--metrics``
-    file, or the target is one the fit never reaches or the run had passed
-    by its first epoch: those would plan on a time of inf or 0."""
+    file, or the target is one the fit never reaches, or the run had passed
+    by its first epoch, or the fit puts before it: those would plan on a
+    time of inf or about 0."""
     from ..convergence import fit_metrics, predict_epochs
     from ..planner import Target
 
@@ -133,6 +149,11 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
         why = f"its loss levels off at {floor:.4g}" if floor is not None else "it is flat"
         raise ValueError(f"--target-loss {loss}: the {FITS[model]} fit of {path} never reaches it ({why}); give a "
                          "higher target" + (", or try --loss-model power" if model == "optimus" else ""))
+    if p.epochs < epochs[0]:  # the power law leaves the first epoch out, and its curve can pass it early
+        other = "power" if model == "optimus" else "optimus"
+        raise ValueError(f"--target-loss {loss}: the {FITS[model]} fit of {path} puts it at {p.epochs:.3g} epochs, "
+                         f"before the run's first line (epoch {epochs[0]}, loss {losses[0]:.4g}): the fit does not "
+                         f"follow the run's start; try --loss-model {other}")
     run = last_run(lines(path))
     last = run[-1]
     if not all(is_number(last.get(k)) and last[k] > 0 for k in ("global_batch", "step", "epoch")):
@@ -168,10 +189,27 @@ def cost_model(path: str):
         return m
 
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = _model_json(path)
         net = machine(data["machine"])
         node = machine(data["node_machine"]) if "node_machine" in data else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--cost-model {path}: not a model.json of `hpcjobs model` ({e})") from None
     return net, node
+
+
+def cost_model_ranks_per_node(path: str) -> int | None:
+    """The ranks per node a two-level model.json was measured with (1: its
+    link inside a node is the network's, standing in), or None where it does
+    not say (written before 2026-11-29)."""
+    value = _model_json(path).get("ranks_per_node")
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"--cost-model {path}: ranks_per_node must be a whole number >= 1, got {value!r}")
+    return value
+
+
+def _model_json(path: str) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise TypeError(f"a JSON {type(data).__name__}, not an object")
+    return data

@@ -164,7 +164,7 @@ def test_model_across_hosts_measures_both_link_classes_and_predicts_each_algorit
         (n, a) for n in (1 << 20, 4 << 20) for a in ("ring", "recursive_doubling", "rabenseifner", "hierarchical"))
     assert all(float(m) > 0 and float(p) > 0 for _, _, m, p in rows)
     data = json.loads((tmp_path / "model.json").read_text())
-    assert data["ranks"] == 4 and {"machine", "node_machine", "rows"} <= set(data)
+    assert data["ranks"] == 4 and {"machine", "node_machine", "rows"} <= set(data) and data["ranks_per_node"] == 2
     assert {r["segments"] for r in data["rows"] if r["algorithm"] == "hierarchical"} == {1, 4}  # 4M: 1M segments
 
 
