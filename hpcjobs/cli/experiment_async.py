@@ -15,6 +15,7 @@ from .train import add_model_data_arguments
 
 
 def configure(p) -> None:
+    from ..collectives.names import MESSAGE_ALGORITHMS
     from ..training.config import async_row_names as row_names
 
     add_model_data_arguments(p)
@@ -36,8 +37,9 @@ def configure(p) -> None:
     g.add_argument("--decay", choices=("none", "cosine"), default="cosine", help="default: %(default)s")
     g.add_argument("--straggler-factor", type=positive_float, default=3.0, metavar="F",
                    help="the second half of the runs: worker 0's steps F times as long (1: none; default 3)")
-    g.add_argument("--algorithm", default="ring",
-                   help="allreduce of sync, local and easgd (default ring, whose bytes are counted)")
+    g.add_argument("--algorithm", default="ring", choices=("auto",) + MESSAGE_ALGORITHMS,
+                   help="allreduce of sync, local and easgd, a message-passing one (default ring, whose bytes are "
+                        "counted)")
     g.add_argument("--peer-timeout", type=positive_float, default=60.0, help="async (default %(default)s s)")
     g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
     g.add_argument("--out", "-O", default="results/async", metavar="DIR",
@@ -45,14 +47,12 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
-    import dataclasses
-
     from mpi4py import MPI
 
     from ..collectives._shared import is_single_node
     from ..comm import print0
     from ..runtime import set_threads
-    from ..training.async_experiment import markdown_table, plot, resolve, run_rows, summarize
+    from ..training.async_experiment import markdown_table, plot, row_config, run_rows, summarize
     from ..training.config import ASYNC_ROWS as ROWS
     from ..training.config import TrainConfig, async_row_names as row_names
 
@@ -73,10 +73,16 @@ def run(args) -> int:
         print0("# experiment async: the workers span nodes: the hogwild rows (one node) are left out")
     with usage():
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "warmup": "gradual", "optimizer": "sgd"})
-        checked = [(name, dataclasses.replace(template, mode=mode, **resolve(over, template)))
-                   for name, mode, over in ROWS if name in rows]
-        for _, cfg in checked:
+        checked = []
+        for name, mode, over in ROWS:
+            if name not in rows:
+                continue
+            cfg = row_config(template, mode, over)
             cfg.validate()
+            if over.get("post_local_epochs") == "quarter" and not cfg.post_local_epochs:  # plain local SGD
+                raise UsageError(f"row {name!r} averages every step for a quarter of the epochs, and --epochs "
+                                 f"{template.epochs} has none: train 4 epochs or more, or leave the row out (--rows)")
+            checked.append((name, cfg))
         # the averaging rows' periods and rates on the W workers, before any row runs (run_rows runs them on
         # the workers alone: one refusing there would leave rank 0 waiting)
         from ..training.averaging import PeriodError, check_periods

@@ -24,19 +24,24 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 from mpi4py import MPI
 
 from .config import ASYNC_ROWS as ROWS
 from .config import TrainConfig, async_row_names as row_names
 from .loop import train
 
-__all__ = ["ROWS", "row_names", "resolve", "run_rows", "summarize", "markdown_table", "plot"]
+__all__ = ["ROWS", "row_names", "resolve", "row_config", "run_rows", "summarize", "markdown_table", "plot"]
 
-def _wait_politely(comm: MPI.Intracomm) -> None:
-    """A barrier that sleeps: the idle rank leaves the cores to the others."""
-    req = comm.Ibarrier()
+
+def _polite_errors(comm: MPI.Intracomm, error: Exception | None) -> list:
+    """Every rank's error (its text, or None) where any rank has one, else
+    []: a barrier that sleeps (the idle rank leaves the cores to the others)."""
+    mine, total = np.array([error is not None], np.int32), np.zeros(1, np.int32)
+    req = comm.Iallreduce(mine, total, op=MPI.SUM)
     while not req.Test():
         time.sleep(0.002)
+    return comm.allgather(None if error is None else str(error)) if total[0] else []
 
 
 def resolve(overrides: dict, template: TrainConfig) -> dict:
@@ -44,6 +49,20 @@ def resolve(overrides: dict, template: TrainConfig) -> dict:
     "double" of the template's epochs."""
     epochs = {"quarter": template.epochs // 4, "double": 2 * template.epochs}
     return {k: epochs.get(v, v) if isinstance(v, str) else v for k, v in overrides.items()}
+
+
+def row_config(template: TrainConfig, mode: str, overrides: dict, **fields) -> TrainConfig:
+    """A row's configuration: ``template`` in ``mode`` with the row's
+    resolved ``overrides``, less what the mode would refuse as ignored: the
+    allreduce where nothing is reduced (the servers' and Hogwild!'s rows),
+    the servers' timeout where none serves."""
+    over = resolve(overrides, template)
+    served = mode == "async" or over.get("easgd_form") == "async"
+    if served or mode == "hogwild":
+        fields.setdefault("algorithm", "auto")
+    if not served:
+        fields.setdefault("peer_timeout", TrainConfig.peer_timeout)
+    return dataclasses.replace(template, mode=mode, **over, **fields)
 
 
 def run_rows(template: TrainConfig, rows: list[str], seeds: int, factor: float, out_dir: str,
@@ -65,17 +84,23 @@ def run_rows(template: TrainConfig, rows: list[str], seeds: int, factor: float, 
                 if name not in rows:
                     continue
                 for seed in range(seeds):
-                    over = resolve(overrides, template)
-                    served = mode == "async" or over.get("easgd_form") == "async"  # rank 0 serves
+                    served = mode == "async" or overrides.get("easgd_form") == "async"  # rank 0 serves
                     straggler = (f"{1 if served else 0}:{slow:g}") if slow > 1 else None
-                    cfg = dataclasses.replace(template, mode=mode, seed=seed, straggler=straggler, quiet=True,
-                                              progress=False, metrics=None, **over)
+                    cfg = row_config(template, mode, overrides, seed=seed, straggler=straggler, quiet=True,
+                                     progress=False, metrics=None)
                     t0 = time.monotonic()
-                    if served:
-                        history = train(cfg, comm)
-                    elif rank:
-                        history = train(cfg, sub)
-                    _wait_politely(comm)
+                    error = None
+                    try:
+                        if served:
+                            history = train(cfg, comm)
+                        elif rank:
+                            history = train(cfg, sub)
+                    except ValueError as e:  # raised on every worker (modes.train ends the job on other errors)
+                        error = e
+                    errors = _polite_errors(comm, error)
+                    if errors:  # rank 0, waiting, would never have heard: every rank raises, rank 0 says why
+                        raise ValueError(f"row {name!r}, seed {seed}: " + "; ".join(
+                            f"rank {r}: {text}" for r, text in enumerate(errors) if text)) from error
                     if rank == 1 and not served:
                         comm.send(history, dest=0, tag=77)
                     if rank == 0:

@@ -13,7 +13,7 @@ import dataclasses
 
 from dataclasses import dataclass, field
 
-from ..collectives.names import MESSAGE_ALGORITHMS
+from ..collectives.names import ALGORITHMS, DEVICE_ALGORITHMS, MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from ..convergence import LOSS_MODELS
 from ..runtime import DEVICES
@@ -173,6 +173,9 @@ class TrainConfig:
         if self.amp == "fp16" and self.nonfinite != "ignore":
             raise ValueError("amp fp16's GradScaler skips the steps whose gradients overflow; nonfinite "
                              f"{self.nonfinite!r} would act on them first: leave nonfinite at 'ignore'")
+        if self.algorithm not in ("auto", *ALGORITHMS, *DEVICE_ALGORITHMS):
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from auto, "
+                             f"{', '.join(ALGORITHMS + DEVICE_ALGORITHMS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if make_compressor(self.compression) is None:
@@ -228,6 +231,7 @@ class TrainConfig:
                                  f"one pass per step, on CPUs, without checkpoints, target-loss predictions or "
                                  f"nonfinite checks: {name} is for mode sync")
         served = self.mode == "async" or self.easgd_form == "async"
+        self._refuse_ignored(served)
         if self.straggler is not None and served and parse_straggler(self.straggler)[0] < self.servers:
             raise ValueError(f"straggler {self.straggler}: rank {parse_straggler(self.straggler)[0]} is a server in "
                              f"mode {self.mode} (the first {self.servers} rank(s) serve; they compute no steps): "
@@ -251,6 +255,32 @@ class TrainConfig:
             raise ValueError(f"elastic_alpha must be in (0, 1), got {self.elastic_alpha}")
         if not self.peer_timeout > 0:
             raise ValueError(f"peer_timeout must be > 0 seconds, got {self.peer_timeout}")
+
+
+    def _refuse_ignored(self, served: bool) -> None:
+        """A mode without lockstep refuses the flags it would ignore (set to
+        anything but their defaults): the optimizer's buckets, the
+        parameter servers' timeout elsewhere, and where the servers or
+        Hogwild! apply the updates themselves, the collective and the
+        optimizer's refinements they do not apply."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        applied_here = self.mode == "hogwild" or (served and self.mode == "async")  # not torch's optimizer
+        ignored = [("fusion_bytes", True, "buckets the gradients of mode sync"),
+                   ("overlap", True, "overlaps mode sync's reductions with backward"),
+                   ("peer_timeout", not served, "is the parameter servers' (mode async, easgd --easgd-form async)"),
+                   ("algorithm", served or self.mode == "hogwild",
+                    "picks the allreduce of modes sync, local and easgd (sync form)"),
+                   ("no_decay_bn_bias", applied_here, "is torch's optimizer's, which the servers and Hogwild! "
+                                                      "do not run (they decay every parameter)"),
+                   ("momentum_correction", applied_here, "is torch's optimizer's, which the servers and Hogwild! "
+                                                         "do not run")]
+        for name, bad, what in ignored:
+            if bad and getattr(self, name) != defaults[name]:
+                raise ValueError(f"{name} {what}: mode {self.mode}"
+                                 f"{' (async form)' if self.mode == 'easgd' and served else ''} would ignore it")
+        if self.mode in ("local", "easgd") and not served and self.algorithm not in ("auto", *MESSAGE_ALGORITHMS):
+            raise ValueError(f"mode {self.mode} averages with a message-passing algorithm (auto or "
+                             f"{', '.join(MESSAGE_ALGORITHMS)}): its bytes are counted; got {self.algorithm!r}")
 
 
 def parse_straggler(spec: str) -> tuple[int, float]:

@@ -243,8 +243,15 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
         from .ps_server import Server as role
     else:
         from .ps_worker import Worker as role
-    me = role(ctx)  # imports and set-up before the barrier: the clock starts with every rank ready
-    comm.Barrier()
+    try:  # imports and set-up before the clock starts, with every rank ready
+        me, error = role(ctx), None
+    except ValueError as e:  # a worker's optimizer (nesterov without momentum, say): the servers build none
+        me, error = None, e
+    errors = comm.allgather(None if error is None else str(error))
+    if any(errors):  # on every rank: the others would have waited for this one for good
+        if error is not None:
+            raise error
+        raise ValueError("; ".join(f"rank {r}: {text}" for r, text in enumerate(errors) if text))
     try:
         history = me.run()
         return history, ctx.flat.numpy()

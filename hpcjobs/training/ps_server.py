@@ -45,8 +45,9 @@ class Server:
         self.ep, self.history, self.stopped, self.heard0 = _Epoch(), [], False, time.monotonic()
         self.stop_mask = None  # server k: the workers server 0 counted done when it said stop
         self.alive_buf = np.zeros(8)
+        self.orphans = []  # (request, buffer) of receives given up on: freed, a late message would land in freed memory
         self._heartbeat = Beats(self.comm, self.cfg.peer_timeout / 4, lambda: [  # the live workers, the servers
-            *(self.S + w for w in range(self.W) if w not in self.lost), *(range(1, self.S) if self.k == 0 else ())])
+            *(self.S + w for w in range(self.W) if w not in self.lost), *(k for k in range(self.S) if k != self.k)])
         self.hold, self.held_until = _hold_of(self.comm.Get_rank()), 0.0
         self.slow_test = float(os.environ.get(SLOW_TEST_ENV) or 0) if self.k == 0 else 0.0
         self.t0 = self.t_epoch = time.monotonic()
@@ -71,6 +72,8 @@ class Server:
                 self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
                 self.stopped = True
                 break
+            if self.orphans:
+                self.orphans = [(r, b) for r, b in self.orphans if not r.Test()]
             if self.held_until and now >= self.held_until:
                 self.held_until = 0.0
                 self._answer_deferred()
@@ -95,8 +98,9 @@ class Server:
         deadline = time.monotonic() + self.cfg.peer_timeout
         while not req.Test():  # a large message flows only while its sender lives
             now = time.monotonic()
-            if now > deadline:
-                self.inbuf = np.empty_like(self.inbuf)  # the stuck receive keeps the old one
+            if now > deadline:  # the stuck receive keeps the old buffer, both held while it may still land
+                self.orphans.append((req, self.inbuf))
+                self.inbuf = np.empty_like(self.inbuf)
                 if src >= self.S:
                     self.heard[src - self.S] = 0.0  # lost at the next look
                 return
@@ -123,7 +127,8 @@ class Server:
         if w in self.lost:
             return  # a worker declared lost that speaks again: its messages are dropped
         self.heard[w] = time.monotonic()
-        self.ep.bytes_in += count
+        if tag != TAG_DONE:  # the audit's sums are not training traffic
+            self.ep.bytes_in += count
         if tag == TAG_PULL:
             self.deferred.append((w, int(hdr[0]), int(hdr[1])))
         elif tag == TAG_PUSH:

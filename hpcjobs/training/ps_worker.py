@@ -5,6 +5,8 @@ the servers hold the center and the pushes are elastic steps."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -94,6 +96,7 @@ class Worker:
                 opt.step()
                 step, clock, sums = step + 1, clock + 1, sums + (loss, correct, samples)
                 if step % cfg.local_steps:
+                    self._between_steps()
                     continue
                 heads = self._pull(self.pushed_count, -1)
                 if heads is None:
@@ -107,6 +110,13 @@ class Worker:
                 self._push(heads, epoch, self.pushed_count * self.W + self.w, sums, self.grad)
                 sums = np.zeros(3)
             epoch += 1
+
+    def _between_steps(self) -> None:
+        """Between local steps: the last push moves on (a large one over TCP
+        flows only while this rank calls MPI) and the servers hear from this
+        worker, however long its H steps take."""
+        MPI.Request.Testall(self.outreq)
+        self.beat(time.monotonic())
 
     def _pull(self, clock: int, wanted: int):
         """Every server's shard into ``inbuf``; their headers, or None when a server says stop."""

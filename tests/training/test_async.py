@@ -96,10 +96,31 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="easgd", easgd_form="async", servers=2, straggler="1:2"), "rank 1 is a server in mode easgd"),
     (dict(straggler="1"), "RANK:FACTOR"),
     (dict(straggler="1:0.5"), "FACTOR >= 1"),
+    # flags a mode would ignore (accepted until 2026-11-29, and ignored)
+    (dict(mode="async", algorithm="ring"), "algorithm picks the allreduce of modes sync, local and easgd"),
+    (dict(mode="hogwild", algorithm="tree"), "mode hogwild would ignore it"),
+    (dict(mode="easgd", easgd_form="async", algorithm="ring"), "mode easgd (async form) would ignore it"),
+    (dict(mode="local", algorithm="shm"), "mode local averages with a message-passing algorithm"),
+    (dict(mode="easgd", algorithm="hierarchical"), "mode easgd averages with a message-passing algorithm"),
+    (dict(mode="local", fusion_bytes=1 << 10), "fusion_bytes buckets the gradients of mode sync"),
+    (dict(mode="async", overlap="none"), "overlap overlaps mode sync's reductions"),
+    (dict(mode="local", peer_timeout=5.0), "peer_timeout is the parameter servers'"),
+    (dict(mode="async", no_decay_bn_bias=True), "no_decay_bn_bias is torch's optimizer's"),
+    (dict(mode="hogwild", momentum_correction=False), "momentum_correction is torch's optimizer's"),
+    (dict(algorithm="rnig"), "unknown algorithm 'rnig'"),
 ])
 def test_bad_mode_settings_are_refused(kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         TrainConfig(**kw).validate()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="local", algorithm="ring"), dict(mode="easgd", algorithm="tree"), dict(mode="async", peer_timeout=5.0),
+    dict(mode="easgd", easgd_form="async", peer_timeout=5.0, no_decay_bn_bias=True, momentum_correction=False),
+    dict(mode="local", no_decay_bn_bias=True, momentum_correction=False),  # torch's optimizer runs them
+])
+def test_what_a_mode_uses_it_takes(kw):
+    TrainConfig(**kw).validate()
 
 
 def _layout(size):

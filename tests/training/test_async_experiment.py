@@ -5,7 +5,11 @@ import json
 
 import pytest
 
+from mpi4py import MPI
+
+from hpcjobs.training import async_experiment
 from hpcjobs.training.async_experiment import markdown_table, summarize
+from hpcjobs.training.config import TrainConfig
 from launch import mpirun
 
 
@@ -68,3 +72,31 @@ def test_every_row_can_be_named_in_rows():
 
     names = async_row_names()
     assert comma_list(",".join(names)) == names and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--algorithm", "hierarchical"], "invalid choice: 'hierarchical'"),  # ran sync, async, hogwild, then failed
+    (["--epochs", "2", "--rows", "sync,post-local H=8"], "row 'post-local H=8' averages every step for a quarter"),
+])
+def test_settings_a_row_cannot_run_are_refused_before_any_row_runs(tmp_path, args, words):
+    out = mpirun(2, "experiment", "async", "--seeds", "1", "--num-samples", "600", "--out", str(tmp_path), *args)
+    assert out.returncode == 2 and words in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "runs.jsonl").exists()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_row_that_fails_on_the_workers_fails_on_every_rank(monkeypatch, tmp_path_factory):
+    """Rank 0 waits while the workers run a row on their own: a row the
+    workers refused left it waiting for good, saying nothing."""
+    comm = MPI.COMM_WORLD
+    out = tmp_path_factory.mktemp(f"rows{comm.Get_rank()}")
+
+    def refused(cfg, comm):
+        raise ValueError("the workers' own refusal")
+
+    monkeypatch.setattr(async_experiment, "train", refused)
+    template = TrainConfig(model="mlp", width=4, num_samples=500, epochs=1, progress=False, quiet=True)
+    with pytest.raises(ValueError) as e:
+        async_experiment.run_rows(template, ["sync"], 1, 1.0, str(out), comm, log=lambda *a: None)
+    assert str(e.value) == "row 'sync', seed 0: " + "; ".join(
+        f"rank {r}: the workers' own refusal" for r in range(1, comm.Get_size()))

@@ -106,6 +106,16 @@ def test_a_test_longer_than_the_peer_timeout_is_not_a_dead_server(tmp_path):
     assert found and found[1] == found[2], out.stdout[-2000:]
 
 
+def test_a_workers_own_setup_error_ends_every_rank_saying_why():
+    """Asynchronous EASGD builds an optimizer on the workers only: torch
+    refuses nesterov without momentum there, and the servers waited in the
+    start's barrier for good. Every rank now exits 2; rank 0 names it."""
+    out, seconds = _train(3, *SMALL, "--mode", "easgd", "--easgd-form", "async", "--local-steps", "2",
+                          "--optimizer", "nesterov", "--momentum", "0", "--epochs", "1", timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "rank 1: Nesterov momentum requires a momentum" in out.stderr, out.stderr[-3000:]
+
+
 def test_a_killed_server_ends_every_worker_with_an_error():
     out, seconds = _train(4, *SMALL, "--epochs", "20", "--peer-timeout", "2", fault="0:30")
     assert out.returncode != 0
