@@ -103,6 +103,8 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
                    help="step decay epochs, e.g. 30,60,80")
     g.add_argument("--gamma", type=positive_float, default=DEFAULTS.gamma,
                    help="step decay factor (default %(default)s)")
+    g.add_argument("--final-lr", type=nonnegative_float, default=DEFAULTS.final_lr,
+                   help="the rate cosine decay ends at (default %(default)s)")
     g.add_argument("--no-momentum-correction", dest="momentum_correction", action="store_false",
                    help="emulate the uncorrected v <- m*v + lr*g momentum when the rate changes (ablation)")
 

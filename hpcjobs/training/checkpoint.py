@@ -56,6 +56,17 @@ def _used(key: str, cfg: TrainConfig) -> bool:
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
+def moved(obj, device: torch.device):
+    """``obj`` (dicts, lists, tensors) with its tensors on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(v, device) for v in obj)
+    return obj
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: truncated, corrupt, or from another experiment."""
 
@@ -129,6 +140,9 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
         mine["partial"] = partial
     if opt.compression is not None:  # error-feedback residuals differ by rank
         mine["compression"] = opt.compression_state_dict()
+    # on the CPU: a CUDA tensor pickled to rank 0 unpickles there on the sender's device index (rank 0's own
+    # GPU where each rank sees one, its neighbours' where it sees them all): P ranks' residuals on one GPU
+    mine = {k: v if k == "cuda_rng" else moved(v, torch.device("cpu")) for k, v in mine.items()}
     ranks = comm.gather(mine, root=0)
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
@@ -156,6 +170,10 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
             defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
             changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)
                        and _used(k, cfg)]
+            # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
+            # would be added unscaled, and with it unscaled ones would be taken as scaled
+            if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):
+                changed.append("amp")
             if changed:
                 raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                                       + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))

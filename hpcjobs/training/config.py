@@ -13,7 +13,7 @@ import dataclasses
 
 from dataclasses import dataclass, field
 
-from ..collectives.names import ALGORITHMS, DEVICE_ALGORITHMS, MESSAGE_ALGORITHMS
+from ..collectives.names import ALGORITHMS, MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from ..convergence import LOSS_MODELS
 from ..runtime import DEVICES
@@ -173,9 +173,8 @@ class TrainConfig:
         if self.amp == "fp16" and self.nonfinite != "ignore":
             raise ValueError("amp fp16's GradScaler skips the steps whose gradients overflow; nonfinite "
                              f"{self.nonfinite!r} would act on them first: leave nonfinite at 'ignore'")
-        if self.algorithm not in ("auto", *ALGORITHMS, *DEVICE_ALGORITHMS):
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from auto, "
-                             f"{', '.join(ALGORITHMS + DEVICE_ALGORITHMS)}")
+        if self.algorithm not in ("auto", *ALGORITHMS):  # (DistributedOptimizer's: cuda_ipc only through auto)
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from auto, {', '.join(ALGORITHMS)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
         if make_compressor(self.compression) is None:
@@ -189,6 +188,13 @@ class TrainConfig:
         for name in ("batch_per_rank", "backward_passes_per_step", "epochs", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_per_rank == 1 and (self.model in IMAGE_MODELS or (self.model == "mlp" and self.batch_norm)):
+            raise ValueError(f"model {self.model}{' with batch_norm' if self.batch_norm else ''} normalizes over "
+                             "the batch, and one sample per rank gives BatchNorm one value per channel (its last "
+                             "layer's): give batch_per_rank 2 or more")
+        if self.final_lr != 0.0 and self.decay != "cosine":
+            raise ValueError(f"final_lr is where cosine decay ends, and decay is {self.decay!r}: give decay cosine "
+                             "or leave final_lr out")
         if self.resume and not self.checkpoint:
             raise ValueError("resume needs a checkpoint path")
         if self.loss_model not in LOSS_MODELS:

@@ -52,7 +52,7 @@ from ..runtime import autocast, out_of_memory, pick_device
 from . import checkpoint
 from . import schedule as sched
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
-from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, moved as _moved, save_checkpoint
 from .config import TrainConfig
 from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
 from .distributed import DistributedOptimizer
@@ -193,17 +193,6 @@ def _out_of_memory(run: _Run, error: BaseException, end_job: bool) -> MemoryErro
                          f"training {cfg.model} with {cfg.batch_per_rank} samples per rank per pass{amp}",
                          "lower --batch-per-rank (accumulate with --backward-passes-per-step) or use --amp bf16",
                          end_job)
-
-
-def _moved(obj, device: torch.device):
-    """``obj`` (dicts, lists, tensors) with its tensors on ``device``."""
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _moved(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_moved(v, device) for v in obj)
-    return obj
 
 
 def _to_device(run: _Run) -> None:

@@ -181,6 +181,15 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     with pytest.raises(CheckpointError, match="another experiment: fusion_bytes"):
         train(cfg(checkpoint=f"{d}/f.pt", resume=True, epochs=2, compression="fp16", error_feedback=True,
                   fusion_bytes=4096), comm)
+    # fp16 keeps the residuals in loss-scale units: a checkpoint of an fp16 run (its config made so here: fp16
+    # runs on GPUs) resumed without it would add them 2**16 times too large
+    if comm.rank == 0:
+        state = torch.load(f"{d}/f.pt", weights_only=False)
+        state["config"]["amp"] = "fp16"
+        torch.save(state, f"{d}/f.pt")
+    comm.Barrier()
+    with pytest.raises(CheckpointError, match="another experiment: amp 'fp16' -> 'none'"):
+        train(cfg(checkpoint=f"{d}/f.pt", resume=True, epochs=2, compression="fp16", error_feedback=True), comm)
 
 
 @pytest.mark.mpi(min_size=1)

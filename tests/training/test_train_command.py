@@ -33,11 +33,23 @@ from launch import mpirun_script
     (["--mode", "easgd", "--elastic-alpha", "0.8"], "by -1.4 at each move, so it grows; give --elastic-alpha "
                                                     "below 2/(W+1) = 0.6667"),
     (["--mode", "local", "--local-steps", "1000"], "make no average every 1000 steps"),
+    (["--mode", "async", "--algorithm", "ring"], "mode async would ignore it"),
+    (["--final-lr", "0.01"], "final_lr is where cosine decay ends, and decay is 'none'"),
 ])
 def test_bad_train_arguments_exit_2_on_every_rank(args, words):
     out = _mpirun(2, "train", "--epochs", "1", *args)
     assert out.returncode == 2, out.stderr
     assert words in out.stderr
+
+
+def test_cosine_decay_ends_at_the_final_lr_given(tmp_path):
+    """--final-lr had no flag: cosine decay always ended at 0."""
+    metrics = tmp_path / "m.jsonl"
+    out = _mpirun(2, "train", "--epochs", "2", "--lr", "0.1", "--warmup", "none", "--decay", "cosine",
+                  "--final-lr", "0.03", "--no-progress", "--metrics", str(metrics))
+    assert out.returncode == 0, out.stderr
+    rates = [json.loads(line)["lr"] for line in metrics.read_text().splitlines()]
+    assert 0.03 < rates[0] < 0.1 and rates[-1] == pytest.approx(0.03, abs=1e-3)
 
 
 def test_train_writes_metrics_and_a_checkpoint_then_resumes(tmp_path):
