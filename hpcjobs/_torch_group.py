@@ -4,6 +4,7 @@ thread per group and run on hpcjobs' collectives or MPI."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -107,7 +108,10 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
         def on_devices():  # the op's GPU work is done when its future completes
-            fn()
+            # on the tensors' GPU: a new thread's current device is 0, and the collectives take the current one
+            # for this rank's (DDP after set_device(local_rank) failed on every GPU but the first)
+            with torch.cuda.device(next(iter(devices))) if len(devices) == 1 else contextlib.nullcontext():
+                fn()
             for d in devices:
                 torch.cuda.current_stream(d).synchronize()
 
@@ -138,7 +142,8 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         def complete(reqs):
             MPI.Request.Waitall(reqs)
             if finish is not None:
-                finish()
+                with torch.cuda.device(next(iter(devices))) if len(devices) == 1 else contextlib.nullcontext():
+                    finish()
             for d in devices:
                 torch.cuda.current_stream(d).synchronize()
 
@@ -217,7 +222,10 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
             t = t.view(torch.uint8)
         if op in _BITWISE:
-            self._agree("allreduce", count=t.numel(), dtype=str(t.dtype), op=str(op))
+            def bits():  # on a float's bits they give nonsense; Gloo refuses them too
+                if t.dtype.is_floating_point or t.dtype.is_complex:
+                    raise TypeError(f"all_reduce with {op}: bitwise, for integer and bool tensors, not {t.dtype}")
+            self._agree("allreduce", bits, count=t.numel(), dtype=str(t.dtype), op=str(op))
             work = _cpu(t)
             self._comm.Allreduce(MPI.IN_PLACE, _host(work), op=_BITWISE[op])
             _into(t, work)

@@ -103,7 +103,21 @@ class MPIOps:
             row = input[0].numel() if input.dim() > 1 and input.shape[0] else max(1, int(np.prod(input.shape[1:])))
             ins = list(input_split_sizes) or [input.shape[0] // size] * size
             outs = list(output_split_sizes) or [output.shape[0] // size] * size
-            self._agree("all_to_all_single", dtype=str(input.dtype), row=row)
+
+            def check():  # as torch checks: rows left unsent, or splits past the tensor's end
+                for what, t, given, splits in (("input", input, input_split_sizes, ins),
+                                               ("output", output, output_split_sizes, outs)):
+                    rows = t.shape[0] if t.dim() else 1
+                    if not given and rows % size:
+                        raise ValueError(f"all_to_all_single: the {what}'s {rows} rows do not divide by {size} "
+                                         f"ranks: give {what}_split_sizes")
+                    if len(splits) != size or min(splits) < 0 or sum(splits) != rows:
+                        raise ValueError(f"all_to_all_single: {what}_split_sizes {list(splits)} must be {size} "
+                                         f"sizes >= 0 that add up to the {what}'s {rows} rows")
+                    if t.numel() != rows * row:
+                        raise ValueError(f"all_to_all_single: the {what}'s rows hold {t.numel() // max(1, rows)} "
+                                         f"elements, the input's {row}")
+            self._agree("all_to_all_single", check, dtype=str(input.dtype), row=row)
             recv = torch.empty(output.numel(), dtype=output.dtype)
             self._alltoallv(_cpu(input).reshape(-1), [n * row for n in ins], recv, [n * row for n in outs])
             output.copy_(recv.view_as(output))

@@ -25,9 +25,12 @@ How it works:
   once, so the exchange overlaps the rest of backward, as DDP's own
   allreduce does; buckets run in the order DDP hands them over, which is
   the same on every rank.
-- The hook reduces on a duplicate of ``comm`` (default ``COMM_WORLD``) made
-  when it is registered, whatever DDP's process group is; its ranks must be
-  DDP's ranks in the same order.
+- The hook reduces on a duplicate of ``comm`` made when it is registered
+  (default: the communicator of DDP's process group where it is one of
+  ``hpcjobs.torch_backend``'s, else ``COMM_WORLD``); its ranks must be DDP's
+  ranks in the same order, and where DDP's group has another size or gives
+  a rank another number, every rank raises (a hook averaging over other
+  ranks than DDP's would train each group, or each process, apart).
 - The step count (random-k's and PowerSGD's shared seed) advances after the
   last bucket of each backward.
 """
@@ -151,10 +154,29 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
     """Install the hook on a ``DistributedDataParallel`` ``model`` (before its
     first backward); returns its state (``sent_bytes``, ``step``). Collective
     over ``comm``."""
+    from ._torch_group import HpcjobsProcessGroup
+
+    group = getattr(model, "process_group", None)
+    if comm is None and isinstance(group, HpcjobsProcessGroup):
+        comm = group._own
+    _check_group(group, comm if comm is not None else MPI.COMM_WORLD)
     state = HookState(compression, error_feedback, comm, algorithm, seed,
                       names={id(p): n for n, p in model.module.named_parameters()})
     model.register_comm_hook(state, compression_hook)
     return state
+
+
+def _check_group(group, comm: "MPI.Intracomm") -> None:
+    """Raise on every rank of ``comm`` where DDP's process group ``group``
+    does not give each rank the number ``comm`` gives it, out of as many."""
+    mine = None
+    if group is not None and (group.rank(), group.size()) != (comm.Get_rank(), comm.Get_size()):
+        mine = (f"rank {comm.Get_rank()} of {comm.Get_size()} here is rank {group.rank()} of {group.size()} in "
+                "DDP's process group")
+    errors = [e for e in comm.allgather(mine) if e]
+    if errors:
+        raise ValueError("the hook averages over its communicator (comm=, default COMM_WORLD or an hpcjobs "
+                         "group's), which must hold DDP's ranks in the same order: " + "; ".join(errors))
 
 
 _live = closed_at_exit("close")  # weak references to every hook's state, in the order registered

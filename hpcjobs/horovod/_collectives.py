@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import pickle
 
 import numpy as np
 import torch
@@ -240,11 +241,66 @@ def reducescatter(tensors: list, op: int, prescale: float, postscale: float, com
 
 @_watched
 def broadcast_object(obj, root: int, comm: MPI.Intracomm):
-    """Rank ``root``'s ``obj`` (pickled) on every rank of ``comm``."""
-    return comm.bcast(obj, root=root)
+    """Rank ``root``'s ``obj`` on every rank of ``comm`` (root keeps its
+    own), pickled as Horovod does (:func:`_dumps`). An object root cannot
+    pickle, or one a rank cannot load, raises on every rank: root raising
+    alone left the others waiting in the broadcast."""
+    rank, payload, error = comm.Get_rank(), None, None
+    if rank == root:
+        try:
+            payload = _dumps(obj)
+        except Exception as e:  # noqa: BLE001 -- every rank raises it, below
+            error = f"{type(e).__name__}: {e}"
+    payload, error = comm.bcast((payload, error), root=root)
+    if error:
+        raise TypeError(f"broadcast_object: rank {root}'s object does not pickle ({error})")
+    loaded, error = _loads(payload) if rank != root else (obj, None)
+    _raise_if_any(comm, error, "broadcast_object: the object does not load")
+    return loaded
 
 
 @_watched
 def allgather_object(obj, comm: MPI.Intracomm) -> list:
-    """Every rank's ``obj`` (pickled), in rank order."""
-    return comm.allgather(obj)
+    """Every rank's ``obj``, in rank order, pickled as :func:`broadcast_object`
+    pickles; an object some rank cannot pickle or load raises on every rank."""
+    try:
+        mine = (_dumps(obj), None)
+    except Exception as e:  # noqa: BLE001 -- every rank raises it, below
+        mine = (None, f"{type(e).__name__}: {e}")
+    gathered = comm.allgather(mine)
+    errors = [f"rank {r} ({e})" for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        raise TypeError("allgather_object: the object does not pickle on " + "; ".join(errors))
+    objects, error = [], None
+    for payload, _ in gathered:
+        loaded, error = _loads(payload)
+        if error:
+            break
+        objects.append(loaded)
+    _raise_if_any(comm, error, "allgather_object: an object does not load")
+    return objects
+
+
+def _dumps(obj) -> bytes:
+    """``obj`` pickled with cloudpickle where it is installed (Horovod's:
+    lambdas, local classes), else with pickle."""
+    try:
+        import cloudpickle
+    except ImportError:
+        return pickle.dumps(obj)
+    return cloudpickle.dumps(obj)
+
+
+def _loads(payload: bytes) -> tuple:
+    """(the object, None), or (None, why it does not load)."""
+    try:
+        return pickle.loads(payload), None
+    except Exception as e:  # noqa: BLE001 -- every rank raises it (_raise_if_any)
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _raise_if_any(comm: MPI.Intracomm, error: str | None, what: str) -> None:
+    """Raise on every rank where any rank of ``comm`` has an ``error`` (collective)."""
+    errors = [f"rank {r} ({e})" for r, e in enumerate(comm.allgather(error)) if e]
+    if errors:
+        raise TypeError(f"{what} on " + "; ".join(errors))

@@ -311,12 +311,13 @@ class Controller:
         """One reduction of every request's buffers, zeros where this rank
         joined and did not submit."""
         from ._collectives import allreduce, zeros
+        from ._handles import _on_callers_stream as _on_device
 
         tensors = []
         for r, spec in zip(requests, specs):
             tensors.extend(r.tensors if r is not None else zeros(spec, meta["devices"], self.join_device))
         lead = next((r for r in requests if r is not None), None)
-        wrap = lead.wrap if lead is not None else (lambda fn: fn())
+        wrap = lead.wrap if lead is not None else _on_device(tensors)  # joined: join(device)'s GPU, if any
         wrap(lambda: allreduce(tensors, meta["op"], float(meta["prescale"]), float(meta["postscale"]),
                                self.comm_of(set_id)))
         for r in requests:

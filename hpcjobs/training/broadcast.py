@@ -50,25 +50,44 @@ def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = Non
             comm.Bcast(_as_numpy(data), root=root_rank)
 
 
+# numpy scalars in an optimizer's settings (a rate from np.linspace): allowed besides weights_only's own types
+_NUMPY_SCALARS = [getattr(np, "_core", getattr(np, "core", None)).multiarray.scalar, np.dtype,
+                  *(type(np.dtype(t)) for t in (np.float16, np.float32, np.float64, np.int32, np.int64, np.bool_))]
+
+
 def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
     """Give every rank root's optimizer state (momentum buffers, Adam
     moments, step counts, hyper-parameters).
 
     The state dict is serialised with ``torch.save`` on root, sent as bytes
-    (buffer ``Bcast``) and loaded with ``weights_only=True``.
+    (buffer ``Bcast``) and loaded with ``weights_only=True`` (numpy scalars
+    allowed too). A state root cannot save, or one a rank cannot load,
+    raises on every rank.
     """
     comm = private(comm)
     inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
-    if comm.Get_rank() == root_rank:
-        raw = io.BytesIO()
-        torch.save(inner.state_dict(), raw)
-        payload = np.frombuffer(raw.getbuffer(), dtype=np.uint8).copy()
-        n = np.array([payload.size], dtype=np.int64)
-    else:
-        n = np.zeros(1, dtype=np.int64)
-    comm.Bcast(n, root=root_rank)
-    if comm.Get_rank() != root_rank:
-        payload = np.empty(int(n[0]), dtype=np.uint8)
+    rank, n, error = comm.Get_rank(), 0, None
+    if rank == root_rank:
+        try:
+            raw = io.BytesIO()
+            torch.save(inner.state_dict(), raw)
+            payload = np.frombuffer(raw.getbuffer(), dtype=np.uint8).copy()
+            n = payload.size
+        except Exception as e:  # noqa: BLE001 -- every rank raises it: root alone left the others waiting
+            error = f"{type(e).__name__}: {e}"
+    n, error = comm.bcast((n, error), root=root_rank)
+    if error:
+        raise RuntimeError(f"broadcast_optimizer_state: rank {root_rank}'s state does not save ({error})")
+    if rank != root_rank:
+        payload = np.empty(n, dtype=np.uint8)
     comm.Bcast(payload, root=root_rank)
-    if comm.Get_rank() != root_rank:
-        inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))
+    if rank != root_rank:
+        try:
+            with torch.serialization.safe_globals(_NUMPY_SCALARS):  # a rate given as np.float64, say
+                inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))
+        except Exception as e:  # noqa: BLE001 -- as above: root would go on alone into its next collective
+            error = f"{type(e).__name__}: {e}"
+    errors = [f"rank {r} ({e})" for r, e in enumerate(comm.allgather(error)) if e]
+    if errors:
+        raise RuntimeError(f"broadcast_optimizer_state: rank {root_rank}'s state does not load on "
+                           + "; ".join(errors))

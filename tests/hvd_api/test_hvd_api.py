@@ -284,6 +284,23 @@ def test_objects_barrier_and_join():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_object_that_does_not_pickle_raises_on_every_rank():
+    """Root's lock does not pickle: root raised alone and the others waited
+    in the broadcast for the watchdog. A lambda does, as Horovod's
+    cloudpickle sends it; and an object a rank cannot pickle in an allgather."""
+    import threading
+
+    size, rank = hvd.size(), hvd.rank()
+    with pytest.raises(TypeError, match=r"broadcast_object: rank 1's object does not pickle \(TypeError: cannot "
+                                        r"pickle '_thread.lock' object\)"):
+        hvd.broadcast_object(threading.Lock() if rank == 1 else None, root_rank=1, name="lock")
+    assert hvd.broadcast_object(lambda x: x + size, root_rank=0)(1) == size + 1
+    with pytest.raises(TypeError, match=r"allgather_object: the object does not pickle on rank 0 \(TypeError"):
+        hvd.allgather_object(threading.Lock() if rank == 0 else rank, name="locks")
+    assert hvd.allgather_object(rank) == list(range(size))  # and the next call goes on
+
+
+@pytest.mark.mpi(min_size=2)
 def test_mismatched_arguments_raise_on_every_rank():
     rank = hvd.rank()
 

@@ -2,6 +2,7 @@
 form, a plain DDP script against Gloo and against one process on the whole
 batch, DDP's own comm hooks and ours over it."""
 
+import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -213,6 +214,29 @@ def test_a_ddp_hooks_communicator_is_made_at_registration_and_freed_at_close():
     state.close()  # again, as at exit: nothing left to do
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_hook_over_other_ranks_than_ddps_group_is_refused_on_every_rank():
+    """DDP on each half of the ranks, the hook on COMM_WORLD: it averaged
+    over every rank, whatever DDP's group. Refused; without comm= the hook
+    takes the group's own communicator."""
+    from hpcjobs import ddp_hooks
+
+    world = MPI.COMM_WORLD
+    half = world.Split(world.Get_rank() % 2, world.Get_rank())
+    group = new_process_group(half)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=group)
+        with pytest.raises(ValueError, match=f"rank {world.Get_rank()} of {world.Get_size()} here is rank "
+                                             f"{half.Get_rank()} of {half.Get_size()} in DDP's process group"):
+            ddp_hooks.register(ddp, "fp16", comm=world)
+        state = ddp_hooks.register(ddp, "fp16")
+        assert MPI.Comm.Compare(state.comm, half) == MPI.CONGRUENT
+        state.close()
+    finally:
+        group.shutdown()
+        half.Free()
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
                                                        torch.int64)
@@ -275,6 +299,33 @@ def test_reduce_scatter_allgather_alltoall_round_trip(pg):
     recv = torch.zeros(p, 2)
     pg.alltoall_base(recv, send, [], []).wait()
     assert recv.tolist() == [[100 * q + 2 * r, 100 * q + 2 * r + 1] for q in range(p)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("rows,ins,words", [
+    (5, [], "the input's 5 rows do not divide by"),  # the last rows were never sent, the output's left empty
+    (4, "past", "input_split_sizes [3, 3"),  # past the input's end: MPI read beyond the buffer
+])
+def test_all_to_all_single_refuses_rows_it_would_drop_or_overrun_on_every_rank(pg, rows, ins, words):
+    p = pg.size()
+    rows = rows if rows % p else rows + 1  # (5 divides by 5 ranks)
+    send = torch.arange(float(rows * 2)).reshape(rows, 2)
+    splits = [3] * p if ins == "past" else []
+    recv = torch.zeros(3 * p if ins == "past" else rows, 2)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        pg.alltoall_base(recv, send, [3] * p if ins == "past" else [], splits).wait()
+    t = torch.ones(3)
+    pg.allreduce([t]).wait()  # the group goes on
+    assert t.tolist() == [p] * 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bitwise_reductions_of_floats_are_refused(pg):
+    with pytest.raises((MismatchError, TypeError), match="bitwise, for integer and bool tensors"):
+        pg.allreduce([torch.ones(3)], _opts("AllreduceOptions", reduceOp=dist.ReduceOp.BAND)).wait()
+    t = torch.full((3,), 6, dtype=torch.int32) + pg.rank() % 2
+    pg.allreduce([t], _opts("AllreduceOptions", reduceOp=dist.ReduceOp.BAND)).wait()
+    assert t.tolist() == [6] * 3
 
 
 @pytest.mark.mpi(min_size=1)

@@ -310,6 +310,33 @@ def test_broadcast_parameters_and_optimizer_state_from_root(comm):
         assert same_on_every_rank(opt.state[p]["exp_avg"].double().reshape(-1), comm)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_optimizer_state_that_does_not_travel_raises_on_every_rank():
+    """Root went on alone into its next collective where the others could
+    not load its state (or root could not save it): now every rank raises.
+    A rate given as a numpy scalar loads."""
+    from fractions import Fraction
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = np.float64(0.5) if rank == 0 else 0.1
+    broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+    assert opt.param_groups[0]["lr"] == 0.5
+    opt.param_groups[0]["note"] = Fraction(1, 3)  # pickles; weights_only refuses it
+    with pytest.raises(RuntimeError, match="rank 0's state does not load on rank 1 \\(UnpicklingError"):
+        broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+
+    class Local:  # pickle cannot find it
+        pass
+
+    opt.param_groups[0]["note"] = Local() if rank == 1 else None
+    with pytest.raises(RuntimeError, match="rank 1's state does not save"):
+        broadcast_optimizer_state(opt, root_rank=1, comm=comm)
+    del opt.param_groups[0]["note"]
+    broadcast_optimizer_state(opt, root_rank=1, comm=comm)  # and the next one goes through
+
+
 @pytest.mark.mpi(min_size=1)
 def test_batch_norm_statistics_stay_per_worker():
     comm = MPI.COMM_WORLD
