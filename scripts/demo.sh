@@ -13,6 +13,7 @@
 #   HPCJOBS_DEMO_RANKS=4 scripts/demo.sh
 #   HPCJOBS_DEMO_TRAIN=0 scripts/demo.sh # the benchmark only
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 source "$(dirname "$0")/lib.sh"
 ensure_venv
 setup_mpi_env

