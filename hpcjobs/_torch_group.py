@@ -8,6 +8,7 @@ import contextlib
 import queue
 import sys
 import threading
+import time
 import weakref
 
 import torch
@@ -46,6 +47,16 @@ class _Work(dist._Work):
         self._fut = fut
 
     def wait(self, timeout=None) -> bool:
+        """Block until done (raising the operation's error); with a
+        ``timeout`` (a timedelta or seconds, 0: none), raise RuntimeError if
+        it is not done by then (the operation itself goes on)."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if seconds:
+            deadline = time.monotonic() + seconds
+            while not self._fut.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the hpcjobs backend: an operation did not complete within {seconds:g} s")
+                time.sleep(0.001)
         self._fut.wait()  # raises the operation's error
         return True
 
@@ -61,8 +72,12 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
     (module docstring). ``comm``: the MPI communicator of the group's ranks,
     in group-rank order."""
 
-    def __init__(self, comm: MPI.Intracomm | None = None, algorithm: str | None = None, *, owned: bool = False):
+    def __init__(self, comm: MPI.Intracomm | None = None, algorithm: str | None = None, *, owned: bool = False,
+                 timeout: float | None = None):
         comm = comm if comm is not None else MPI.COMM_WORLD
+        # how long a call may wait for the other ranks before the job is ended (init_process_group's timeout:
+        # torch's default 30 min, as Gloo waits); None: HPCJOBS_TIMEOUT
+        self._limit = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
         super().__init__(comm.Get_rank(), comm.Get_size())
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError("the hpcjobs backend needs MPI_THREAD_MULTIPLE (torch calls it from several "
@@ -94,7 +109,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             # watched as a whole, the agreement check and any MPI call
             # included: a rank that never arrives ends the job at
             # HPCJOBS_TIMEOUT instead of leaving the others blocked in MPI
-            with guard(what, self._comm):
+            with guard(what, self._comm, self._limit):
                 fn()
         except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
             fut.set_exception(e)

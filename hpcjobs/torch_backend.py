@@ -44,6 +44,13 @@ How it works:
    :mod:`hpcjobs.collectives`); the caller's stream is synchronized before
    the worker reads them, and the worker's after it writes them.
 
+6. **Timeouts.** A call waits for the other ranks as long as its group's
+   timeout (``init_process_group(timeout=...)`` or
+   ``new_process_group(timeout=...)``; torch's default, 30 minutes, and
+   none given leave ``HPCJOBS_TIMEOUT``, 300 s), then the stall watchdog
+   ends the job naming the ranks that never came; ``work.wait(timeout)``
+   raises once its own timeout has passed.
+
 A call this backend does not implement raises ``NotImplementedError``
 naming it.
 """
@@ -56,17 +63,21 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.distributed import constants
 
 from ._torch_group import BACKEND, HpcjobsProcessGroup
 
 __all__ = ["BACKEND", "HpcjobsProcessGroup", "new_process_group"]
 
 
-def new_process_group(comm: MPI.Intracomm | None = None, algorithm: str | None = None) -> HpcjobsProcessGroup:
+def new_process_group(comm: MPI.Intracomm | None = None, algorithm: str | None = None,
+                      timeout: timedelta | float | None = None) -> HpcjobsProcessGroup:
     """A process group over ``comm`` (default COMM_WORLD) without making it
     torch's default group: ``DistributedDataParallel(model,
-    process_group=new_process_group())`` beside a Gloo default group."""
-    return HpcjobsProcessGroup(comm, algorithm)
+    process_group=new_process_group())`` beside a Gloo default group.
+    ``timeout``: how long a call may wait for the other ranks before the
+    job ends (default HPCJOBS_TIMEOUT)."""
+    return HpcjobsProcessGroup(comm, algorithm, timeout=timeout)
 
 
 def _create(opts, backend_options=None) -> HpcjobsProcessGroup:
@@ -83,7 +94,13 @@ def _create(opts, backend_options=None) -> HpcjobsProcessGroup:
             comm.Free()
         raise RuntimeError(f"the hpcjobs backend: torch gives this rank {opts.group_rank} of {opts.group_size}, "
                            f"MPI {comm.Get_rank()} of {comm.Get_size()} (torch's ranks must be COMM_WORLD's)")
-    return HpcjobsProcessGroup(comm, owned=comm is not world)
+    # init_process_group(timeout=...): a call waits that long, where HPCJOBS_TIMEOUT (300 s) had ended a job
+    # whose rank 0 evaluated for 6 minutes before the timeout it asked for. torch's default (30 min, which
+    # torch passes whether asked or not) leaves HPCJOBS_TIMEOUT: a lost rank ends the job in minutes
+    timeout = getattr(opts, "timeout", None)
+    if timeout is not None and timeout == constants.default_pg_timeout:
+        timeout = None
+    return HpcjobsProcessGroup(comm, owned=comm is not world, timeout=timeout)
 
 
 def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwargs):

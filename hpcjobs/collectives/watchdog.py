@@ -102,7 +102,8 @@ def _from_environment() -> tuple[float, float, str | None]:
 
 
 _timeout, _warning, ENV_ERROR = _from_environment()
-_inflight: dict[int, tuple] = {}  # thread id -> (collective, call number, start, communicator or None: world)
+# thread id -> (collective, call number, start, communicator or None: world, its limit or None: HPCJOBS_TIMEOUT)
+_inflight: dict[int, tuple] = {}
 _last: tuple | None = None  # the collective entered last, in flight or not (as in _inflight)
 _calls = itertools.count(1)
 _thread: threading.Thread | None = None
@@ -183,7 +184,7 @@ def _where() -> tuple:
     now = time.monotonic()
     inflight = list(_inflight.values())
     if inflight:
-        what, call, t0, _ = min(inflight, key=lambda e: e[2])
+        what, call, t0 = min(inflight, key=lambda e: e[2])[:3]
         return ("in", what, call, now - t0)
     if _last is not None:
         return ("last", _last[0], _last[1])
@@ -246,11 +247,11 @@ def _members(comm) -> list[int] | None:
     return None if MPI.UNDEFINED in ranks else sorted(ranks)
 
 
-def _report(what: str, call: int, rank: int, comm=None) -> str:
+def _report(what: str, call: int, rank: int, comm=None, limit: float | None = None) -> str:
     """The timeout message, with every rank's answer where the watchdog is
     attached; on a communicator of some ranks only, the others are listed
     as outside it, not as missing from the collective."""
-    head = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {_timeout:g} s"
+    head = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete within {limit or _timeout:g} s"
     with _mpi_lock:
         if _reports is None:
             return head + ": a rank never arrived or died; aborting the job"
@@ -334,12 +335,12 @@ def _watch() -> None:
         if not _timeout:
             continue
         now = time.monotonic()
-        for tid, (what, call, t0, comm) in list(_inflight.items()):
+        for tid, (what, call, t0, comm, limit) in list(_inflight.items()):
             waited = now - t0
-            if waited > _timeout:
+            if waited > (limit or _timeout):
                 alive = _guardian is not None and _guardian.poll() is None
                 reaper = _guardian if alive else _start_reaper()
-                report = _report(what, call, rank, comm)
+                report = _report(what, call, rank, comm, limit)
                 print(report, file=sys.stderr, flush=True)
                 _tell_reaper(reaper, report)
                 MPI.COMM_WORLD.Abort(124)
@@ -347,23 +348,27 @@ def _watch() -> None:
             if _warning and waited > _warning and (tid, call) not in warned:
                 warned.add((tid, call))
                 print(f"hpcjobs: warning: rank {rank} has waited {waited:.0f} s in {what} (call #{call}) for the "
-                      f"other ranks; it aborts the job at {_timeout:g} s (HPCJOBS_TIMEOUT)", file=sys.stderr,
-                      flush=True)
+                      f"other ranks; it aborts the job at {limit or _timeout:g} s "
+                      f"({'its own limit' if limit else 'HPCJOBS_TIMEOUT'})", file=sys.stderr, flush=True)
 
 
-def enter(what: str, comm=None):
+def enter(what: str, comm=None, limit: float | None = None):
     """Register the calling thread as in the collective ``what`` on ``comm``
     (None: COMM_WORLD); returns the token :func:`leave` takes. The frame of every collective calls the pair
     (cheaper than :class:`guard` on small messages, where every call's
-    bookkeeping counts)."""
+    bookkeeping counts). ``limit``: seconds this call may wait instead of
+    HPCJOBS_TIMEOUT (a torch process group's timeout), which the collectives
+    it is built on inherit; the watchdog off (timeout 0) stays off."""
     global _last
     if not _timeout:
         return _OFF
     if _thread is None:
         _start()
     tid = _get_ident()
-    outer = _inflight.get(tid)  # a collective built on another one
-    _inflight[tid] = _last = (what, next(_calls), _monotonic(), comm)
+    outer = _inflight.get(tid)  # a collective built on another one: its limit holds inside
+    if limit is None and outer is not None:
+        limit = outer[4]
+    _inflight[tid] = _last = (what, next(_calls), _monotonic(), comm, limit)
     return outer
 
 
@@ -383,13 +388,13 @@ class guard:
     """``with guard("ring_allreduce", comm):`` -- the collective inside is
     watched (:func:`enter` and :func:`leave` as a context manager)."""
 
-    __slots__ = ("what", "comm", "token")
+    __slots__ = ("what", "comm", "limit", "token")
 
-    def __init__(self, what: str, comm=None):
-        self.what, self.comm = what, comm
+    def __init__(self, what: str, comm=None, limit: float | None = None):
+        self.what, self.comm, self.limit = what, comm, limit
 
     def __enter__(self):
-        self.token = enter(self.what, self.comm)
+        self.token = enter(self.what, self.comm, self.limit)
         return self
 
     def __exit__(self, *exc):

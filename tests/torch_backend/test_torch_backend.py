@@ -189,6 +189,50 @@ print("rank", r, "has", x.unique().tolist(), flush=True)
 """
 
 
+_SLOW_RANK_0 = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import hpcjobs.torch_backend  # noqa: F401
+from hpcjobs.torch_backend import new_process_group
+
+dist.init_process_group("hpcjobs", timeout=timedelta(seconds=float(sys.argv[1])))
+r = dist.get_rank()
+x = torch.ones(4)
+if r == 0:
+    time.sleep(6)  # evaluates, saves a checkpoint: the others wait
+else:
+    try:
+        dist.all_reduce(x, async_op=True).wait(timeout=timedelta(seconds=1))
+        print("rank", r, "waited", flush=True)
+    except RuntimeError as e:
+        print("rank", r, "wait:", e, flush=True)
+dist.all_reduce(x) if r == 0 else None
+dist.barrier()
+print("rank", r, "has", x.tolist(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("limit,ends", [(30, True), (2, False)])
+def test_a_call_waits_as_long_as_its_groups_timeout(limit, ends):
+    """HPCJOBS_TIMEOUT 3 s, rank 0 late by 6 s: with init_process_group's
+    timeout of 30 s the job ends well (it was aborted at HPCJOBS_TIMEOUT,
+    whatever the timeout torch was given); with 2 s it is aborted, naming
+    that limit. work.wait(timeout) raises once its own has passed."""
+    from launch import mpirun_script
+
+    out = mpirun_script(2, _SLOW_RANK_0.replace("sys.argv[1]", str(limit)), timeout=120,
+                        env={"HPCJOBS_TIMEOUT": "3"})
+    if ends:
+        assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+        assert sorted(out.stdout.splitlines()) == [
+            "rank 0 has [2.0, 2.0, 2.0, 2.0]",
+            "rank 1 has [2.0, 2.0, 2.0, 2.0]",
+            "rank 1 wait: the hpcjobs backend: an operation did not complete within 1 s"], out.stdout
+    else:
+        assert out.returncode != 0 and "did not complete within 2 s" in out.stderr, out.stderr[-3000:]
+
+
 def test_a_script_that_leaves_groups_over_different_ranks_ends():
     # no destroy_process_group: at exit each group frees its communicator, its windows with it, group by group in
     # the order made, and the library frees what else is left in the order made
