@@ -299,6 +299,8 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             run.scaler.unscale_(run.inner)
             run.scaler.step(run.inner)
             run.scaler.update()
+            if run.scaler.get_scale() < opt.grad_scale:  # only an overflow lowers it: the step was skipped
+                opt.stats["skipped_steps"] += 1
             if opt.memory is not None and run.scaler.get_scale() != opt.grad_scale:  # residuals: in the new units
                 opt.memory.rescale(run.scaler.get_scale() / opt.grad_scale)
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
