@@ -184,6 +184,24 @@ def test_a_job_parameter_set_on_one_host_only_stops_every_rank_naming_it(variabl
     assert "allreduces" not in out.stdout  # nothing ran
 
 
+def test_a_tuning_file_one_rank_cannot_read_stops_every_rank_naming_it(tmp_path):
+    """MPMD: rank 1's --tuning path is missing (the file on rank 0's host
+    only). It was refused on rank 1 alone, silently (only rank 0 prints a
+    usage error), and rank 0 waited in its next collective."""
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"version": 1, "tables": [{"ranks": 2, "nodes": 1, "rows": [
+        {"max_bytes": None, "algorithm": "ring"}]}]}))
+    with launch_env() as env:
+        env.pop("HPCJOBS_TUNING", None)
+        exe, *over, _, _, python = _mpirun_prefix(1)
+        job = ["-m", "hpcjobs", "bench", "allreduce", "--impl", "auto", "-e", "64", "--tuning"]
+        out = run([exe, *over, "-n", "1", python, *job, str(table), ":", "-n", "1", python, *job,
+                   str(tmp_path / "missing.json")], 120, env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"error: rank 1: cannot read tuning table {tmp_path / 'missing.json'}" in out.stderr, out.stderr[-2000:]
+    assert "size(B)" not in out.stdout  # nothing was measured
+
+
 def test_expected_world_size_mismatch_aborts_the_job():
     out = _mpirun(2, "info", env={"HPCJOBS_EXPECT_WORLD_SIZE": "5"}, timeout=60)
     assert out.returncode != 0

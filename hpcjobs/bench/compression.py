@@ -127,7 +127,7 @@ def tensor_rows(comm: MPI.Intracomm, elements: list[int], compressors: list[str]
         while not auto_settled(work, "avg", comm):  # auto's measuring calls, untimed, as the allreduce sweep does
             reset(None)
             auto()
-        times, wrong = time_interleaved(runs, reset, check, comm, iters, warmup=1)
+        times, wrong = time_interleaved(runs, reset, check, comm, iters, warmup=1, seed=n)  # each size its orders
         base_bytes = max(1, comm.allreduce(sent["fp32 ring"], op=MPI.MAX))
         t_ring, t_auto = max_of_medians(times["fp32 ring"], comm), max_of_medians(times["fp32 auto"], comm)
         for label in runs:
@@ -207,5 +207,7 @@ def train_table(rows: list[dict]) -> str:
                      f"{100 * r['test_acc']:.2f} ± {100 * r['test_acc_sd']:.2f}"
                      + (f" ({r['diverged']}/{len(r['accs'])} diverged)" if r["diverged"] else "")
                      + f" | {r['delta_points']:+.2f} | "
-                     f"{r['sent_bytes']:,.0f} | {r['fewer_bytes']:.1f} | {r['time_ratio']:.2f} |")
+                     f"{r['sent_bytes']:,.0f} | "
+                     + (f"{r['fewer_bytes']:.1f}" if r["fewer_bytes"] is not None else "-")  # 1 rank: none sent
+                     + f" | {r['time_ratio']:.2f} |")
     return "\n".join(lines)

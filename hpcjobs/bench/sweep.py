@@ -126,15 +126,18 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
     segment_sizes = list(segment_sizes)
     impls: dict[str, Callable] = {}
     for name in names:
-        if name == "ring_pipelined" and segment_sizes:
+        base, checks = name.removesuffix(CHECKED), name.endswith(CHECKED)  # a +check row: its segments too
+        tail = CHECKED if checks else ""
+        if base == "ring_pipelined" and segment_sizes:
             if 0 in segment_sizes:
                 raise ValueError("segment size 0 (not pipelined) is for hierarchical; ring_pipelined needs > 0")
             for seg in segment_sizes:
-                label = name if len(segment_sizes) == 1 else f"{name}/{format_bytes(seg)}"
-                impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg))
-        elif name == "hierarchical" and segment_sizes:  # one row per segment size: hierarchical/1M, hierarchical/0
+                label = name if len(segment_sizes) == 1 else f"{base}/{format_bytes(seg)}{tail}"
+                impls[label] = Impl(functools.partial(_ring_pipelined, segment_bytes=seg), checks=checks)
+        elif base == "hierarchical" and segment_sizes:  # one row per segment size: hierarchical/1M, hierarchical/0
             for seg in segment_sizes:
-                impls[f"{name}/{format_bytes(seg)}"] = Impl(functools.partial(_hierarchical, segment_bytes=seg))
+                impls[f"{base}/{format_bytes(seg)}{tail}"] = Impl(functools.partial(_hierarchical, segment_bytes=seg),
+                                                                   checks=checks)
         elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
             # the call allreduce(buf, op, algorithm, comm) makes, as the mpi row calls MPI_Allreduce
             impls[name] = Impl(lookup(algorithm).run, settled=auto_.settled if algorithm == "auto" else None,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import random
 import statistics
@@ -354,9 +355,12 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
         share = statistics.median(res.comm_shares) if res.comm_shares else None
         lines.append(f"  {name:20s} {res.median:15.0f} {res.ci95:8.0f} {total:16.0f} {eff:10.2f} {vs_ddp:7.2f} "
                      f"{vs_hvd:10.2f} {res.wrong:6d} {f'{100 * share:4.0f}%' if share is not None else '    -':>5s}")
+        def num(v):  # NaN (no single, ddp or horovod row) as JSON's null: a bare NaN is not JSON
+            return None if math.isnan(v) else v
+
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
-                         efficiency=eff, vs_ddp=vs_ddp, vs_horovod=vs_hvd, wrong=res.wrong, rounds=res.per_rank_sps,
-                         comm_share=share))
+                         efficiency=num(eff), vs_ddp=num(vs_ddp), vs_horovod=num(vs_hvd), wrong=res.wrong,
+                         rounds=res.per_rank_sps, comm_share=share))
     lines.append("# samples/s/rank: median over rounds; +-95%: 1.96 x the rounds' standard deviation (one round's "
                  "spread, as Horovod's synthetic benchmark prints it, not the median's interval); "
                  "efficiency = total / (ranks x single); ratios are of medians from this run")

@@ -113,14 +113,23 @@ def sweep_sizes(args) -> list[int]:
 
 def apply_placement(args) -> None:
     """--ranks-per-node and --tuning, shared by the commands that run our
-    collectives: checked before anything is measured (usage error, exit 2)."""
+    collectives: checked before anything is measured (usage error, exit 2,
+    on every rank: a --tuning file missing or bad on one host only, refused
+    there alone, left the others waiting with no word)."""
     from ..collectives import auto
+    from ..comm import private
 
     if getattr(args, "ranks_per_node", None):
         os.environ["HPCJOBS_RANKS_PER_NODE"] = str(args.ranks_per_node)
     if getattr(args, "tuning", None):
-        with usage():
+        problem = None
+        try:
             auto.load_tuning(args.tuning)
+        except ValueError as e:
+            problem = str(e)
+        problems = private().allgather(problem)
+        if any(problems):
+            raise UsageError("; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p))
         auto.set_tuning(args.tuning)
 
 

@@ -51,3 +51,13 @@ assert auto.settled(torch.zeros(_shape(20_000)), "avg", comm) and len(rows) == 3
 print("ok", comm.rank)
 """, timeout=240)
     assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_the_training_table_at_one_rank_has_no_byte_ratio_and_does_not_fail():
+    """At 1 rank nothing is sent, so "fewer bytes" has no value: the table
+    raised TypeError after every run had trained."""
+    from hpcjobs.bench.compression import train_table
+
+    row = dict(compressor="none", error_feedback=False, test_acc=0.5, test_acc_sd=0.0, accs=[0.5], diverged=0,
+               sent_bytes=0.0, delta_points=0.0, fewer_bytes=None, time_ratio=1.0)
+    assert "| none | no | 50.00 ± 0.00 | +0.00 | 0 | - | 1.00 |" in train_table([row])

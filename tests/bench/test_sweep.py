@@ -53,6 +53,18 @@ def test_several_segment_sizes_give_one_labelled_row_each():
         "ring", "ring_pipelined/64K", "ring_pipelined/1M", "mpi"]
 
 
+def test_a_check_row_runs_at_the_segment_sizes_asked_for():
+    """ring_pipelined+check took the default segments while ring_pipelined
+    took 64K: the difference was read as the check's cost."""
+    impls = implementations(["ring_pipelined", "ring_pipelined+check", "hierarchical+check"], [65536])
+    assert list(impls) == ["ring_pipelined", "ring_pipelined+check", "hierarchical/64K+check"]
+    assert [i.checks for i in impls.values()] == [False, True, True]
+    assert impls["ring_pipelined+check"].fn.keywords == {"segment_bytes": 65536}
+    assert impls["hierarchical/64K+check"].fn.keywords == {"segment_bytes": 65536}
+    two = implementations(["ring_pipelined+check"], [65536, 1 << 20])
+    assert list(two) == ["ring_pipelined/64K+check", "ring_pipelined/1M+check"]
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", ["float32", "int64", "float16", "bfloat16"])
 @pytest.mark.parametrize("op", OPS)

@@ -170,3 +170,20 @@ assert all(auto.settled(b.buffer, "avg", opt._user_comm) for b in opt._buckets)
 print("ok", MPI.COMM_WORLD.Get_rank())
 """, timeout=240)
     assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_the_json_rows_hold_null_where_a_ratio_has_no_row_to_be_against():
+    """efficiency is NaN for single itself, and vs_ddp/vs_horovod where that
+    row was not run: json.dump wrote a bare NaN, which is not JSON."""
+    import json
+
+    import pytest
+
+    from hpcjobs.bench.train import Result, table
+
+    results = {"single": Result("single", [100.0, 110.0]), "ours": Result("ours", [90.0, 92.0])}
+    _, rows = table(results, 2, ["single", "ours"])
+    text = json.dumps(rows, allow_nan=False)  # raised ValueError on the NaN
+    single, ours = json.loads(text)
+    assert single["efficiency"] is None and ours["vs_ddp"] is None and ours["vs_horovod"] is None
+    assert ours["efficiency"] == pytest.approx(91.0 / 105.0)
