@@ -169,7 +169,11 @@ def _flat_from_torch(t) -> Flat:
     name = str(t.dtype).removeprefix("torch.")
     if name not in _NUMPY_DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
-    data = t.numpy().reshape(-1)
+    try:
+        data = t.numpy().reshape(-1)
+    except RuntimeError as e:  # a negative or conjugate view, a wrapped tensor: this rank's own, said on every rank
+        raise ValueError(f"the tensor does not give its memory to numpy ({e}); pass t.resolve_neg() or "
+                         "t.resolve_conj(), or a plain copy") from None
     return Flat(data, None, name)
 
 

@@ -112,10 +112,14 @@ def divide(t, dtype: str, size: int) -> None:
     floats, floor division for integers (as the host path's ``finish_avg``)."""
     if size == 1:
         return
+    import torch
+
     if dtype == "bfloat16" or dtype.startswith("float"):
         t.div_(size)
-    else:
+    elif size <= torch.iinfo(t.dtype).max:
         t.div_(size, rounding_mode="floor")
+    else:  # more ranks than the dtype counts to (torch casts size to it: int8 128 is -128): |v| < size
+        t.copy_((t < 0).to(t.dtype).neg_())
 
 
 class Stream:

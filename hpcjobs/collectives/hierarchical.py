@@ -73,7 +73,7 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
     """The two-level step (module docstring); ``segment_bytes`` pipelines
     the uniform path in segments of about that size."""
     if isinstance(flat, DeviceFlat):
-        _on_device(flat, op, comm, topology, inter, intra, ranks_per_node)
+        _on_device(flat, op, comm, topology, inter, intra, ranks_per_node, segment_bytes)
         return
     if intra == "cuda_ipc":
         raise ValueError("intra='cuda_ipc' reduces CUDA tensors; this buffer is in host memory (use ring or shm)")
@@ -187,10 +187,11 @@ def _pipelined(m: Flat, op: str, topo: Topology, inter_step, intra: str, per: in
 
 
 def _on_device(flat: DeviceFlat, op: str, comm: MPI.Intracomm, topology, inter: str, intra: str,
-               ranks_per_node) -> None:
-    """The two levels on a CUDA tensor (module docstring)."""
+               ranks_per_node, segment_bytes: int | None = None) -> None:
+    """The two levels on a CUDA tensor (module docstring); the staged host
+    chunks pipeline in ``segment_bytes`` as a host buffer would (0: not)."""
     host = functools.partial(allreduce, topology=topology, inter=inter, intra="ring" if intra == "cuda_ipc" else intra,
-                             ranks_per_node=ranks_per_node)
+                             ranks_per_node=ranks_per_node, segment_bytes=segment_bytes)
     topo = topology or detect_private(comm, ranks_per_node)
     L = topo.local_size
     if intra == "cuda_ipc" and topo.uniform and L > 1:

@@ -70,6 +70,9 @@ def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
     t = torch.ones(4, 4)
     arg = t.t()[1:] if comm.Get_rank() == 0 else t[1:]  # rank 0: not contiguous
     _raises_everywhere(lambda: ring_allreduce(arg, comm=comm), comm, "rank 0: ValueError", "contiguous")
+    # torch refuses numpy() on a negative view (RuntimeError): raised on rank 1 alone, the others waited
+    arg = t.reshape(-1)._neg_view() if comm.Get_rank() == 1 else t.reshape(-1)
+    _raises_everywhere(lambda: ring_allreduce(arg, comm=comm), comm, "rank 1: ValueError", "resolve_neg")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -154,6 +154,27 @@ def test_hierarchical_on_device_two_levels(op, count):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("segment_bytes", [0, 4096])
+def test_hierarchical_on_device_stages_its_host_chunks_in_the_segments_asked_for(segment_bytes, monkeypatch):
+    """segment_bytes reached the host buffer's two levels, not a device
+    buffer's staged chunks: 0 did not turn pipelining off there."""
+    comm = private(MPI.COMM_WORLD)
+    real, seen = hierarchical.allreduce, []
+
+    def spy(flat, *args, **kw):
+        if not isinstance(flat, DeviceFlat):
+            seen.append(kw.get("segment_bytes"))
+        return real(flat, *args, **kw)
+
+    monkeypatch.setattr(hierarchical, "allreduce", spy)
+    inputs = _inputs(comm.Get_size(), 40_001, "float64", "sum")
+    flat = _flat(inputs[comm.Get_rank()], "float64")
+    real(flat, "sum", comm, inter="ring", intra="ring", ranks_per_node=1, segment_bytes=segment_bytes)
+    check_allreduce(flat.tensor, inputs, "sum", "float64", MPI.COMM_WORLD)
+    assert seen and set(seen) == {segment_bytes}
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("nbytes", [64, 1 << 20])
 def test_auto_measures_the_device_transports_and_keeps_one(nbytes):
     comm = private(MPI.COMM_WORLD)
@@ -208,3 +229,20 @@ def test_hierarchical_falls_back_together_when_ipc_fails_on_one_node_only(monkey
     hierarchical.allreduce(flat, "sum", comm, inter="ring", intra="cuda_ipc", ranks_per_node=2)
     assert calls == []
     check_allreduce(flat.tensor, inputs, "sum", "float64", MPI.COMM_WORLD)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32"])
+@pytest.mark.parametrize("size", [3, 127, 128, 255, 256, 300])
+def test_the_device_average_of_integers_is_the_hosts(dtype, size):
+    """divide on a device (here a CPU tensor) floors as finish_avg does on the
+    host; with more ranks than the dtype counts to, torch cast the size to it
+    (int8 128 became -128, uint8 256 a division by 0)."""
+    from hpcjobs.collectives._buffers import finish_avg
+    from hpcjobs.collectives.device import divide
+
+    values = np.array([100, -100, 5, -5, 0, 127, -128] if dtype != "uint8" else [100, 200, 5, 0, 255], dtype=dtype)
+    host = values.copy()
+    finish_avg(host, dtype, size)
+    t = torch.from_numpy(values.copy())
+    divide(t, dtype, size)
+    assert t.tolist() == host.tolist()
