@@ -24,8 +24,8 @@ def auto_iters(nbytes: int) -> int:
 
 
 def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str], object],
-                     check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int, seed: object = 0
-                     ) -> tuple[dict[str, list[float]], dict[str, int]]:
+                     check: Callable[[str], int], comm: MPI.Intracomm, iters: int, warmup: int, seed: object = 0,
+                     check_every: bool = False) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Time several implementations of one operation in ``warmup + iters``
     interleaved rounds (:class:`hpcjobs.timing.Rounds`).
 
@@ -35,6 +35,7 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str
     that works on its own copy of the buffer (on a GPU, say) can be given
     its input and have its output read back outside the timed call.
     ``seed`` (the same on every rank: the size, the pass) picks the orders.
+    ``check_every``: after every call instead (warmup too), the counts summed.
 
     Returns:
         (label -> this rank's ``iters`` durations in seconds,
@@ -47,7 +48,9 @@ def time_interleaved(runs: dict[str, Callable[[], object]], reset: Callable[[str
         label, last = labels[rounds.current], rounds.last_call
         reset(label)
         rounds.call(comm, runs[label])
-        if last:
+        if check_every:
+            wrong[label] = wrong.get(label, 0) + check(label)
+        elif last:
             wrong[label] = check(label)
     return {label: rounds.times[:, j].tolist() for j, label in enumerate(labels)}, wrong
 

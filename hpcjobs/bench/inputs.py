@@ -7,7 +7,7 @@ import numpy as np
 
 from ..collectives._buffers import OP_TABLE, finish_avg
 
-__all__ = ["expected_output", "make_input"]
+__all__ = ["VARIANTS", "expected_output", "make_input"]
 
 # The inputs repeat every _PERIOD elements, a prime: a chunk moved by a whole number of periods is the only
 # misplacement the check cannot see (with the period of 3 before, ranks r and r + 3 held the same input and
@@ -43,23 +43,31 @@ def _to_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     return values.astype(dtype)
 
 
-def make_input(count: int, dtype: str, op: str, rank: int) -> np.ndarray:
-    """Rank ``rank``'s input, as the typed data of a Flat (bf16 as bits)."""
-    return _to_dtype(np.resize(np.array(_pattern(rank, op), dtype=np.int64), count), dtype)
+# Calls take turns among this many variants of the inputs (each the pattern turned by one more position): a
+# result left from an earlier call -- a stale slot, a missed fence -- differs from this call's where it would
+# have been bit for bit the same with one input for every call (two slots in turn: a variant count that 2
+# does not divide).
+VARIANTS = 3
 
 
-def expected_output(count: int, dtype: str, op: str, size: int) -> np.ndarray:
-    """The exact allreduce of every rank's :func:`make_input`.
+def make_input(count: int, dtype: str, op: str, rank: int, variant: int = 0) -> np.ndarray:
+    """Rank ``rank``'s input, as the typed data of a Flat (bf16 as bits);
+    ``variant``: the pattern turned by that many positions."""
+    return _to_dtype(np.resize(np.roll(np.array(_pattern(rank, op), dtype=np.int64), variant), count), dtype)
+
+
+def expected_output(count: int, dtype: str, op: str, size: int, variant: int = 0) -> np.ndarray:
+    """The exact allreduce of every rank's :func:`make_input` (of ``variant``).
 
     Integers are reduced in int64, whose wrap-around agrees with any narrower
     integer type's modulo its width; floats in float64, exact for these values.
     """
     integer = dtype != "bfloat16" and np.issubdtype(np.dtype(dtype), np.integer)
     ufunc = OP_TABLE[op].ufunc
-    acc = np.array(_pattern(0, op), dtype=np.int64 if integer else np.float64)
+    acc = np.roll(np.array(_pattern(0, op), dtype=np.int64 if integer else np.float64), variant)
     with np.errstate(over="ignore"):
         for r in range(1, size):
-            ufunc(acc, np.array(_pattern(r, op), dtype=acc.dtype), out=acc)
+            ufunc(acc, np.roll(np.array(_pattern(r, op), dtype=acc.dtype), variant), out=acc)
         out = _to_dtype(np.resize(acc, count), dtype)
     if op == "avg":
         finish_avg(out, dtype, size)

@@ -9,8 +9,11 @@ holds small integers hashed from ``r`` and the element's place in a period
 of 251 (:func:`_pattern`: 0 or 1 to sum, 1 or 2 to multiply, 0..27 for min
 and max), so every partial sum is exact in every dtype and reduction order
 up to 256 ranks (bfloat16's integers), every rank's input differs from
-every other's, and so do the results along the buffer. ``#wrong`` counts
-elements that differ from the expected, summed over ranks.
+every other's, and so do the results along the buffer. Calls take turns
+among three variants of the inputs (the pattern turned by 0, 1, 2 places),
+so a result left from an earlier call differs from this one's. ``#wrong``
+counts elements that differ from the expected, after every call (warmup
+too, untimed), summed over calls and ranks.
 
 A row of ours makes the call ``allreduce(buf, op, algorithm, comm)``
 makes, without the name's lookup (:func:`hpcjobs.collectives.select.lookup`,
@@ -59,7 +62,7 @@ from ..collectives.agreement import set_checks
 from ..collectives.select import lookup
 from .baselines import ADAPTERS, LATE_BASELINES, DeviceStage, mpi_label
 from .harness import auto_iters, max_of_medians, sum_over_ranks, time_interleaved
-from .inputs import expected_output, make_input
+from .inputs import VARIANTS, expected_output, make_input
 from .names import BASELINES, BUFFERS
 
 @dataclass
@@ -253,8 +256,11 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
             continue
         buf = _make_buffer(count, dtype, framework, buffers, comm)
         flat = as_flat(buf)
-        pristine = make_input(count, dtype, op, rank)
-        want = expected_output(count, dtype, op, size)
+        # every call's input is the next variant's, and every call is checked: a result left by an earlier
+        # call (a stale slot) counts as wrong, as it would not with one input for all
+        pristine = [make_input(count, dtype, op, rank, v) for v in range(VARIANTS)]
+        want = [expected_output(count, dtype, op, size, v) for v in range(VARIANTS)]
+        calls: dict = {}  # label -> its calls so far: the variant of its next
         n_iters = iters or auto_iters(count * itemsize)
         checked = {label for label, fn in impls.items() if isinstance(fn, Impl) and fn.checks}
         chosen = {label: fn for label, fn in impls.items() if not isinstance(fn, Impl) or fn.supports(dtype)}
@@ -273,14 +279,15 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         def reset(label):
             if checked:  # untimed: a +check row's calls check, and no other row's
                 set_checks(label in checked)
-            np.copyto(flat.data, pristine)
+            calls[label] = calls.get(label, -1) + 1
+            np.copyto(flat.data, pristine[calls[label] % VARIANTS])
             if label in stages:
                 stages[label].upload()
 
         def check(label) -> int:
             if label in stages:
                 stages[label].download()
-            return int(np.count_nonzero(flat.data != want))
+            return int(np.count_nonzero(flat.data != want[calls[label] % VARIANTS]))
 
         for label, fn in impls.items():  # auto's measuring calls, untimed
             if label not in runs:
@@ -289,7 +296,9 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
             while isinstance(fn, Impl) and fn.settled is not None and not fn.settled(target, op, comm):
                 reset(label)
                 runs[label]()
-        times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup, seed=(nbytes, pass_index))
+        calls.clear()  # (auto's measuring calls above took turns too)
+        times, wrong = time_interleaved(runs, reset, check, comm, n_iters, warmup, seed=(nbytes, pass_index),
+                                        check_every=True)
         on_wire = wire.measure_rows(runs, reset) if wire is not None else {}
         if checked:
             set_checks(False)  # as the benchmarks run (unchecked_benchmarks)

@@ -82,6 +82,40 @@ def test_bench_records_zero_wrong_for_every_implementation(dtype, op):
         assert r.busbw_gbps == pytest.approx(r.algbw_gbps * (2 * (P - 1) / P if P > 1 else 1))
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_result_left_from_an_earlier_call_counts_as_wrong():
+    """A row whose output is its result of two calls before (a stale slot,
+    a missed fence) was bit for bit right with the same input every call,
+    and only the last call was checked: #wrong 0. Calls take turns among
+    three inputs now, and every one is checked."""
+    from hpcjobs.bench.sweep import Impl
+    from hpcjobs.collectives import allreduce
+
+    kept = []
+
+    def stale(buf, op, comm):
+        allreduce(buf, op, "ring", comm)
+        kept.append(buf.copy())
+        if len(kept) > 2:
+            buf[:] = kept[-3]
+
+    comm = MPI.COMM_WORLD
+    records = run(comm, [4096], {**implementations(["ring"]), "stale": Impl(stale)}, "float32", "sum", iters=4,
+                  warmup=1)
+    wrong = {r.impl: r.wrong for r in records}
+    assert wrong["ring"] == 0 and wrong["stale"] > 0, wrong
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_every_variant_of_the_inputs_has_its_exact_result(variant):
+    from hpcjobs.bench.inputs import VARIANTS
+
+    assert VARIANTS % 2  # two slots in turn never see the same variant twice running
+    inputs = np.stack([make_input(1000, "int64", "sum", r, variant) for r in range(5)])
+    assert (inputs.sum(axis=0) == expected_output(1000, "int64", "sum", 5, variant)).all()
+    assert (expected_output(1000, "int64", "sum", 5, variant) != expected_output(1000, "int64", "sum", 5)).any()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_symmetric_buffers_run_every_row_and_shm_without_staging(dtype, monkeypatch):
