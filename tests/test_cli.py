@@ -46,6 +46,11 @@ def test_the_venvs_activate_script_sets_what_open_mpi_needs():
     assert ("OMPI_ALLOW_RUN_AS_ROOT=1" in out.splitlines()) == (os.geteuid() == 0)
 
 
+def test_bench_staging_refuses_no_chunk_sizes_before_anything_runs():
+    out = _hpcjobs("bench", "staging", "--chunks", "")  # it failed in min() after measuring, on a GPU
+    assert out.returncode == 2 and "--chunks: give one chunk size or more" in out.stderr, out.stderr
+
+
 def test_a_group_without_a_command_prints_its_help_and_exits_2():
     out = _hpcjobs("bench")
     assert out.returncode == 2 and "allreduce" in out.stderr
@@ -59,6 +64,8 @@ def test_a_group_without_a_command_prints_its_help_and_exits_2():
     (["--segment-bytes", "64Q"], "not a size"),
     (["--iters", "-3"], "must be positive"),
     (["--dtype", "complex64"], "invalid choice"),
+    (["--impl", "ring,auto", "--segment-bytes", "64K"], "--impl has neither: it would be ignored"),
+    (["--device", "cuda", "--framework", "torch"], "--framework picks the host buffers' type"),
 ])
 def test_bad_bench_arguments_exit_2_on_every_rank_naming_the_problem(args, words):
     out = _mpirun(2, "bench", "allreduce", *args)

@@ -10,6 +10,8 @@ from typing import Iterable
 
 from mpi4py import MPI
 
+from .names import BASELINES
+
 COLUMNS = ("size(B)", "count", "type", "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
 _WIDTHS = (12, 12, 9, 6, 22, 11, 12, 12, 7)
 # Across hosts (hpcjobs.bench.wire): the busiest host's bytes sent per call,
@@ -113,7 +115,8 @@ def plot(records: Iterable, path: str, metric: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for impl, rows in by_impl.items():
         rows = sorted(rows, key=lambda r: r.size_bytes)
-        style = "--" if impl in ("mpi", "gloo", "nccl", "horovod") else "-"
+        # dashed: a library's, whatever its label (mpi/tuned:N, horovod-gloo, the doors); solid: ours
+        style = "--" if impl in BASELINES or impl.startswith("mpi") else "-"
         ax.plot([r.size_bytes for r in rows], [getattr(r, metric) for r in rows], style, marker="o",
                 markersize=3, label=impl)
     ax.set_xscale("log", base=2)

@@ -30,10 +30,12 @@ def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm, d
 
 
 def _times_by_size(records: list[Record]) -> dict[int, dict[str, float]]:
-    """size -> label -> time (µs), sizes in ascending order."""
+    """size -> label -> time (µs), sizes in ascending order; a row with a
+    wrong result at a size is left out there (fast and wrong is no best)."""
     by_size: dict[int, dict[str, float]] = {}
     for r in sorted(records, key=lambda r: r.size_bytes):
-        by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
+        if not r.wrong:
+            by_size.setdefault(r.size_bytes, {})[r.impl] = r.time_us
     return by_size
 
 

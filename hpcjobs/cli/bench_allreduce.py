@@ -92,7 +92,13 @@ def run(args) -> int:
         segs = [0 if s == "0" else parse_bytes(s) for s in comma_list(args.segment_bytes)] if args.segment_bytes else []
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"--segment-bytes: {e}") from None
+    if segs and not any(n.removesuffix("+check") in ("ring_pipelined", "hierarchical") for n in names):
+        raise UsageError("--segment-bytes sizes the segments of ring_pipelined and hierarchical, and --impl has "
+                         "neither: it would be ignored")
     device = "cpu"
+    if args.device == "cuda" and args.framework != "numpy":
+        raise UsageError("--framework picks the host buffers' type; with --device cuda every row reduces a CUDA "
+                         "tensor: leave --framework out")
     if args.device == "cuda":
         from ..bench.device import no_gpu_reason
 

@@ -36,13 +36,15 @@ def configure(p) -> None:
 def run(args) -> int:
     from ..bench.device import gpu_for_rank, no_gpu_reason
 
-    reason = no_gpu_reason()
-    if reason:
-        raise UsageError(f"bench staging measures a GPU: {reason}")
     try:
         chunks = [parse_bytes(c) for c in comma_list(args.chunks)]
     except argparse.ArgumentTypeError as e:
         raise UsageError(f"--chunks: {e}") from None
+    if not chunks:  # (it failed after the measuring, in min())
+        raise UsageError("--chunks: give one chunk size or more, e.g. 1M,4M")
+    reason = no_gpu_reason()
+    if reason:
+        raise UsageError(f"bench staging measures a GPU: {reason}")
     import torch
 
     from ..bench.harness import max_of_medians, sum_over_ranks, time_interleaved

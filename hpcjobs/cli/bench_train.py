@@ -25,7 +25,7 @@ def configure(p) -> None:
     p.add_argument("--model", choices=MODELS + IMAGE_MODELS + GPT_MODELS, default="mlp",
                    help="default: %(default)s; resnet18/resnet50 train on random images (--image-size), "
                         "gpt-mini (10.8M parameters) and gpt2-small (124M) on random tokens")
-    p.add_argument("--image-size", type=positive_int, default=224,
+    p.add_argument("--image-size", type=positive_int,
                    help=f"pixels per side for the ResNets (default 224; at least {MIN_IMAGE_SIZE})")
     g = p.add_argument_group("GPT shape (default: the preset's)")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (gpt-mini 256, gpt2-small 1024)")
@@ -39,9 +39,10 @@ def configure(p) -> None:
     p.add_argument("--amp", choices=AMP, default="none",
                    help="mixed precision: bf16 (autocast); fp16 (autocast and a GradScaler) is for GPUs and refused "
                         "on CPUs (default none)")
-    p.add_argument("--width", type=positive_int, default=1024, help="hidden units / channels (default 1024)")
-    p.add_argument("--batch-norm", action="store_true")
-    p.add_argument("--input-size", type=positive_int, default=40, help="features per sample (MNIST-1D: 40)")
+    p.add_argument("--width", type=positive_int, help="mlp/cnn1d: hidden units / channels (default 1024)")
+    p.add_argument("--batch-norm", action="store_true", help="mlp/cnn1d: BatchNorm after each hidden layer")
+    p.add_argument("--input-size", type=positive_int, help="mlp/cnn1d: features per sample (MNIST-1D: 40, the "
+                   "default)")
     p.add_argument("--num-classes", type=positive_int, default=10)
     p.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--num-warmup-batches", type=positive_int, default=5, help="default: %(default)s")
@@ -71,13 +72,20 @@ def run(args) -> int:
     with usage():
         for n in names:
             check_impl(n)
-        if args.model in IMAGE_MODELS and args.image_size < MIN_IMAGE_SIZE:
+        if args.model in IMAGE_MODELS and (args.image_size or 224) < MIN_IMAGE_SIZE:
             raise ValueError(f"--image-size {args.image_size}: {args.model} needs images of at least "
                              f"{MIN_IMAGE_SIZE}x{MIN_IMAGE_SIZE}")
         gpt_flags = [f for f in ("seq_len", "layers", "heads", "embed", "vocab") if getattr(args, f) is not None]
         if gpt_flags and args.model not in GPT_MODELS:
             raise ValueError(f"--{gpt_flags[0].replace('_', '-')} shapes the GPTs ({', '.join(GPT_MODELS)}), "
                              f"not {args.model}")
+        # flags that shape another kind of model, ignored by this one
+        small = [f for f in ("width", "input_size", "batch_norm") if getattr(args, f)]
+        if small and args.model not in MODELS:
+            raise ValueError(f"--{small[0].replace('_', '-')} shapes {' and '.join(MODELS)}, not {args.model}")
+        if args.image_size is not None and args.model not in IMAGE_MODELS:
+            raise ValueError(f"--image-size shapes the ResNets ({', '.join(IMAGE_MODELS)}), not {args.model}")
+    args.width, args.input_size, args.image_size = args.width or 1024, args.input_size or 40, args.image_size or 224
     check_outputs(comm, [("--json", args.json, False)])
     threads = set_threads(args.threads, comm)
     skipped = unavailable(names, comm, str(device))

@@ -86,6 +86,11 @@ def test_bench_train_refuses_gpt_shapes_it_cannot_build():
     assert out.returncode == 2 and "embed 100 is not a multiple of heads 6" in out.stderr
     out = _mpirun(2, "bench", "train", "--model", "mlp", "--seq-len", "64")
     assert out.returncode == 2 and "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp" in out.stderr
+    # flags of another kind of model: ignored before, silently
+    out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--width", "64")
+    assert out.returncode == 2 and "--width shapes mlp and cnn1d, not gpt-mini" in out.stderr
+    out = _mpirun(2, "bench", "train", "--model", "mlp", "--image-size", "64")
+    assert out.returncode == 2 and "--image-size shapes the ResNets (resnet18, resnet50), not mlp" in out.stderr
 
 
 def test_fp16_grad_scaler_recipes_from_the_library():

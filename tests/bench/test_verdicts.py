@@ -31,3 +31,13 @@ def test_our_best_is_compared_with_a_baseline_at_the_usual_sizes():
     assert best_against([rec(3 << 20, "ring", 10), rec(3 << 20, "mpi", 28)], "mpi") == "2.80x at 3M; faster at 1 of 1 sizes"
     # hierarchical per segment size counts as ours
     assert best_against([rec(16, "hierarchical/1M", 10), rec(16, "mpi", 20)], "mpi") == "2.00x at 16; faster at 1 of 1 sizes"
+
+
+def test_a_row_with_wrong_results_is_no_best():
+    """A row fast and wrong at a size was "our best" there, and the verdict
+    counted its win."""
+    fast_wrong = Record(8, 2, "float32", "sum", "tree", 2, 10, 1.0, 0.0, 0.0, 5)
+    records = [rec(8, "ring", 10), fast_wrong, rec(8, "mpi", 5)]
+    assert best_against(records, "mpi") == "0.50x at 8; faster at 0 of 1 sizes"
+    assert auto_against_best([*records, rec(8, "auto", 10), rec(8, "shm", 20)]) == \
+        "within 10% at 1 of 1 sizes; worst 1.00x at 8 (ring)"
