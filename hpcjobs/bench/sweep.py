@@ -46,6 +46,7 @@ across P.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 from dataclasses import asdict, dataclass
@@ -83,6 +84,9 @@ class Record:
     wire_hosts: list[float] | None = None
     wire_bytes: float | None = None
     wire_model: float | None = None
+    # A late row (Horovod, in a pass of its own): MPI_Allreduce's time beside it over its first-pass time at
+    # this size, how far conditions drifted between the passes (the verdicts correct by it)
+    anchor_drift: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -346,9 +350,12 @@ def median_records(passes: list[list[Record]]) -> list[Record]:
     for recs in grouped.values():
         r = recs[0]
         hosts = [x.wire_hosts for x in recs if x.wire_hosts]
-        out.append(_record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
-                           statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs),
-                           [statistics.median(h) for h in zip(*hosts)] if hosts else None, r.wire_model))
+        drifts = [x.anchor_drift for x in recs if x.anchor_drift is not None]
+        out.append(dataclasses.replace(
+            _record(r.size_bytes, r.count, r.dtype, r.op, r.impl, r.ranks, r.iters,
+                    statistics.median(x.time_us for x in recs), sum(x.wrong for x in recs),
+                    [statistics.median(h) for h in zip(*hosts)] if hosts else None, r.wire_model),
+            anchor_drift=statistics.median(drifts) if drifts else None))
     return out
 
 
@@ -367,10 +374,11 @@ def late_passes(comm: MPI.Intracomm, sizes: Iterable[int], late: dict[str, Impl]
         anchor = {"mpi (anchor)": Impl(*ADAPTERS["mpi"])}
         recs = run(comm, sizes, {label: late[label], **anchor},
                    on_record=lambda r: on_record(r) if on_record is not None and r.impl in late else None, **settings)
-        drift = sorted(r.time_us / first_mpi[r.size_bytes] for r in recs
-                       if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi)
+        at = {r.size_bytes: r.time_us / first_mpi[r.size_bytes] for r in recs
+              if r.impl == "mpi (anchor)" and r.size_bytes in first_mpi}
+        drift = sorted(at.values())
         if drift:
             log(f"anchor beside {label}: MPI_Allreduce took {drift[len(drift) // 2]:.2f}x its first-pass "
                 f"time (median over sizes; range {drift[0]:.2f}-{drift[-1]:.2f}x)")
-        out += [r for r in recs if r.impl in late]
+        out += [dataclasses.replace(r, anchor_drift=at.get(r.size_bytes)) for r in recs if r.impl in late]
     return out

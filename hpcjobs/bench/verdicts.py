@@ -4,6 +4,8 @@ baseline (``hpcjobs bench allreduce`` prints them after each pass)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Iterable
 
 from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS
@@ -62,6 +64,16 @@ def auto_against_best(records: list[Record], within: float = 1.10) -> str | None
     ok = sum(r <= within for r, _, _ in ratios)
     return (f"within {round((within - 1) * 100)}% at {ok} of {len(ratios)} sizes; "
             f"worst {ratio:.2f}x at {format_bytes(size)} ({best})")
+
+
+def drift_corrected(records: list[Record], baseline: str) -> list[Record] | None:
+    """``records`` with the late ``baseline``'s times divided by its anchor's
+    drift (its pass ran when MPI_Allreduce took that many times its first
+    pass's), or None where the baseline has no anchor."""
+    if not any(r.impl == baseline and r.anchor_drift for r in records):
+        return None
+    return [dataclasses.replace(r, time_us=r.time_us / r.anchor_drift) if r.impl == baseline and r.anchor_drift
+            else r for r in records]
 
 
 def best_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4 << 10, 1 << 20, 16 << 20, 64 << 20)

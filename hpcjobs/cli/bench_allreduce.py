@@ -245,3 +245,7 @@ def _verdicts(records, impls: dict, over: str = "") -> None:
             line = verdicts.best_against(records, label)
             if line:
                 print0(f"# our best vs {label}{over} (its time / ours; above 1 we are faster): {line}")
+            corrected = verdicts.drift_corrected(records, label)  # a late row: its pass ran in other conditions
+            if line and corrected is not None:
+                print0(f"# our best vs {label}{over}, its times divided by its anchor's drift: "
+                       f"{verdicts.best_against(corrected, label)}")

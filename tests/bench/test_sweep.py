@@ -226,3 +226,23 @@ def test_the_inputs_tell_every_rank_and_position_apart(size):
     assert (dropped != total).mean() > 0.5
     rotated = np.roll(total, 4)  # a chunk shifted by a few elements
     assert (rotated != total).mean() > 0.5
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_late_row_carries_its_anchors_drift_into_its_records():
+    """The anchor's drift was printed as a # line only: the JSON, the CSV and
+    the verdicts could not tell a late row's pass from the others'."""
+    from dataclasses import replace
+
+    from hpcjobs.bench.sweep import late_passes, median_records
+    from hpcjobs.bench.baselines import mpi_label
+
+    comm = MPI.COMM_WORLD
+    first = run(comm, [4096], implementations(["mpi"]), "float32", "sum", iters=3, warmup=1)
+    fast_first = [replace(r, time_us=r.time_us / 1000) for r in first]  # as if MPI had been 1000x faster then
+    late = late_passes(comm, [4096], {"horovod": implementations(["ring"])["ring"]}, fast_first,  # a stand-in
+                       dtype="float32", op="sum", iters=3, warmup=1)
+    (r,) = late
+    assert r.impl == "horovod" and r.anchor_drift is not None and r.anchor_drift > 10  # (about 1000)
+    assert median_records([fast_first + late])[-1].anchor_drift == r.anchor_drift
+    assert first[0].impl == mpi_label() and first[0].anchor_drift is None

@@ -41,3 +41,18 @@ def test_a_row_with_wrong_results_is_no_best():
     assert best_against(records, "mpi") == "0.50x at 8; faster at 0 of 1 sizes"
     assert auto_against_best([*records, rec(8, "auto", 10), rec(8, "shm", 20)]) == \
         "within 10% at 1 of 1 sizes; worst 1.00x at 8 (ring)"
+
+
+def test_a_late_rows_times_are_corrected_by_its_anchors_drift():
+    """Horovod's pass ran later: MPI_Allreduce beside it took 2x its first
+    pass's time, and the verdict compared Horovod's times as measured."""
+    from dataclasses import replace
+
+    from hpcjobs.bench.verdicts import drift_corrected
+
+    records = [rec(8, "ring", 10), replace(rec(8, "horovod", 40), anchor_drift=2.0),
+               rec(1 << 20, "ring", 100), replace(rec(1 << 20, "horovod", 90), anchor_drift=1.5)]
+    assert best_against(records, "horovod") == "4.00x at 8, 0.90x at 1M; faster at 1 of 2 sizes"
+    assert best_against(drift_corrected(records, "horovod"), "horovod") == \
+        "2.00x at 8, 0.60x at 1M; faster at 1 of 2 sizes"
+    assert drift_corrected(records, "mpi") is None  # no anchor: nothing to correct
