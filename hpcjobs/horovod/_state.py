@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -133,8 +134,38 @@ def init(comm=None, process_sets=None) -> None:
     if process_sets:
         _process_sets.register_at_init(list(process_sets))
     if not _atexit_registered:
-        atexit.register(shutdown)  # before MPI finalizes: mpi4py registered its own earlier
+        atexit.register(_shutdown_at_exit)  # before MPI finalizes: mpi4py registered its own earlier
+        _chain_excepthook()
         _atexit_registered = True
+
+
+_died: BaseException | None = None  # the exception this process is ending on, uncaught
+
+
+def _chain_excepthook() -> None:
+    """Note an uncaught exception before the interpreter exits on it (the
+    traceback is printed as before)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        global _died
+        _died = value
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def _shutdown_at_exit() -> None:
+    """At exit: the agreed shutdown (every rank asks, as MPI_Finalize waits
+    for all), unless this rank is ending on an uncaught exception. Then the
+    others, waiting in a collective for it, would wait for the watchdog
+    (HPCJOBS_TIMEOUT, 300 s) and this rank in the shutdown for them: the job
+    ends now, as Horovod shuts every rank down when one does."""
+    if _died is not None and _world is not None and MPI.COMM_WORLD.Get_size() > 1 and not MPI.Is_finalized():
+        print(f"hpcjobs.horovod: rank {MPI.COMM_WORLD.Get_rank()} is ending on {type(_died).__name__}; ending the "
+              "job (Horovod shuts every rank down when one does)", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+    shutdown()
 
 
 _BAD_COMM = "Invalid type of argument comm. Expected list of rank integers or mpi4py.MPI.Comm object."
