@@ -46,6 +46,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
+from .collectives.watchdog import guard
 from .comm import closed_at_exit, private
 from .compression import ErrorFeedback, compressed_allreduce, make_compressor
 
@@ -62,7 +63,8 @@ class HookState:
     """
 
     def __init__(self, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,
-                 algorithm: str = "auto", seed: int = 0, names: dict[int, str] | None = None):
+                 algorithm: str = "auto", seed: int = 0, names: dict[int, str] | None = None,
+                 timeout: float | None = None):
         self.compressor = make_compressor(compression, seed=seed)
         if self.compressor is None:
             raise ValueError("compression 'none' needs no hook: DDP's own allreduce (on the hpcjobs backend, "
@@ -71,6 +73,7 @@ class HookState:
         self.comm = (comm if comm is not None else MPI.COMM_WORLD).Dup()  # collective, here; freed by close
         private(self.comm, free_if_refused=True)  # its duplicate here too, on this thread, not first on the worker
         self.algorithm = algorithm
+        self.timeout = timeout  # seconds a bucket may wait for the other ranks (None: HPCJOBS_TIMEOUT)
         self.step = 0
         self.sent_bytes = 0
         self.names = names or {}  # id(parameter) -> its name in the model
@@ -112,7 +115,9 @@ class HookState:
                 return
             bucket, fut = item
             try:
-                fut.set_result(self._reduce(bucket))
+                with guard("hpcjobs DDP hook", self.comm, self.timeout):  # the collectives inside inherit it
+                    result = self._reduce(bucket)
+                fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 -- DDP's wait raises it
                 fut.set_exception(e)
 
@@ -157,11 +162,13 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
     from ._torch_group import HpcjobsProcessGroup
 
     group = getattr(model, "process_group", None)
-    if comm is None and isinstance(group, HpcjobsProcessGroup):
+    ours = isinstance(group, HpcjobsProcessGroup)
+    if comm is None and ours:
         comm = group._own
     _check_group(group, comm if comm is not None else MPI.COMM_WORLD)
     state = HookState(compression, error_feedback, comm, algorithm, seed,
-                      names={id(p): n for n, p in model.module.named_parameters()})
+                      names={id(p): n for n, p in model.module.named_parameters()},
+                      timeout=group._limit if ours else None)  # as long as the group's own calls wait
     model.register_comm_hook(state, compression_hook)
     return state
 

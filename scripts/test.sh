@@ -159,5 +159,9 @@ for name in ["serial.log"] + [f"np{n}.log" for n in sizes]:  # np10.log too; not
         totals["error" if word.startswith("error") else word] += int(n)
 failed = totals["failed"] + totals["error"]
 print(f"total: {totals['passed']} passed, {failed} failed, {totals['skipped']} skipped")
+if not totals["passed"] + failed + totals["skipped"]:  # every stage selected nothing (a -k typo, say)
+    print("no test ran in any stage: that is a failure")
+    sys.exit(1)
 PY
+[ $? = 0 ] || status=1
 exit $status

@@ -602,3 +602,16 @@ def test_a_two_level_cost_model_refuses_the_link_flags_it_replaces(tmp_path):
     r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
                 "--cost-model", str(path), "--inter-bw", "10", "--inter-latency", "5")
     assert r.returncode == 2 and "--inter-bw, --inter-latency would be ignored" in r.stderr, r.stderr
+
+
+def test_a_one_node_cost_model_plans_the_node_it_measured(tmp_path):
+    """Measured by 4 ranks on one node: its devices per node are 4 (it planned 1 device alone, with the
+    default of 1 per node and no network)."""
+    from hpcjobs.perfmodel import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path, out = tmp_path / "model.json", tmp_path / "plan.json"
+    path.write_text(json.dumps({"ranks": 4, "machine": m}))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--cost-model", str(path), "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [row["devices"] for row in json.loads(out.read_text())["rows"]] == [1, 2, 4]

@@ -147,7 +147,8 @@ def write_report(out_dir: str, records: list, env: dict, title: str, command: st
     lines = [f"# {title}", "", f"Command: `{command}`", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", "## Results", "", "Time is the slowest rank's median; busbw = algbw·2(P−1)/P; "
-              "`#wrong` counts elements that differ from the exact result, over all ranks.", "", "```",
+              "`#wrong` counts elements that differ from the exact result, after every call (the inputs "
+              "take turns among three variants), over all calls and ranks.", "", "```",
               header(any(getattr(r, "wire_hosts", None) for r in records)), *(row(r) for r in records), "```", "",
               "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
     tmp = paths["report.md"] + ".tmp"

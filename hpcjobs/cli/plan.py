@@ -58,7 +58,7 @@ def configure(p) -> None:
                    help="mixed precision of the step --measure times: bf16, fp16 (GPUs) (default none)")
     g = p.add_argument_group("the machines (or --cost-model)")
     g.add_argument("--devices-per-node", type=positive_int, metavar="G",
-                   help="default 1, or the ranks per node a two-level --cost-model was measured with")
+                   help="default 1, or the ranks per node a --cost-model was measured with")
     g.add_argument("--intra-bw", type=positive_float, metavar="GB/s", help="between devices of a node, one way")
     g.add_argument("--intra-latency", type=nonnegative_float, metavar="us", help="default 5")
     g.add_argument("--inter-bw", type=positive_float, metavar="Gbit/s", help="each node's network link")

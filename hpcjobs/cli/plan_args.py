@@ -68,14 +68,14 @@ def default_counts(per_node: int) -> Counts:
 
 def check_flags(args) -> None:
     """Refuses flags that would be ignored, then fills in the defaults:
-    ``--devices-per-node``, a two-level ``--cost-model``'s ranks per node
-    (else 1), and ``--devices``, up to 256 devices, or a node where no
+    ``--devices-per-node``, a ``--cost-model``'s ranks per node (a
+    one-node model's: its ranks; else 1), and ``--devices``, up to 256 devices, or a node where no
     network is given."""
     two_level, per_node = False, None
     if args.cost_model:
         two_level = plan_runs.cost_model(args.cost_model)[1] is not None
-        per_node = plan_runs.cost_model_ranks_per_node(args.cost_model) if two_level else None
-    if args.devices_per_node is None:
+        per_node = plan_runs.cost_model_ranks_per_node(args.cost_model, two_level)
+    if args.devices_per_node is None:  # a one-node model: its ranks shared the node it measured
         args.devices_per_node = per_node or 1
     elif per_node == 1 and args.devices_per_node > 1:
         raise UsageError(f"--cost-model {args.cost_model} was measured with one rank per node: it has no link "

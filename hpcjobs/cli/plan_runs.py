@@ -197,13 +197,15 @@ def cost_model(path: str):
     return net, node
 
 
-def cost_model_ranks_per_node(path: str) -> int | None:
-    """The ranks per node a two-level model.json was measured with (1: its
-    link inside a node is the network's, standing in), or None where it does
-    not say (written before 2026-11-29)."""
-    value = _model_json(path).get("ranks_per_node")
+def cost_model_ranks_per_node(path: str, two_level: bool = True) -> int | None:
+    """The ranks per node a model.json was measured with: a two-level one's
+    ``ranks_per_node`` (1: its link inside a node is the network's, standing
+    in; None where it does not say, written before 2026-11-29), a one-node
+    one's ``ranks``."""
+    value = _model_json(path).get("ranks_per_node" if two_level else "ranks")
     if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"--cost-model {path}: ranks_per_node must be a whole number >= 1, got {value!r}")
+        raise ValueError(f"--cost-model {path}: {'ranks_per_node' if two_level else 'ranks'} must be a whole number "
+                         f">= 1, got {value!r}")
     return value
 
 

@@ -149,7 +149,8 @@ def _chain_excepthook() -> None:
 
     def hook(kind, value, tb):
         global _died
-        _died = value
+        if not sys.flags.interactive:  # (an interactive session survives it)
+            _died = value
         previous(kind, value, tb)
 
     sys.excepthook = hook
@@ -161,7 +162,8 @@ def _shutdown_at_exit() -> None:
     others, waiting in a collective for it, would wait for the watchdog
     (HPCJOBS_TIMEOUT, 300 s) and this rank in the shutdown for them: the job
     ends now, as Horovod shuts every rank down when one does."""
-    if _died is not None and _world is not None and MPI.COMM_WORLD.Get_size() > 1 and not MPI.Is_finalized():
+    if (_died is not None and _world is not None and not _forked and MPI.COMM_WORLD.Get_size() > 1
+            and not MPI.Is_finalized()):
         print(f"hpcjobs.horovod: rank {MPI.COMM_WORLD.Get_rank()} is ending on {type(_died).__name__}; ending the "
               "job (Horovod shuts every rank down when one does)", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)

@@ -233,6 +233,9 @@ class TrainConfig:
                 if self.mode != mode and getattr(self, name) != defaults[name]:
                     raise ValueError(f"{name} is a knob of mode {mode}, not {self.mode}")
         if self.mode == "sync":
+            if self.peer_timeout != TrainConfig.peer_timeout:
+                raise ValueError("peer_timeout is the parameter servers' (mode async, easgd --easgd-form async): "
+                                 "mode sync would ignore it")
             return
         refused = [(self.compression != "none", "compression"), (self.backward_passes_per_step != 1,
                    "backward_passes_per_step"), (bool(self.checkpoint), "checkpoint"), (self.noise_scale,

@@ -239,10 +239,10 @@ def test_a_late_row_carries_its_anchors_drift_into_its_records():
 
     comm = MPI.COMM_WORLD
     first = run(comm, [4096], implementations(["mpi"]), "float32", "sum", iters=3, warmup=1)
-    fast_first = [replace(r, time_us=r.time_us / 1000) for r in first]  # as if MPI had been 1000x faster then
+    fast_first = [replace(r, time_us=r.time_us / 1e6) for r in first]  # as if MPI had been 1e6x faster then
     late = late_passes(comm, [4096], {"horovod": implementations(["ring"])["ring"]}, fast_first,  # a stand-in
                        dtype="float32", op="sum", iters=3, warmup=1)
     (r,) = late
-    assert r.impl == "horovod" and r.anchor_drift is not None and r.anchor_drift > 10  # (about 1000)
+    assert r.impl == "horovod" and r.anchor_drift is not None and r.anchor_drift > 100  # (about 1e6)
     assert median_records([fast_first + late])[-1].anchor_drift == r.anchor_drift
     assert first[0].impl == mpi_label() and first[0].anchor_drift is None

@@ -233,6 +233,35 @@ def test_a_call_waits_as_long_as_its_groups_timeout(limit, ends):
         assert out.returncode != 0 and "did not complete within 2 s" in out.stderr, out.stderr[-3000:]
 
 
+_SLOW_HOOKED = """
+import time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import hpcjobs.torch_backend  # noqa: F401
+from hpcjobs import ddp_hooks
+
+dist.init_process_group("hpcjobs", timeout=timedelta(seconds=30))
+r = dist.get_rank()
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+state = ddp_hooks.register(ddp, "fp16")
+if r == 0:
+    time.sleep(6)  # the others wait in the hook's allreduce
+ddp(torch.ones(3, 4)).sum().backward()
+state.close()
+print("rank", r, "done", flush=True)
+"""
+
+
+def test_a_ddp_hook_waits_as_long_as_its_groups_timeout():
+    """The hook reduces on a thread and communicator of its own: it was
+    aborted at HPCJOBS_TIMEOUT (3 s here) whatever the group's timeout."""
+    from launch import mpirun_script
+
+    out = mpirun_script(2, _SLOW_HOOKED, timeout=120, env={"HPCJOBS_TIMEOUT": "3"})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert sorted(out.stdout.splitlines()) == ["rank 0 done", "rank 1 done"], out.stdout
+
+
 def test_a_script_that_leaves_groups_over_different_ranks_ends():
     # no destroy_process_group: at exit each group frees its communicator, its windows with it, group by group in
     # the order made, and the library frees what else is left in the order made

@@ -108,6 +108,7 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="async", no_decay_bn_bias=True), "no_decay_bn_bias is torch's optimizer's"),
     (dict(mode="hogwild", momentum_correction=False), "momentum_correction is torch's optimizer's"),
     (dict(algorithm="rnig"), "unknown algorithm 'rnig'"),
+    (dict(peer_timeout=5.0), "peer_timeout is the parameter servers'"),  # sync took it, silently
     (dict(algorithm="cuda_ipc"), "unknown algorithm 'cuda_ipc'"),  # DistributedOptimizer's: through auto only
     (dict(model="mlp", batch_norm=True, batch_per_rank=1), "one sample per rank gives BatchNorm one value"),
     (dict(model="resnet18", batch_per_rank=1), "one sample per rank gives BatchNorm one value"),
