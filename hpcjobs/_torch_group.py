@@ -8,7 +8,6 @@ import contextlib
 import queue
 import sys
 import threading
-import time
 import weakref
 
 import torch
@@ -19,7 +18,7 @@ from torch.futures import Future
 
 from .collectives.agreement import agree_or_raise
 from .collectives.watchdog import guard
-from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes
+from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes, _Work
 from .comm import closed_at_exit, private, setting
 
 BACKEND = "hpcjobs"
@@ -36,35 +35,6 @@ def _op_code(opts) -> object:
     if op not in _OPS and op not in _BITWISE:
         raise NotImplementedError(f"the hpcjobs backend does not implement ReduceOp {op}")
     return op
-
-
-class _Work(dist._Work):
-    """A queued operation: ``wait()`` blocks until the worker has run it and
-    raises what it raised (torch's future-wrapping Work does not)."""
-
-    def __init__(self, fut: Future):
-        super().__init__()
-        self._fut = fut
-
-    def wait(self, timeout=None) -> bool:
-        """Block until done (raising the operation's error); with a
-        ``timeout`` (a timedelta or seconds, 0: none), raise RuntimeError if
-        it is not done by then (the operation itself goes on)."""
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        if seconds:
-            deadline = time.monotonic() + seconds
-            while not self._fut.done():
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the hpcjobs backend: an operation did not complete within {seconds:g} s")
-                time.sleep(0.001)
-        self._fut.wait()  # raises the operation's error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def get_future(self) -> Future:
-        return self._fut
 
 
 class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):

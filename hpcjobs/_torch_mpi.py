@@ -1,13 +1,17 @@
 """The MPI half of :mod:`hpcjobs.torch_backend`'s process group: the calls
 that move data without reducing it (broadcast, scatter, all-to-all,
 send/recv, barrier), on the group's private communicator, and the buffer
-helpers both halves use."""
+helpers both halves use, and the Work both return."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
+from torch.futures import Future
 
 from .collectives._buffers import as_flat
 
@@ -49,6 +53,35 @@ def _multiple(output: torch.Tensor, input: torch.Tensor, size: int) -> None:  # 
 def _counts(tensors, size: int) -> None:
     if len(tensors) != size:
         raise ValueError(f"{size} tensors (one per rank) are needed, got {len(tensors)}")
+
+
+class _Work(dist._Work):
+    """A queued operation: ``wait()`` blocks until the worker has run it and
+    raises what it raised (torch's future-wrapping Work does not)."""
+
+    def __init__(self, fut: Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        """Block until done (raising the operation's error); with a
+        ``timeout`` (a timedelta or seconds, 0: none), raise RuntimeError if
+        it is not done by then (the operation itself goes on)."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        if seconds:
+            deadline = time.monotonic() + seconds
+            while not self._fut.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the hpcjobs backend: an operation did not complete within {seconds:g} s")
+                time.sleep(0.001)
+        self._fut.wait()  # raises the operation's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> Future:
+        return self._fut
 
 
 class MPIOps:

@@ -42,9 +42,8 @@ A rank that does not answer (dead, or stuck in C code that holds the GIL)
 is listed as such. Answering needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for
 it); without it the report names only the rank that timed out.
 
-mpi4py releases the GIL inside blocking MPI calls, so the thread runs while
-the main thread waits. A timeout of 0 turns the watchdog off.
-"""
+mpi4py releases the GIL inside blocking MPI calls, so the thread runs while the main thread waits.
+A timeout of 0 turns the watchdog off."""
 
 from __future__ import annotations
 
@@ -353,12 +352,11 @@ def _watch() -> None:
 
 
 def enter(what: str, comm=None, limit: float | None = None):
-    """Register the calling thread as in the collective ``what`` on ``comm``
-    (None: COMM_WORLD); returns the token :func:`leave` takes. The frame of every collective calls the pair
-    (cheaper than :class:`guard` on small messages, where every call's
-    bookkeeping counts). ``limit``: seconds this call may wait instead of
-    HPCJOBS_TIMEOUT (a torch process group's timeout), which the collectives
-    it is built on inherit; the watchdog off (timeout 0) stays off."""
+    """Register the calling thread as in the collective ``what`` on ``comm`` (None: COMM_WORLD); returns the
+    token :func:`leave` takes. The frame of every collective calls the pair (cheaper than :class:`guard` on small
+    messages, where every call's bookkeeping counts). ``limit``: seconds this call may wait instead of
+    HPCJOBS_TIMEOUT (a torch process group's timeout), which the collectives it is built on inherit; the
+    watchdog off (timeout 0) stays off."""
     global _last
     if not _timeout:
         return _OFF
