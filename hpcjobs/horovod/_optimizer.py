@@ -18,7 +18,12 @@ How the gradients are reduced:
 - parameters on the CPU: :class:`hpcjobs.training.DistributedOptimizer`
   (buckets of ``HOROVOD_FUSION_THRESHOLD`` bytes as in Horovod, 1 MiB
   unless set where Horovod's default is 64 MiB; reduced during backward on its
-  communication thread, compressed as ``compression`` says). It averages;
+  communication thread, compressed as ``compression`` says). Uncompressed,
+  a step starts with a count of the ranks stepping through the controller
+  (:meth:`_EngineReducer._stepping`): where some rank is in ``hvd.join()``
+  the buckets are ``hvd`` allreduces, to which it adds zeros; else, and
+  always when compressed, they go on the engine's communicator
+  (docs/doors.md). It averages;
   Horovod's ``op`` and ``gradient_predivide_factor`` become scale factors
   around the average: Average with factor f is x1/f before and xf after
   (Horovod's split), Sum is the average times P (the sum, up to rounding).
@@ -61,7 +66,7 @@ from mpi4py import MPI
 
 from ..training.config import DEFAULT_FUSION_BYTES
 from ..training.distributed import DistributedOptimizer as _Engine
-from ._allreduce import grouped_allreduce_
+from ._allreduce import allreduce_, grouped_allreduce_
 from ._collectives import scale
 from ._compression import Compression, _Ours, engine_compressor
 from ._controller import fusion_threshold as _fusion_threshold
@@ -137,8 +142,9 @@ class _EngineReducer(_Engine):
     each bucket's average (its ``step`` is never called)."""
 
     def __init__(self, optimizer, named, comm, compression, backward_passes_per_step, prescale, postscale,
-                 sparse_as_dense):
+                 sparse_as_dense, process_set):
         self.prescale, self.postscale, self.sparse_as_dense = prescale, postscale, sparse_as_dense
+        self.process_set, self._members, self._by_controller = process_set, len(resolve(process_set)[2]), False
         self.held: dict = {}  # parameter -> its sparse gradient, since the last synchronize
         self.sparse: dict = {}  # parameter -> a sparse gradient the door reduces (module docstring)
         overlap = "auto" if MPI.Query_thread() == MPI.THREAD_MULTIPLE else "none"
@@ -147,9 +153,30 @@ class _EngineReducer(_Engine):
                          fusion_bytes=fusion_threshold())
 
     def _reduce(self, bucket) -> None:
+        if self.compression is None and bucket is self._buckets[0]:  # a step's first: who is stepping?
+            self._by_controller = self._stepping() < self._members
+        if self._by_controller:  # the factors go with the controller's allreduce (_average)
+            return super()._reduce(bucket)
         scale(bucket.buffer, self.prescale)
         super()._reduce(bucket)
         scale(bucket.buffer, self.postscale)
+
+    def _stepping(self) -> int:
+        """How many ranks take this step: a one-element sum through the controller, to which a rank in
+        ``hvd.join()`` adds 0 (the same count on every rank, so every rank picks the same path)."""
+        token = torch.ones(1)
+        allreduce_(token, name=f"DistributedOptimizer.step.{self._buckets[0].slots[0].name}", op=Sum,
+                   process_set=self.process_set)
+        return round(token.item())
+
+    def _average(self, bucket) -> None:
+        """While a rank is in ``hvd.join()``, a bucket goes by the controller as Horovod's allreduces do, the
+        joined rank adding zeros of its shape (on the engine's communicator the others waited for it)."""
+        if not self._by_controller:
+            return super()._average(bucket)
+        allreduce_(bucket.buffer, name=f"DistributedOptimizer.bucket{bucket.index}.{bucket.slots[0].name}",
+                   op=Average, prescale_factor=self.prescale, postscale_factor=self.postscale,
+                   process_set=self.process_set)
 
     def _hook(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -270,7 +297,7 @@ def _reducer(optimizer, named: list, compression, backward_passes_per_step: int,
     if all(p.device.type == "cpu" for _, p in params):
         prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, float(len(ranks)))
         return _EngineReducer(optimizer, params, base, engine_compressor(compression), backward_passes_per_step,
-                              prescale, postscale, sparse_as_dense)
+                              prescale, postscale, sparse_as_dense, process_set)
     prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
     return _DeviceReducer([p for _, p in params if p.requires_grad], compression, op, prescale, postscale,
                           process_set, sparse_as_dense)

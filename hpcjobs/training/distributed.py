@@ -281,12 +281,16 @@ class DistributedOptimizer(OptimizerState):
             with bucket.on_host() as host:
                 self.stats["sent_bytes"] += counted_allreduce(host, "avg", self.algorithm, self._user_comm)
         else:
-            allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
+            self._average(bucket)
         if self.noise_scale:
             self._sq_step[1] += float(bucket.buffer.double().square().sum())
         bucket.after_reduce()
         self.stats["comm_s"] += time.perf_counter() - t0
         self.stats["allreduces"] += 1
+
+    def _average(self, bucket: Bucket) -> None:
+        """The uncompressed bucket's average over the ranks, in place (the Horovod door's goes by its controller)."""
+        allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
 
     def synchronize(self) -> None:
         """Finish this step's reductions and leave the averages in ``.grad``.

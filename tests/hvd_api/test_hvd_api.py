@@ -17,6 +17,7 @@ from hvd_common import every_rank, initialized  # noqa: F401 (initialized: the a
 from hpcjobs.collectives import chunk_bounds
 from hpcjobs.collectives.agreement import MismatchError, checking
 from hpcjobs.horovod._optimizer import _DeviceReducer
+from hpcjobs.horovod._state import world
 from equivalence import flat_params, fresh_model, global_data, rel_diff
 from hpcjobs.training.models import build_model
 
@@ -382,6 +383,40 @@ def test_distributed_optimizer_equals_one_process_on_the_global_batch(case):
         got = train(make_opt, x, y, distributed=True, **kwargs)
     assert rel_diff(got, want) <= opts.get("tol", 1e-5), rel_diff(got, want)
     assert same_on_every_rank(got)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distributed_optimizer_on_the_cpu_steps_on_while_a_rank_has_joined():
+    """Uneven data: the last rank runs out after 2 steps and joins; the others take 4, their averages over every
+    rank with zeros for the joined one, as in Horovod (it hung: the CPU buckets went by the engine's communicator,
+    where the joined rank never came). Against one process that sums the active ranks' slices' gradients / P."""
+    size, rank, b = hvd.size(), hvd.rank(), 4
+    steps = [2 if q == size - 1 else 4 for q in range(size)]
+    x, y = global_data(4, b * size)
+    model = fresh_model(0)
+    ref = fresh_model(0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    want = []  # the one process's parameters after each step
+    for s in range(4):
+        ref_opt.zero_grad()
+        for q in (q for q in range(size) if steps[q] > s):
+            (loss_of(ref, x[s, q * b:(q + 1) * b], y[s, q * b:(q + 1) * b]) / size).backward()
+        ref_opt.step()
+        want.append(flat_params(ref))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    requests = []  # the controller's requests per step: 1 (who steps) while all do, + 1 per bucket after a join
+    for s in range(steps[rank]):
+        before = world().controller.stats["requests"]
+        opt.zero_grad()
+        loss_of(model, x[s, rank * b:(rank + 1) * b], y[s, rank * b:(rank + 1) * b]).backward()
+        opt.step()
+        requests.append(world().controller.stats["requests"] - before)
+    buckets = len(opt._hvd_reducer._buckets)
+    assert requests == [1, 1] + ([1 + buckets] * 2 if rank < size - 1 else []), requests
+    last = hvd.join()  # one of the ranks that took 4 steps, the same on every rank
+    assert last < size - 1 and hvd.allgather_object(last) == [last] * size
+    assert rel_diff(flat_params(model), want[steps[rank] - 1]) <= 1e-5
 
 
 @pytest.mark.mpi(min_size=1)
