@@ -376,7 +376,7 @@ def test_reduce_scatter_allgather_alltoall_round_trip(pg):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("rows,ins,words", [
-    (5, [], "the input's 5 rows do not divide by"),  # the last rows were never sent, the output's left empty
+    (5, [], "the input's {rows} rows do not divide by"),  # the last rows were never sent, the output's left empty
     (4, "past", "input_split_sizes [3, 3"),  # past the input's end: MPI read beyond the buffer
 ])
 def test_all_to_all_single_refuses_rows_it_would_drop_or_overrun_on_every_rank(pg, rows, ins, words):
@@ -385,7 +385,7 @@ def test_all_to_all_single_refuses_rows_it_would_drop_or_overrun_on_every_rank(p
     send = torch.arange(float(rows * 2)).reshape(rows, 2)
     splits = [3] * p if ins == "past" else []
     recv = torch.zeros(3 * p if ins == "past" else rows, 2)
-    with pytest.raises(ValueError, match=re.escape(words)):
+    with pytest.raises(ValueError, match=re.escape(words.format(rows=rows))):
         pg.alltoall_base(recv, send, [3] * p if ins == "past" else [], splits).wait()
     t = torch.ones(3)
     pg.allreduce([t]).wait()  # the group goes on
