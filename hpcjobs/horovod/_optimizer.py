@@ -18,12 +18,12 @@ How the gradients are reduced:
 - parameters on the CPU: :class:`hpcjobs.training.DistributedOptimizer`
   (buckets of ``HOROVOD_FUSION_THRESHOLD`` bytes as in Horovod, 1 MiB
   unless set where Horovod's default is 64 MiB; reduced during backward on its
-  communication thread, compressed as ``compression`` says). Uncompressed,
-  a step starts with a count of the ranks stepping through the controller
+  communication thread, compressed as ``compression`` says). A step
+  starts with a count of the ranks stepping through the controller
   (:meth:`_EngineReducer._stepping`): where some rank is in ``hvd.join()``
-  the buckets are ``hvd`` allreduces, to which it adds zeros; else, and
-  always when compressed, they go on the engine's communicator
-  (docs/doors.md). It averages;
+  the buckets are ``hvd`` allreduces, to which it adds zeros (hpcjobs'
+  compressors with residuals refuse); else they go on the engine's
+  communicator (docs/doors.md). It averages;
   Horovod's ``op`` and ``gradient_predivide_factor`` become scale factors
   around the average: Average with factor f is x1/f before and xf after
   (Horovod's split), Sum is the average times P (the sum, up to rounding).
@@ -58,6 +58,7 @@ Adasum, Min, Max or Product.
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 import weakref
 
@@ -142,8 +143,9 @@ class _EngineReducer(_Engine):
     each bucket's average (its ``step`` is never called)."""
 
     def __init__(self, optimizer, named, comm, compression, backward_passes_per_step, prescale, postscale,
-                 sparse_as_dense, process_set):
+                 sparse_as_dense, process_set, hvd_compression=Compression.none):
         self.prescale, self.postscale, self.sparse_as_dense = prescale, postscale, sparse_as_dense
+        self.hvd_compression = hvd_compression  # as the user gave it: Horovod's compress/decompress
         self.process_set, self._members, self._by_controller = process_set, len(resolve(process_set)[2]), False
         self.held: dict = {}  # parameter -> its sparse gradient, since the last synchronize
         self.sparse: dict = {}  # parameter -> a sparse gradient the door reduces (module docstring)
@@ -153,8 +155,10 @@ class _EngineReducer(_Engine):
                          fusion_bytes=fusion_threshold())
 
     def _reduce(self, bucket) -> None:
-        if self.compression is None and bucket is self._buckets[0]:  # a step's first: who is stepping?
+        if bucket is self._buckets[0]:  # a step's first: who is stepping?
             self._by_controller = self._stepping() < self._members
+        if self._by_controller and self.compression is not None:
+            return self._compressed_by_controller(bucket)
         if self._by_controller:  # the factors go with the controller's allreduce (_average)
             return super()._reduce(bucket)
         scale(bucket.buffer, self.prescale)
@@ -168,6 +172,25 @@ class _EngineReducer(_Engine):
         allreduce_(token, name=f"DistributedOptimizer.step.{self._buckets[0].slots[0].name}", op=Sum,
                    process_set=self.process_set)
         return round(token.item())
+
+    def _compressed_by_controller(self, bucket) -> None:
+        """A compressed bucket while a rank is in ``hvd.join()``: compressed as Horovod compresses (fp16,
+        bf16, a user's class), reduced through the controller, decompressed. hpcjobs' own compressors
+        (top-k, PowerSGD, ...) keep residuals and cannot: every rank still stepping raises."""
+        if isinstance(self.hvd_compression, _Ours):
+            raise RuntimeError(f"hvd.join(): a rank has joined while the others step, and compression "
+                               f"{self.hvd_compression.spec!r} cannot reduce with its zeros (it keeps residuals); "
+                               "with it, call hvd.join() on every rank at the end of training only")
+        t0 = time.perf_counter()
+        bucket.before_reduce()
+        compressed, ctx = self.hvd_compression.compress(bucket.buffer)
+        allreduce_(compressed, name=f"DistributedOptimizer.bucket{bucket.index}.{bucket.slots[0].name}",
+                   op=Average, prescale_factor=self.prescale, postscale_factor=self.postscale,
+                   process_set=self.process_set)
+        bucket.buffer.copy_(self.hvd_compression.decompress(compressed, ctx).reshape(-1))
+        bucket.after_reduce()
+        self.stats["comm_s"] += time.perf_counter() - t0
+        self.stats["allreduces"] += 1
 
     def _average(self, bucket) -> None:
         """While a rank is in ``hvd.join()``, a bucket goes by the controller as Horovod's allreduces do, the
@@ -297,7 +320,7 @@ def _reducer(optimizer, named: list, compression, backward_passes_per_step: int,
     if all(p.device.type == "cpu" for _, p in params):
         prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, float(len(ranks)))
         return _EngineReducer(optimizer, params, base, engine_compressor(compression), backward_passes_per_step,
-                              prescale, postscale, sparse_as_dense, process_set)
+                              prescale, postscale, sparse_as_dense, process_set, compression)
     prescale, postscale = (1.0 / predivide, predivide) if op == Average else (1.0, 1.0)
     return _DeviceReducer([p for _, p in params if p.requires_grad], compression, op, prescale, postscale,
                           process_set, sparse_as_dense)

@@ -7,9 +7,9 @@ process sets to register (:mod:`~hpcjobs.horovod._process_sets`) -- and
 builds a :class:`World`:
 
 - ``comm``: Horovod's communicator. ``DistributedOptimizer`` reduces
-  compressed gradients on the suite's private duplicate of it
+  gradients on the suite's private duplicate of it
   (:func:`hpcjobs.comm.private`), as :mod:`hpcjobs.training` always does
-  (uncompressed ones through the controller).
+  (through the controller while a rank is in ``hvd.join()``).
 - ``ops``: a duplicate on which the global process set's ``hvd.*``
   collectives run (through the collectives' own private duplicate of it).
   The optimizer's communication thread and the controller's thread may be

@@ -385,15 +385,34 @@ def test_distributed_optimizer_equals_one_process_on_the_global_batch(case):
     assert same_on_every_rank(got)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_distributed_optimizer_on_the_cpu_steps_on_while_a_rank_has_joined():
-    """Uneven data: the last rank runs out after 2 steps and joins; the others take 4, their averages over every
-    rank with zeros for the joined one, as in Horovod (it hung: the CPU buckets went by the engine's communicator,
-    where the joined rank never came). Against one process that sums the active ranks' slices' gradients / P."""
-    size, rank, b = hvd.size(), hvd.rank(), 4
+def _uneven(opt_kwargs, size, rank, b=4):
+    """The last rank takes 2 steps and joins, the others 4: the parameters after each, the controller's
+    requests in each, and what ``join()`` returned."""
     steps = [2 if q == size - 1 else 4 for q in range(size)]
     x, y = global_data(4, b * size)
     model = fresh_model(0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), **opt_kwargs)
+    requests = []
+    for s in range(steps[rank]):
+        before = world().controller.stats["requests"]
+        opt.zero_grad()
+        loss_of(model, x[s, rank * b:(rank + 1) * b], y[s, rank * b:(rank + 1) * b]).backward()
+        opt.step()
+        requests.append(world().controller.stats["requests"] - before)
+    return model, opt, requests, steps, (x, y)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compression,tol", [("none", 1e-5), ("fp16", 2e-3)])
+def test_distributed_optimizer_on_the_cpu_steps_on_while_a_rank_has_joined(compression, tol):
+    """Uneven data: the last rank runs out after 2 steps and joins; the others take 4, their averages over every
+    rank with zeros for the joined one, as in Horovod (it hung: the CPU buckets went by the engine's communicator,
+    where the joined rank never came). Against one process that sums the active ranks' slices' gradients / P;
+    the controller's requests per step: 1 (who steps) while every rank does, + 1 per bucket after the join."""
+    size, rank, b = hvd.size(), hvd.rank(), 4
+    model, opt, requests, steps, (x, y) = _uneven({"compression": getattr(hvd.Compression, compression)}, size,
+                                                  rank, b)
     ref = fresh_model(0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     want = []  # the one process's parameters after each step
@@ -403,20 +422,24 @@ def test_distributed_optimizer_on_the_cpu_steps_on_while_a_rank_has_joined():
             (loss_of(ref, x[s, q * b:(q + 1) * b], y[s, q * b:(q + 1) * b]) / size).backward()
         ref_opt.step()
         want.append(flat_params(ref))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    requests = []  # the controller's requests per step: 1 (who steps) while all do, + 1 per bucket after a join
-    for s in range(steps[rank]):
-        before = world().controller.stats["requests"]
-        opt.zero_grad()
-        loss_of(model, x[s, rank * b:(rank + 1) * b], y[s, rank * b:(rank + 1) * b]).backward()
-        opt.step()
-        requests.append(world().controller.stats["requests"] - before)
     buckets = len(opt._hvd_reducer._buckets)
     assert requests == [1, 1] + ([1 + buckets] * 2 if rank < size - 1 else []), requests
     last = hvd.join()  # one of the ranks that took 4 steps, the same on every rank
     assert last < size - 1 and hvd.allgather_object(last) == [last] * size
-    assert rel_diff(flat_params(model), want[steps[rank] - 1]) <= 1e-5
+    assert rel_diff(flat_params(model), want[steps[rank] - 1]) <= tol
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_compressor_with_residuals_refuses_a_joined_rank_on_every_rank_that_steps():
+    """Top-k keeps residuals, which a joined rank's zeros cannot enter: every rank still stepping raises
+    (it waited for the joined rank until the watchdog), and the joins that follow end the test."""
+    size, rank = hvd.size(), hvd.rank()
+    if rank < size - 1:
+        with pytest.raises(RuntimeError, match="cannot reduce with its zeros"):
+            _uneven({"compression": hvd.Compression.topk(0.5)}, size, rank)
+    else:
+        _uneven({"compression": hvd.Compression.topk(0.5)}, size, rank)
+    hvd.join()
 
 
 @pytest.mark.mpi(min_size=1)
