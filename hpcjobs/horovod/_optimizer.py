@@ -58,7 +58,6 @@ Adasum, Min, Max or Product.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 import weakref
 
@@ -154,16 +153,28 @@ class _EngineReducer(_Engine):
                          backward_passes_per_step=backward_passes_per_step, overlap=overlap,
                          fusion_bytes=fusion_threshold())
 
-    def _reduce(self, bucket) -> None:
+    def _exchange(self, bucket) -> None:
         if bucket is self._buckets[0]:  # a step's first: who is stepping?
             self._by_controller = self._stepping() < self._members
-        if self._by_controller and self.compression is not None:
-            return self._compressed_by_controller(bucket)
-        if self._by_controller:  # the factors go with the controller's allreduce (_average)
-            return super()._reduce(bucket)
-        scale(bucket.buffer, self.prescale)
-        super()._reduce(bucket)
-        scale(bucket.buffer, self.postscale)
+        if not self._by_controller:
+            scale(bucket.buffer, self.prescale)
+            super()._exchange(bucket)
+            scale(bucket.buffer, self.postscale)
+            return
+        # A rank is in hvd.join(): compressed as Horovod compresses (none, fp16, bf16, a user's class) and reduced
+        # through the controller as Horovod's allreduces are, the joined rank adding zeros of the bucket's shape
+        # (on the engine's communicator the others waited for it). hpcjobs' own compressors keep residuals: refused.
+        if isinstance(self.hvd_compression, _Ours):
+            raise RuntimeError(f"hvd.join(): a rank has joined while the others step, and compression "
+                               f"{self.hvd_compression.spec!r} cannot reduce with its zeros (it keeps residuals); "
+                               "with it, call hvd.join() on every rank at the end of training only")
+        compressed, ctx = self.hvd_compression.compress(bucket.buffer)
+        allreduce_(compressed, name=f"DistributedOptimizer.bucket{bucket.index}.{bucket.slots[0].name}",
+                   op=Average, prescale_factor=self.prescale, postscale_factor=self.postscale,
+                   process_set=self.process_set)
+        out = self.hvd_compression.decompress(compressed, ctx)
+        if out is not bucket.buffer:
+            bucket.buffer.copy_(out.reshape(-1))
 
     def _stepping(self) -> int:
         """How many ranks take this step: a one-element sum through the controller, to which a rank in
@@ -172,34 +183,6 @@ class _EngineReducer(_Engine):
         allreduce_(token, name=f"DistributedOptimizer.step.{self._buckets[0].slots[0].name}", op=Sum,
                    process_set=self.process_set)
         return round(token.item())
-
-    def _compressed_by_controller(self, bucket) -> None:
-        """A compressed bucket while a rank is in ``hvd.join()``: compressed as Horovod compresses (fp16,
-        bf16, a user's class), reduced through the controller, decompressed. hpcjobs' own compressors
-        (top-k, PowerSGD, ...) keep residuals and cannot: every rank still stepping raises."""
-        if isinstance(self.hvd_compression, _Ours):
-            raise RuntimeError(f"hvd.join(): a rank has joined while the others step, and compression "
-                               f"{self.hvd_compression.spec!r} cannot reduce with its zeros (it keeps residuals); "
-                               "with it, call hvd.join() on every rank at the end of training only")
-        t0 = time.perf_counter()
-        bucket.before_reduce()
-        compressed, ctx = self.hvd_compression.compress(bucket.buffer)
-        allreduce_(compressed, name=f"DistributedOptimizer.bucket{bucket.index}.{bucket.slots[0].name}",
-                   op=Average, prescale_factor=self.prescale, postscale_factor=self.postscale,
-                   process_set=self.process_set)
-        bucket.buffer.copy_(self.hvd_compression.decompress(compressed, ctx).reshape(-1))
-        bucket.after_reduce()
-        self.stats["comm_s"] += time.perf_counter() - t0
-        self.stats["allreduces"] += 1
-
-    def _average(self, bucket) -> None:
-        """While a rank is in ``hvd.join()``, a bucket goes by the controller as Horovod's allreduces do, the
-        joined rank adding zeros of its shape (on the engine's communicator the others waited for it)."""
-        if not self._by_controller:
-            return super()._average(bucket)
-        allreduce_(bucket.buffer, name=f"DistributedOptimizer.bucket{bucket.index}.{bucket.slots[0].name}",
-                   op=Average, prescale_factor=self.prescale, postscale_factor=self.postscale,
-                   process_set=self.process_set)
 
     def _hook(self, param: torch.Tensor) -> None:
         grad = param.grad

@@ -269,6 +269,16 @@ class DistributedOptimizer(OptimizerState):
         bucket.before_reduce()
         if self.noise_scale:  # this rank's gradient, before it is averaged (convergence.noise_scale)
             self._sq_step[0] += float(bucket.buffer.double().square().sum())
+        self._exchange(bucket)
+        if self.noise_scale:
+            self._sq_step[1] += float(bucket.buffer.double().square().sum())
+        bucket.after_reduce()
+        self.stats["comm_s"] += time.perf_counter() - t0
+        self.stats["allreduces"] += 1
+
+    def _exchange(self, bucket: Bucket) -> None:
+        """The bucket's average over the ranks, in place: compressed, counted or plain (the Horovod door's
+        own goes by its controller while a rank has joined)."""
         if self.compression is not None:
             single = len(bucket.slots) == 1
             tensor = bucket.buffer.view(bucket.slots[0].param.shape) if single else bucket.buffer
@@ -281,16 +291,7 @@ class DistributedOptimizer(OptimizerState):
             with bucket.on_host() as host:
                 self.stats["sent_bytes"] += counted_allreduce(host, "avg", self.algorithm, self._user_comm)
         else:
-            self._average(bucket)
-        if self.noise_scale:
-            self._sq_step[1] += float(bucket.buffer.double().square().sum())
-        bucket.after_reduce()
-        self.stats["comm_s"] += time.perf_counter() - t0
-        self.stats["allreduces"] += 1
-
-    def _average(self, bucket: Bucket) -> None:
-        """The uncompressed bucket's average over the ranks, in place (the Horovod door's goes by its controller)."""
-        allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
+            allreduce(bucket.buffer, op="avg", algorithm=self.algorithm, comm=self._user_comm)
 
     def synchronize(self) -> None:
         """Finish this step's reductions and leave the averages in ``.grad``.
