@@ -110,6 +110,15 @@ def _encode(values: tuple, failed: bool) -> tuple[np.ndarray, memoryview]:
     return mpi, memoryview(padded)
 
 
+def raise_if_any(comm: MPI.Intracomm, error: str | None, what: str, kind: type = RuntimeError) -> None:
+    """Raise ``kind`` on every rank of ``comm`` where any rank has an ``error``
+    (a message; None: none here), naming each such rank (collective, even with
+    checks off: a failure on one rank would otherwise leave the others waiting)."""
+    errors = [f"rank {r} ({e})" for r, e in enumerate(comm.allgather(error)) if e]
+    if errors:
+        raise kind(f"{what} on " + "; ".join(errors))
+
+
 def agree_or_raise(comm: MPI.Intracomm, what: str, fields: dict, error: BaseException | None = None,
                    carry: tuple | None = None) -> bool:
     """Check that every rank of ``comm`` has the same ``fields`` and no

@@ -43,6 +43,7 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import allreduce as allreduce_, chunk_bounds, ring_allgatherv, ring_reduce_scatter
+from ..collectives.agreement import raise_if_any
 from ..collectives.watchdog import guard
 from ._state import OPS, Average
 
@@ -255,7 +256,7 @@ def broadcast_object(obj, root: int, comm: MPI.Intracomm):
     if error:
         raise TypeError(f"broadcast_object: rank {root}'s object does not pickle ({error})")
     loaded, error = _loads(payload) if rank != root else (obj, None)
-    _raise_if_any(comm, error, "broadcast_object: the object does not load")
+    raise_if_any(comm, error, "broadcast_object: the object does not load", TypeError)
     return loaded
 
 
@@ -277,7 +278,7 @@ def allgather_object(obj, comm: MPI.Intracomm) -> list:
         if error:
             break
         objects.append(loaded)
-    _raise_if_any(comm, error, "allgather_object: an object does not load")
+    raise_if_any(comm, error, "allgather_object: an object does not load", TypeError)
     return objects
 
 
@@ -295,12 +296,6 @@ def _loads(payload: bytes) -> tuple:
     """(the object, None), or (None, why it does not load)."""
     try:
         return pickle.loads(payload), None
-    except Exception as e:  # noqa: BLE001 -- every rank raises it (_raise_if_any)
+    except Exception as e:  # noqa: BLE001 -- every rank raises it (raise_if_any)
         return None, f"{type(e).__name__}: {e}"
 
-
-def _raise_if_any(comm: MPI.Intracomm, error: str | None, what: str) -> None:
-    """Raise on every rank where any rank of ``comm`` has an ``error`` (collective)."""
-    errors = [f"rank {r} ({e})" for r, e in enumerate(comm.allgather(error)) if e]
-    if errors:
-        raise TypeError(f"{what} on " + "; ".join(errors))

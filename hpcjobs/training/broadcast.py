@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..collectives.agreement import raise_if_any
 from ..comm import agree, private, signature
 from .distributed import DistributedOptimizer
 
@@ -87,7 +88,4 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm: MPI.Comm | No
                 inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))
         except Exception as e:  # noqa: BLE001 -- as above: root would go on alone into its next collective
             error = f"{type(e).__name__}: {e}"
-    errors = [f"rank {r} ({e})" for r, e in enumerate(comm.allgather(error)) if e]
-    if errors:
-        raise RuntimeError(f"broadcast_optimizer_state: rank {root_rank}'s state does not load on "
-                           + "; ".join(errors))
+    raise_if_any(comm, error, f"broadcast_optimizer_state: rank {root_rank}'s state does not load")
