@@ -15,7 +15,7 @@ from mpi4py import MPI
 from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS,
                           TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await,
                           _Ctx, _die_if_told, _recv_object)
-from .stepping import evaluate_local, finish_record, report
+from .stepping import amend_report, evaluate_local, finish_record, report
 
 __all__ = ["Server"]
 
@@ -307,6 +307,10 @@ class Server:
             rates = "; last rate by worker " + ", ".join("-" if np.isnan(r) else f"{r:.3g}" for r in self.last_lr)
         if held:  # its line, the audit included
             report(self.cfg, last)
+        else:  # every worker stopped at an epoch's end, whose line is written: the audit goes into it
+            if self.lost:  # and the workers lost since
+                last["lost_workers"] = ",".join(str(self.S + w) for w in sorted(self.lost))
+            amend_report(self.cfg, last)
         if not self.cfg.quiet:
             print(f"# train: {last['pushes_applied']} pushes applied, {last['pushes_reported']} reported pushed by "
                   f"the workers that finished, largest difference {last['audit_max_diff']}; staleness over the run "

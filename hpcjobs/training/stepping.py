@@ -150,13 +150,33 @@ def finish_record(cfg: TrainConfig, record: dict, workers: int) -> dict:
 
 def report(cfg: TrainConfig, record: dict) -> None:
     """One JSON line on stdout and in ``cfg.metrics`` (the caller is the rank that reports); every mode's."""
-    line = json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
+    line = _line(record)
     if cfg.metrics:
         Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.metrics, "a") as f:
             f.write(line + "\n")
     if not cfg.quiet:
         print(line, flush=True)
+
+
+def amend_report(cfg: TrainConfig, record: dict) -> None:
+    """Rewrites the last line of ``cfg.metrics`` as ``record``: the epoch line :func:`report` wrote, with fields
+    known only later (the parameter server's audit, where the run stopped at an epoch's end)."""
+    if not cfg.metrics:
+        return
+    path = Path(cfg.metrics)
+    lines = path.read_text().splitlines(keepends=True)
+    if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
+        raise RuntimeError(f"{path}: its last line is not epoch {record.get('epoch')}'s, which was written there; "
+                           f"was the file written to by another run meanwhile?")
+    lines[-1] = _line(record) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(lines))
+    tmp.replace(path)
+
+
+def _line(record: dict) -> str:
+    return json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
 
 
 def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)

@@ -70,6 +70,22 @@ def test_a_killed_worker_is_named_and_the_run_completes_without_it(tmp_path, wid
     assert [r["epoch"] for r in records] == [1, 2, 3]
 
 
+def test_a_run_whose_workers_are_lost_at_an_epochs_end_has_the_audit_in_its_metrics(tmp_path):
+    """The only worker dies at its 25th push, the end of epoch 1, whose line
+    is written then; the run ends with no pushes after it. The audit was
+    printed but missing from --metrics, whose last line now carries it."""
+    metrics = tmp_path / "m.jsonl"
+    out, _ = _train(2, *SMALL, "--epochs", "2", "--peer-timeout", "2", "--metrics", str(metrics), fault="1:25")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "worker rank 1 lost (silent for 2 s after 25 pushes)" in out.stdout, out.stdout[-2000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1] and records[0]["step"] == 25
+    assert {k: records[0].get(k) for k in ("pushes_applied", "pushes_reported", "audit_max_diff",
+                                            "pushes_by_worker", "lost_workers")} == {
+        "pushes_applied": 25, "pushes_reported": 0, "audit_max_diff": None, "pushes_by_worker": [25],
+        "lost_workers": "1"}
+
+
 def test_a_worker_waiting_on_one_server_is_not_lost_to_another(tmp_path):
     """Server rank 1 holds every pull for 30 s at its 10th push (as it would
     behind a lost worker with a staleness bound); server 0 has answered. The
