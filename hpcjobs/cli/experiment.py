@@ -16,10 +16,10 @@ from .train import add_comm_arguments, add_model_data_arguments
 
 
 def configure(p) -> None:
-    add_model_data_arguments(p)
+    add_model_data_arguments(p, num_samples=20000)
     # Tuned here (docs/results/large-batch.md, "Test error against global batch"): the 1-D CNN at lr 0.02 per
     # 32 samples is near the largest stable rate at the base batch, which is where warmup matters.
-    p.set_defaults(num_samples=20000, model="cnn1d")
+    p.set_defaults(model="cnn1d")
     g = p.add_argument_group("grid")
     g.add_argument("--min-batch", type=positive_int, default=32, help="smallest global batch (default 32)")
     g.add_argument("--max-batch", type=positive_int, default=4096, help="largest, reached by doubling (default 4096)")
@@ -44,9 +44,12 @@ def run(args) -> int:
     from ..comm import print0
     from ..runtime import pick_device, set_threads
     from ..training.config import TrainConfig
+    from ..training.data import SIZED
     from ..training.experiment import batch_sizes, markdown_table, plot, run_grid, summarize
 
     comm = MPI.COMM_WORLD
+    if args.num_samples is None and args.dataset in SIZED:  # this experiment's size (--help says so)
+        args.num_samples = 20000
     with usage():
         check_amp(args.amp, pick_device(args.device, comm))
     if not args.warmups or set(args.warmups) - set(WARMUPS):
@@ -76,7 +79,7 @@ def run(args) -> int:
                "the warmup rows never reach their peak rate")
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
-    print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples} samples), "
+    print0(f"# experiment large-batch: {args.model} on {args.dataset} ({args.num_samples or 'all'} samples), "
            f"{comm.Get_size()} ranks, batches {batches}, warmups {','.join(args.warmups)}, {args.seeds} seed(s), "
            f"{args.epochs} epochs, lr {args.lr} per {base} samples, {args.warmup_epochs:g} warmup epochs")
     with usage(ValueError):  # a configuration the data cannot take: raised on every rank alike
@@ -88,7 +91,7 @@ def run(args) -> int:
         (out / "table.md").write_text(
             f"# Large-minibatch SGD on {args.dataset} ({comm.Get_size()} ranks)\n\n"
             f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
-            f"Model {args.model}, dataset {args.dataset} ({args.num_samples or 'default'} samples), "
+            f"Model {args.model}, dataset {args.dataset} ({args.num_samples or 'all'} samples), "
             f"SGD momentum {args.momentum}, "
             f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
         print(table, flush=True)

@@ -18,10 +18,10 @@ def configure(p) -> None:
     from ..collectives.names import MESSAGE_ALGORITHMS
     from ..training.config import async_row_names as row_names
 
-    add_model_data_arguments(p)
+    add_model_data_arguments(p, num_samples=10000)
     # Tuned here (docs/results/async.md): the large-batch experiment's rate per 32 samples, a cosine decay so the
     # last epochs settle, 10,000 samples
-    p.set_defaults(num_samples=10000, model="cnn1d")
+    p.set_defaults(model="cnn1d")
     g = p.add_argument_group("runs")
     g.add_argument("--rows", type=comma_list, default=row_names(),
                    help=f"comma-separated subset of: {', '.join(row_names())} (default: all)")
@@ -55,8 +55,11 @@ def run(args) -> int:
     from ..training.async_experiment import markdown_table, plot, row_config, run_rows, summarize
     from ..training.config import ASYNC_ROWS as ROWS
     from ..training.config import TrainConfig, async_row_names as row_names
+    from ..training.data import SIZED
 
     comm = MPI.COMM_WORLD
+    if args.num_samples is None and args.dataset in SIZED:  # this experiment's size (--help says so)
+        args.num_samples = 10000
     if comm.Get_size() < 2:
         raise UsageError("run 1 server + W workers, e.g. mpirun -n 5 (4 workers)")
     unknown = set(args.rows) - set(row_names())
@@ -98,8 +101,8 @@ def run(args) -> int:
                     raise UsageError(f"row {name!r}: {e.problem}; {longer}leave the row out (--rows)") from None
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
-    print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples} samples), 1 server + {workers} "
-           f"workers, {args.seeds} seed(s), {args.epochs} epochs, batch {args.batch_per_rank} per worker step, lr "
+    print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples or 'all'} samples), 1 server + "
+           f"{workers} workers, {args.seeds} seed(s), {args.epochs} epochs, batch {args.batch_per_rank} per worker step, lr "
            f"{args.lr} per {args.base_batch} samples ({args.decay} decay), straggler {args.straggler_factor:g}x; "
            f"rows: {', '.join(rows)}")
     with usage(ValueError):

@@ -51,8 +51,8 @@ compression_spec = _checked_by(make_compressor)  # ``spec`` if it names a compre
 _straggler = _checked_by(parse_straggler)
 
 
-def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
-    """Model and data flags, shared with ``experiment large-batch``."""
+def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None = None) -> None:
+    """Model and data flags, shared with the experiments (``num_samples``: theirs for mnist1d, synthetic, text)."""
     g = p.add_argument_group("model and data")
     g.add_argument("--model", choices=MODELS + IMAGE_MODELS + GPT_MODELS, default=DEFAULTS.model,
                    help="default: %(default)s; resnet18/resnet50 on cifar10, gpt-mini/gpt2-small on text")
@@ -63,10 +63,12 @@ def add_model_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
                         "the files to read (default: hpcjobs' own source)")
     g.add_argument("--num-samples", type=positive_int,
-                   help="mnist1d samples to generate (default 5000, 80%% train), synthetic size (default 8192), "
-                        "text sequences (default: the whole corpus)")
+                   help=(f"mnist1d samples to generate, synthetic size, text sequences (default {num_samples}); "
+                         if num_samples else "mnist1d samples to generate (default 5000, 80%% train), synthetic size "
+                         "(default 8192), text sequences (default: the whole corpus); ") + "not for digits, mnist, "
+                        "cifar10")
     g.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed,
-                   help="seed of the generated data (default: %(default)s)")
+                   help="seed of the generated data (mnist1d, synthetic) or of digits' split (default: %(default)s)")
     g.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
                    help="text: tokens (bytes) per sample (default %(default)s)")
     g.add_argument("--layers", type=positive_int, help="GPT blocks (default: the preset's, 6 or 12)")

@@ -200,6 +200,14 @@ class TrainConfig:
             if not used and getattr(self, name) != defaults[name]:  # set, and ignored
                 raise ValueError(f"{name} is taken by {by} only: {self.optimizer} with decay {self.decay} would "
                                  "ignore it")
+        from .data import SEEDED, SIZED
+
+        if self.num_samples is not None and self.dataset not in SIZED:  # ignored there, silently
+            raise ValueError(f"num_samples sizes {', '.join(SIZED)}; {self.dataset} is used as it comes: leave "
+                             "num_samples out")
+        if self.data_seed != defaults["data_seed"] and self.dataset not in SEEDED:
+            raise ValueError(f"data_seed generates or splits {', '.join(SEEDED)}; {self.dataset} comes split: leave "
+                             "data_seed out")
         if self.final_lr != 0.0 and self.decay != "cosine":
             raise ValueError(f"final_lr is where cosine decay ends, and decay is {self.decay!r}: give decay cosine "
                              "or leave final_lr out")

@@ -40,10 +40,12 @@ import numpy as np
 
 from . import text
 
-__all__ = ["DATASETS", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx", "default_cache_dir",
+__all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx", "default_cache_dir",
            "rank_batches", "steps_per_epoch", "eval_shard"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
+SIZED = ("mnist1d", "synthetic", "text")  # the datasets num_samples sizes (the others are what their files hold)
+SEEDED = ("mnist1d", "synthetic", "digits")  # the datasets the seed generates or splits
 
 
 class Rows:

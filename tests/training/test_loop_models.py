@@ -60,7 +60,12 @@ def test_resnet18_trains_on_cifar10_format_images(tmp_path_factory):
 @pytest.mark.parametrize("kw,match", [
     (dict(model="gpt-mini", dataset="synthetic"), "gpt-mini is a language model: it trains on the text dataset"),
     (dict(model="mlp", dataset="text"), "the text dataset is for the GPTs"),
-    (dict(model="resnet18", dataset="digits"), r"resnet18 takes 3-channel images .* samples are \(8, 8\)"),
+    (dict(model="resnet18", dataset="digits", num_samples=None), r"resnet18 takes 3-channel images .* samples are "
+                                                                 r"\(8, 8\)"),
+    (dict(dataset="digits"), "num_samples sizes mnist1d, synthetic, text; digits is used as it comes"),
+    (dict(model="resnet18", dataset="cifar10", data_dir="x"), "num_samples sizes .*; cifar10 is used as it comes"),
+    (dict(model="gpt-mini", dataset="text", data_seed=7), "data_seed generates or splits mnist1d, synthetic, digits; "
+                                                          "text comes split"),
     (dict(model="mlp", layers=2), "layers shapes the GPTs"),
     (dict(amp="fp16", nonfinite="skip"), "leave nonfinite at 'ignore'"),
     (dict(amp="fp8"), "unknown amp 'fp8'"),
