@@ -145,10 +145,9 @@ def implementations(names: Iterable[str], segment_sizes: Iterable[int] = (), dev
             for seg in segment_sizes:
                 impls[f"{base}/{format_bytes(seg)}{tail}"] = Impl(functools.partial(_hierarchical, segment_bytes=seg),
                                                                    checks=checks)
-        elif (algorithm := name.removesuffix(CHECKED)) in ours or algorithm == "auto":
+        elif base in ours or base == "auto":
             # the call allreduce(buf, op, algorithm, comm) makes, as the mpi row calls MPI_Allreduce
-            impls[name] = Impl(lookup(algorithm).run, settled=auto_.settled if algorithm == "auto" else None,
-                               checks=name.endswith(CHECKED))
+            impls[name] = Impl(lookup(base).run, settled=auto_.settled if base == "auto" else None, checks=checks)
         elif name in BASELINES and device != "cpu":
             from .device import DEVICE_ADAPTERS
 
