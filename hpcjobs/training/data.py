@@ -44,8 +44,7 @@ __all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_data
            "rank_batches", "steps_per_epoch", "eval_shard"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
-SIZED = ("mnist1d", "synthetic", "text")  # the datasets num_samples sizes (the others are what their files hold)
-SEEDED = ("mnist1d", "synthetic", "digits")  # the datasets the seed generates or splits
+SIZED, SEEDED = ("mnist1d", "synthetic", "text"), ("mnist1d", "synthetic", "digits")  # what num_samples, seed take
 
 
 class Rows:
