@@ -192,3 +192,41 @@ def test_the_json_rows_hold_null_where_a_ratio_has_no_row_to_be_against():
     single, ours = json.loads(text)
     assert single["efficiency"] is None and ours["vs_ddp"] is None and ours["vs_horovod"] is None
     assert ours["efficiency"] == pytest.approx(91.0 / 105.0)
+
+
+def test_horovods_block_runs_without_the_others_threads():
+    """Horovod is measured first, as one block. The others used to be built
+    before it, so hvd-hpcjobs' controller (polling every millisecond on rank
+    0, about 5% of a core here), our optimizer's and the backend's threads
+    ran beside Horovod's rounds and taxed it alone. Each round's threads are
+    recorded: none of ours while Horovod runs, and theirs after it."""
+    from mpi4py import MPI
+
+    from hpcjobs.bench.baselines import available
+    from launch import require
+
+    reason = available("horovod", MPI.COMM_WORLD)
+    require(None if reason is None else f"Horovod is unavailable: {reason}")
+    out = mpirun_script(2, """
+import threading
+import torch
+from mpi4py import MPI
+import hpcjobs.bench.train as bench
+seen = {}
+real = bench._time_round
+def spy(runner, comm, batches, batch_size):
+    ours = {t.name for t in threading.enumerate() if t.name.startswith("hpcjobs-")}
+    seen.setdefault(runner.name, set()).update(ours)
+    return real(runner, comm, batches, batch_size)
+bench._time_round = spy
+torch.set_num_threads(1)
+w = bench.Workload(model="mlp", width=64, batch_norm=False, input_size=40, image_size=0, num_classes=10, batch_size=8,
+                   fusion_bytes=1 << 12, lr=0.01, seed=0)
+names = ["hvd-hpcjobs", "ours:ring/thread", "ddp-hpcjobs", "horovod"]
+results = bench.bench_train(MPI.COMM_WORLD, names, w, 1, 1, 2)
+assert all(results[n].wrong == 0 for n in names)
+assert seen["horovod"] == set(), seen
+assert {"hpcjobs-hvd-controller", "hpcjobs-allreduce", "hpcjobs-torch-backend"} <= seen["hvd-hpcjobs"], seen
+print("ok", MPI.COMM_WORLD.Get_rank())
+""", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("ok") == 2, out.stdout[-2000:] + out.stderr[-3000:]
