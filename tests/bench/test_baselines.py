@@ -105,6 +105,36 @@ def test_horovod_in_several_passes_runs_once_after_the_last(tmp_path):
     assert impls.count("horovod") == impls.count("horovod-gloo") == 4, out.stdout
 
 
+def test_horovods_late_pass_runs_without_our_doors_threads():
+    """Horovod's pass comes after the others; hvd-hpcjobs' controller, started
+    by its row, went on polling every millisecond on rank 0 beside it. The
+    doors stop first now: the threads alive in each pass are recorded."""
+    from launch import mpirun_script
+
+    _require_horovod()
+    out = mpirun_script(2, """
+import threading
+from mpi4py import MPI
+import hpcjobs.bench.sweep as sweep
+from hpcjobs.cli import main
+seen = {}
+real = sweep.run
+def spy(comm, sizes, impls, **kw):
+    seen[",".join(impls)] = {t.name for t in threading.enumerate() if t.name.startswith("hpcjobs-")} - {
+        "hpcjobs-watchdog"}  # (every collective's, from the first call on)
+    return real(comm, sizes, impls, **kw)
+sweep.run = spy
+assert main(["bench", "allreduce", "-b", "8", "-e", "256", "-f", "32", "--iters", "2", "--impl", "ring",
+             "--baselines", "mpi,hvd-hpcjobs,horovod"]) == 0
+first, late = seen
+assert "hvd-hpcjobs" in first and late == "horovod,mpi (anchor)", seen
+assert seen[late] == set(), seen
+print("threads checked on rank", MPI.COMM_WORLD.Get_rank())
+""", timeout=300)
+    assert out.returncode == 0 and out.stdout.count("threads checked on rank") == 2, \
+        out.stdout[-2000:] + out.stderr[-3000:]
+
+
 def test_horovod_does_not_claim_bfloat16():
     assert not horovod_supports("bfloat16")
 
