@@ -323,19 +323,19 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     built = {}
     # Horovod's block first, then the others are built: their threads (hvd-hpcjobs' controller polls every
     # millisecond on rank 0) must not run beside it, as Horovod's does not run beside them (docstring, 5.)
+    names = list(dict.fromkeys(names))  # a name given twice is one runner, measured once a round
     first, rest = [n for n in names if n == "horovod"], [n for n in names if n != "horovod"]
     for group, told in ((first, None), (rest, progress)):  # (progress: the rounds of the shuffled ones)
         for n in group:
             with _oom_ends_the_job(w, comm, n):
                 built[n] = _build(n, w, comm, seed_state, x, y)
         _measure([built[n] for n in group], comm, w, warmup_batches, batches_per_iter, iters, rng, results, told)
-    runners = [built[n] for n in names]
+    runners = [built.pop(n) for n in names]
     wrong = {r.name: int(not _params_agree(r, comm)) for r in runners if not r.alone}
-    for r in runners:
-        r.close()
+    [r.close() for r in runners]  # (a comprehension: no loop variable left holding the last runner)
     # DDP's reducer must go before its Gloo process group: destroyed the
     # other way round, at interpreter exit, a rank hung in native code about
-    # one run in six here (seen under CPU load).
+    # one run in six here (seen under CPU load). Nothing else may hold a runner.
     del runners
     gc.collect()
     comm.Barrier()
