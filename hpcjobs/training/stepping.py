@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -161,18 +163,28 @@ def report(cfg: TrainConfig, record: dict) -> None:
 
 def amend_report(cfg: TrainConfig, record: dict) -> None:
     """Rewrites the last line of ``cfg.metrics`` as ``record``: the epoch line :func:`report` wrote, with fields
-    known only later (the parameter server's audit, where the run stopped at an epoch's end)."""
+    known only later (the parameter server's audit, where the run stopped at an epoch's end). A file it cannot
+    amend (changed meanwhile, unwritable) gets a warning, not an error: the run itself went well."""
     if not cfg.metrics:
         return
-    path = Path(cfg.metrics)
-    lines = path.read_text().splitlines(keepends=True)
-    if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
-        raise RuntimeError(f"{path}: its last line is not epoch {record.get('epoch')}'s, which was written there; "
-                           f"was the file written to by another run meanwhile?")
-    lines[-1] = _line(record) + "\n"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(lines))
-    tmp.replace(path)
+    path = Path(cfg.metrics).resolve()
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+        if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
+            raise ValueError(f"its last line is not epoch {record.get('epoch')}'s, written there by this run")
+        lines[-1] = _line(record) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write("".join(lines))
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except (OSError, ValueError) as e:  # (json's JSONDecodeError is a ValueError)
+        print(f"# train: warning: the audit is not in {cfg.metrics}: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
 
 
 def _line(record: dict) -> str:

@@ -77,12 +77,16 @@ def test_a_run_whose_workers_are_lost_at_an_epochs_end_has_the_audit_in_its_metr
     metrics = tmp_path / "m.jsonl"
     out, _ = _train(2, *SMALL, "--epochs", "2", "--peer-timeout", "2", "--metrics", str(metrics), fault="1:25")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "worker rank 1 lost (silent for 2 s after 25 pushes)" in out.stdout, out.stdout[-2000:]
+    found = re.search(r"worker rank 1 lost \(silent for 2 s after (24|25) pushes\)", out.stdout)
+    assert found, out.stdout[-2000:]
+    # the kill comes right after the 25th push's Isend: it arrived in every run here (shared memory takes it in
+    # the call), which ends at the epoch's end; had it not, 24 pushes end a partial epoch, whose line is new
+    applied = int(found[1])
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [1] and records[0]["step"] == 25
-    assert {k: records[0].get(k) for k in ("pushes_applied", "pushes_reported", "audit_max_diff",
-                                            "pushes_by_worker", "lost_workers")} == {
-        "pushes_applied": 25, "pushes_reported": 0, "audit_max_diff": None, "pushes_by_worker": [25],
+    assert [r["epoch"] for r in records] == ([1] if applied == 25 else [0.96]) and records[-1]["step"] == applied
+    assert {k: records[-1].get(k) for k in ("pushes_applied", "pushes_reported", "audit_max_diff",
+                                             "pushes_by_worker", "lost_workers")} == {
+        "pushes_applied": applied, "pushes_reported": 0, "audit_max_diff": None, "pushes_by_worker": [applied],
         "lost_workers": "1"}
 
 

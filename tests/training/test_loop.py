@@ -197,6 +197,18 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     comm.Barrier()
     with pytest.raises(CheckpointError, match="another experiment: amp 'fp16' -> 'none'"):
         train(cfg(checkpoint=f"{d}/f.pt", resume=True, epochs=2, compression="fp16", error_feedback=True), comm)
+    # digits with a sample count and a seed, as runs saved them before the flags were refused where the dataset
+    # ignores them (its config made so here): the same experiment, resumed; a changed seed still splits it anew
+    digits = dict(dataset="digits", num_samples=None, batch_per_rank=4)
+    train(cfg(checkpoint=f"{d}/d.pt", epochs=1, **digits), comm)
+    if comm.rank == 0:
+        state = torch.load(f"{d}/d.pt", weights_only=False)
+        state["config"]["num_samples"] = 600
+        torch.save(state, f"{d}/d.pt")
+    comm.Barrier()
+    assert [h["epoch"] for h in train(cfg(checkpoint=f"{d}/d.pt", resume=True, epochs=2, **digits), comm)] == [1, 2]
+    with pytest.raises(CheckpointError, match="another experiment: data_seed 42 -> 7"):
+        train(cfg(checkpoint=f"{d}/d.pt", resume=True, epochs=3, data_seed=7, **digits), comm)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -326,3 +338,23 @@ def test_fp16_compression_trains_close_to_uncompressed():
     plain = train(cfg(epochs=2), MPI.COMM_SELF)
     half = train(cfg(epochs=2, compression="fp16"), MPI.COMM_SELF)
     assert half[-1]["loss"] == pytest.approx(plain[-1]["loss"], rel=1e-2)
+
+
+def test_amend_report_rewrites_only_this_runs_last_line_and_warns_where_it_cannot(tmp_path, capsys):
+    """The parameter server's audit goes into the epoch line written before
+    the stop; an earlier run's lines stay, and a file whose last line is not
+    that epoch's is left alone with a warning (the run itself went well)."""
+    from hpcjobs.training.stepping import amend_report, report
+
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"epoch": 3, "loss": 0.5}\n')  # an earlier run's
+    c = TrainConfig(metrics=str(metrics), quiet=True)
+    report(c, {"epoch": 1, "loss": 1.25})
+    amend_report(c, {"epoch": 1, "loss": 1.25, "pushes_applied": 25, "lost_workers": "1"})
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == [
+        {"epoch": 3, "loss": 0.5}, {"epoch": 1, "loss": 1.25, "pushes_applied": 25, "lost_workers": "1"}]
+    assert [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]  # no temporary file left
+    before = metrics.read_text()
+    amend_report(c, {"epoch": 2, "loss": 1.0, "pushes_applied": 50})
+    assert metrics.read_text() == before
+    assert "warning: the audit is not in" in capsys.readouterr().err
