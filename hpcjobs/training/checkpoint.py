@@ -43,11 +43,16 @@ _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "miles
 
 def _used(key: str, cfg: TrainConfig) -> bool:
     """Whether the run uses the setting ``key`` (momentum: the SGDs, RMSprop
-    and LARS; the trust coefficient: LARS; the bucket size: the residuals of
+    and LARS; the trust coefficient: LARS; the data's size and seed: the
+    datasets they make; the bucket size: the residuals of
     error feedback with a cast, kept per fused bucket, so other buckets
     would take them): one it ignores may change."""
     if key == "momentum":
         return cfg.optimizer in ("sgd", "nesterov", "rmsprop", "lars")
+    if key in ("num_samples", "data_seed"):  # (saved before they were refused where the dataset ignores them)
+        from .data import SEEDED, SIZED
+
+        return cfg.dataset in (SIZED if key == "num_samples" else SEEDED)
     if key == "fusion_bytes":
         from ..compression.names import make_compressor
 
