@@ -102,9 +102,9 @@ def run(args) -> int:
     check_outputs(comm, [("--out", args.out, True)])
     set_threads(args.threads, comm)
     print0(f"# experiment async: {args.model} on {args.dataset} ({args.num_samples or 'all'} samples), 1 server + "
-           f"{workers} workers, {args.seeds} seed(s), {args.epochs} epochs, batch {args.batch_per_rank} per worker step, lr "
-           f"{args.lr} per {args.base_batch} samples ({args.decay} decay), straggler {args.straggler_factor:g}x; "
-           f"rows: {', '.join(rows)}")
+           f"{workers} workers, {args.seeds} seed(s), {args.epochs} epochs, batch {args.batch_per_rank} per worker "
+           f"step, lr {args.lr} per {args.base_batch} samples ({args.decay} decay), straggler "
+           f"{args.straggler_factor:g}x; rows: {', '.join(rows)}")
     with usage(ValueError):
         results = run_rows(template, rows, args.seeds, args.straggler_factor, args.out, comm, log=print0)
     if comm.Get_rank() == 0:

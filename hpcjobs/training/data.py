@@ -40,8 +40,8 @@ import numpy as np
 
 from . import text
 
-__all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx", "default_cache_dir",
-           "rank_batches", "steps_per_epoch", "eval_shard"]
+__all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx",
+           "default_cache_dir", "rank_batches", "steps_per_epoch", "eval_shard"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
 SIZED, SEEDED = ("mnist1d", "synthetic", "text"), ("mnist1d", "synthetic", "digits")  # what num_samples, seed take

@@ -40,6 +40,20 @@ def test_experiment_refuses_a_batch_larger_than_the_data_before_the_grid_and_war
     assert "warning: 2 warmup epochs in a run of 1: the warmup rows never reach their peak rate" in out.stdout
 
 
+def test_the_experiments_own_sample_count_goes_only_to_a_dataset_it_sizes(tmp_path):
+    """20,000 samples is the experiment's default for MNIST-1D; digits is used
+    whole (1,437 for training) and refuses a count, so it must not get one:
+    the grid is checked against digits' own training set."""
+    out = _mpirun(2, "experiment", "large-batch", "--model", "mlp", "--width", "16", "--dataset", "digits",
+                  "--min-batch", "32", "--max-batch", "2048", "--out", str(tmp_path))
+    assert out.returncode == 2 and "--max-batch 2048 is larger than the 1437 training samples" in out.stderr, \
+        out.stderr[-2000:]
+    out = _mpirun(2, "experiment", "large-batch", "--dataset", "digits", "--num-samples", "500", "--out",
+                  str(tmp_path))
+    assert out.returncode == 2 and "num_samples sizes mnist1d, synthetic, text; digits is used as it comes" in \
+        out.stderr, out.stderr[-2000:]
+
+
 def test_batch_sizes_double():
     assert batch_sizes(32, 4096) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert batch_sizes(32, 100) == [32, 64]
