@@ -12,7 +12,7 @@ from pathlib import Path
 from ..training.schedule import WARMUPS
 from .args import (UsageError, check_amp, check_outputs, comma_list, dataclass_values, nonnegative_float,
                    positive_float, positive_int, usage)
-from .train import add_comm_arguments, add_model_data_arguments
+from .train import add_comm_arguments, add_model_data_arguments, fill_experiment_samples
 
 
 def configure(p) -> None:
@@ -44,12 +44,10 @@ def run(args) -> int:
     from ..comm import print0
     from ..runtime import pick_device, set_threads
     from ..training.config import TrainConfig
-    from ..training.data import SIZED
     from ..training.experiment import batch_sizes, markdown_table, plot, run_grid, summarize
 
     comm = MPI.COMM_WORLD
-    if args.num_samples is None and args.dataset in SIZED:  # this experiment's size (--help says so)
-        args.num_samples = 20000
+    fill_experiment_samples(args)
     with usage():
         check_amp(args.amp, pick_device(args.device, comm))
     if not args.warmups or set(args.warmups) - set(WARMUPS):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
                    positive_int, usage)
-from .train import add_model_data_arguments
+from .train import add_model_data_arguments, fill_experiment_samples
 
 
 def configure(p) -> None:
@@ -55,11 +55,9 @@ def run(args) -> int:
     from ..training.async_experiment import markdown_table, plot, row_config, run_rows, summarize
     from ..training.config import ASYNC_ROWS as ROWS
     from ..training.config import TrainConfig, async_row_names as row_names
-    from ..training.data import SIZED
 
     comm = MPI.COMM_WORLD
-    if args.num_samples is None and args.dataset in SIZED:  # this experiment's size (--help says so)
-        args.num_samples = 10000
+    fill_experiment_samples(args)
     if comm.Get_size() < 2:
         raise UsageError("run 1 server + W workers, e.g. mpirun -n 5 (4 workers)")
     unknown = set(args.rows) - set(row_names())

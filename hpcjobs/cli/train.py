@@ -51,6 +51,15 @@ compression_spec = _checked_by(make_compressor)  # ``spec`` if it names a compre
 _straggler = _checked_by(parse_straggler)
 
 
+def fill_experiment_samples(args) -> None:
+    """An experiment's own sample count (:func:`add_model_data_arguments`' ``num_samples``), where none was given
+    and the dataset takes one (the others refuse a count)."""
+    from ..training.data import SIZED
+
+    if args.num_samples is None and args.dataset in SIZED:
+        args.num_samples = args.experiment_samples
+
+
 def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None = None) -> None:
     """Model and data flags, shared with the experiments (``num_samples``: theirs for mnist1d, synthetic, text)."""
     g = p.add_argument_group("model and data")
@@ -67,6 +76,8 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
                          if num_samples else "mnist1d samples to generate (default 5000, 80%% train), synthetic size "
                          "(default 8192), text sequences (default: the whole corpus); ") + "not for digits, mnist, "
                         "cifar10")
+    if num_samples:
+        p.set_defaults(experiment_samples=num_samples)  # given where the dataset takes it: fill_experiment_samples
     g.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed,
                    help="seed of the generated data (mnist1d, synthetic) or of digits' split (default: %(default)s)")
     g.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
