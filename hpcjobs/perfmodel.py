@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ._files import atomic_write
 from ._nnls import nonnegative_line
 from .comm import exchange
 from .collectives._buffers import as_flat, reducer
@@ -368,7 +369,7 @@ def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine
         data["node_machine"] = node.to_dict()
     if ranks_per_node is not None:
         data["ranks_per_node"] = ranks_per_node
-    with open(os.path.join(out, "model.json"), "w") as f:
+    with atomic_write(os.path.join(out, "model.json")) as f:
         json.dump(data, f, indent=1)
     try:
         import matplotlib

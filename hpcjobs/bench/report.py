@@ -10,6 +10,7 @@ from typing import Iterable
 
 from mpi4py import MPI
 
+from .._files import atomic_write
 from .names import BASELINES
 
 COLUMNS = ("size(B)", "count", "type", "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
@@ -67,25 +68,21 @@ def preamble(env: dict, title: str) -> list[str]:
 
 def write_json(path: str, records: Iterable, env: dict) -> None:
     """Write ``{"environment": ..., "records": [...]}`` atomically."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         json.dump({"environment": env, "records": [r.to_dict() for r in records]}, f, indent=1)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 def write_csv(path: str, records: Iterable) -> None:
-    """One row per record, the Record fields as columns."""
+    """One row per record, the Record fields as columns, atomically."""
     import csv
 
     records = list(records)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
+    with atomic_write(path, newline="") as f:
         if records:
             writer = csv.DictWriter(f, fieldnames=list(records[0].to_dict()))
             writer.writeheader()
             writer.writerows(r.to_dict() for r in records)
-    os.replace(tmp, path)
 
 
 def _size_label(n: int) -> str:
@@ -151,8 +148,6 @@ def write_report(out_dir: str, records: list, env: dict, title: str, command: st
               "take turns among three variants), over all calls and ranks.", "", "```",
               header(any(getattr(r, "wire_hosts", None) for r in records)), *(row(r) for r in records), "```", "",
               "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
-    tmp = paths["report.md"] + ".tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(paths["report.md"]) as f:
         f.write("\n".join(lines))
-    os.replace(tmp, paths["report.md"])
     return list(paths.values())

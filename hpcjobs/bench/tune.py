@@ -23,6 +23,7 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from .._files import atomic_write
 from ..collectives import ALGORITHMS
 from ..collectives.names import SHARED_MEMORY
 from .sweep import Record, implementations, median_records, run
@@ -187,8 +188,6 @@ def tune(comm: MPI.Intracomm, sizes: list[int], names: list[str], passes: int, i
 def write(path: str, table: dict, environment: dict) -> None:
     """Add ``table`` to the tuning file at ``path`` (:func:`merge`), atomically."""
     data = merge(path, table, environment)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
+    with atomic_write(path) as f:
         json.dump(data, f, indent=1)
         f.write("\n")
-    os.replace(tmp, path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+from .._files import atomic_write
 from ..bench.names import TRAIN_IMPLS
 from ..runtime import DEVICES
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
@@ -116,7 +117,7 @@ def run(args) -> int:
         if args.json:
             config = {k: v for k, v in vars(args).items()
                       if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))}
-            with open(args.json, "w") as f:
+            with atomic_write(args.json) as f:
                 json.dump({"ranks": size, "config": config, "results": rows}, f, indent=1)
             print(f"# wrote {args.json}", flush=True)
     return 1 if any(r.wrong for r in results.values()) else 0

@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+from .._files import atomic_write
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
 from . import plan_runs
@@ -277,7 +278,7 @@ def run(args) -> int:
               "of the step against one device's compute")
         print(plan_runs.table(checks))
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
                                   and isinstance(v, (int, float, str, bool, list, type(None)))},
                        "one_device": {"batch": workload.batch, "forward_s": workload.forward_s,

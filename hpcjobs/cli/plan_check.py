@@ -31,6 +31,7 @@ import os
 import shlex
 from importlib import resources
 
+from .._files import atomic_write
 from .args import UsageError, check_outputs, positive_float
 
 COLUMNS = ("id", "run", "devices", "published", "source", "flags")
@@ -169,7 +170,7 @@ def run(args) -> int:
           f"{sum(r['difference_points'] > 0 for r in results)}, mean difference "
           f"{sum(r['difference_points'] for r in results) / len(results):+.1f} points")
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json) as f:
             json.dump({"rows_file": name, "within_points": args.within, "within": len(within), "rows": results},
                       f, indent=1)
     return 0

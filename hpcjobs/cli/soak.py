@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+from .._files import atomic_write
 from .args import check_outputs, nonnegative_float, positive_int
 
 
@@ -48,6 +49,6 @@ def run(args) -> int:
         print(f"# wrong results: {result.wrong_ops} operations, {result.wrong_elements} elements (summed over "
               f"ranks); largest RSS growth {worst:.1f}% (limit {args.max_rss_growth:g}%)", flush=True)
         if args.json:
-            with open(args.json, "w") as f:
+            with atomic_write(args.json) as f:
                 json.dump(result.to_dict(), f, indent=1)
     return 1 if result.wrong_ops or worst > args.max_rss_growth else 0

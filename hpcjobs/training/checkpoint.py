@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .._files import atomic_write
 from .config import TrainConfig
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read"]
@@ -77,21 +78,12 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
-    """Write ``state`` so that ``path`` always holds a whole checkpoint:
-    a temp file in the same directory, fsync, rename over, fsync the directory."""
+    """Write ``state`` so that ``path`` always holds a whole checkpoint, on the disk
+    (:func:`~hpcjobs._files.atomic_write`, durable: the file and its directory are flushed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_write(path, "wb", durable=True) as f:
         torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._files import atomic_write
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
@@ -167,21 +166,13 @@ def amend_report(cfg: TrainConfig, record: dict) -> None:
     amend (changed meanwhile, unwritable) gets a warning, not an error: the run itself went well."""
     if not cfg.metrics:
         return
-    path = Path(cfg.metrics).resolve()
     try:
-        lines = path.read_text().splitlines(keepends=True)
+        lines = Path(cfg.metrics).read_text().splitlines(keepends=True)
         if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
             raise ValueError(f"its last line is not epoch {record.get('epoch')}'s, written there by this run")
         lines[-1] = _line(record) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write("".join(lines))
-            os.chmod(tmp, path.stat().st_mode & 0o7777)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(cfg.metrics) as f:
+            f.write("".join(lines))
     except (OSError, ValueError) as e:  # (json's JSONDecodeError is a ValueError)
         print(f"# train: warning: the audit is not in {cfg.metrics}: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)
