@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import IO, Iterator
@@ -34,11 +35,15 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write: mode must be 'w' or 'wb', not {mode!r}")
-    path = Path(path).resolve()
-    if path.exists() and not path.is_file():  # never a file renamed over a device or a pipe
+    try:
+        kind = os.stat(path).st_mode  # through links: /dev/stdout is one to /proc/self/fd/1, then a pipe
+    except FileNotFoundError:
+        kind = stat.S_IFREG
+    if not stat.S_ISREG(kind):  # never a file renamed over a device or a pipe
         with open(path, mode, newline=newline) as f:
             yield f
         return
+    path = Path(path).resolve()
     # one name per process and thread: two writers of the same path never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:

@@ -132,3 +132,23 @@ def test_what_is_not_a_regular_file_is_written_in_place(tmp_path):
     assert got == ["through the pipe"]
     assert stat.S_ISFIFO(fifo.stat().st_mode)
     assert _names(tmp_path) == ["fifo"]
+
+
+def test_a_link_to_a_pipe_is_written_through_as_dev_stdout_is(tmp_path):
+    """``/dev/stdout`` links to ``/proc/self/fd/1``, which resolves to no file
+    (``pipe:[N]``): the check follows the links before it resolves them."""
+    r, w = os.pipe()
+    (tmp_path / "stdout").symlink_to(f"/proc/self/fd/{w}")
+    try:
+        with atomic_write(tmp_path / "stdout") as f:
+            f.write("to the reader")
+        os.close(w)
+        w = None
+        with os.fdopen(r) as reader:
+            r = None
+            assert reader.read() == "to the reader"
+    finally:
+        for fd in (r, w):
+            if fd is not None:
+                os.close(fd)
+    assert _names(tmp_path) == ["stdout"]
