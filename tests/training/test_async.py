@@ -285,7 +285,9 @@ def test_async_easgd_workers_step_at_the_runs_rate_not_at_their_own_count():
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
     rates, pushes = last["lr_by_worker"], last["pushes_by_worker"]
     assert len(rates) == workers and all(r is not None for r in rates)
-    assert pushes[0] < min(pushes[1:])  # the slow worker moved the center least
+    # The slow worker moved the center less than the fastest did, so the run's moves outrun its own count. Not
+    # "least": with 5 ranks on 2 cores the scheduler starved a worker of normal speed once (pushes [21, 50, 2]).
+    assert pushes[0] < max(pushes[1:]), pushes
     # its steps: 2 per push, and the 2 before the pull that was told to stop
     own = sched.lr_at((pushes[0] + 1) * 2 - 1, spe, cfg.schedule(workers))
     assert rates[0] < own
