@@ -82,7 +82,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser, factor: int = 2) -> None:
     p.add_argument("--min-bytes", "-b", type=parse_bytes, default=8, metavar="SIZE",
                    help="smallest message, e.g. 8, 4K (default 8)")
     p.add_argument("--max-bytes", "-e", type=parse_bytes, default=64 << 20, metavar="SIZE",
-                   help="largest message (default 64M)")
+                   help="largest message (default 64M); each rank holds about 8 times it, refused where a host "
+                        "lacks the memory")
     p.add_argument("--factor", "-f", type=positive_int, default=factor,
                    help=f"size multiplier between rows (default {factor})")
     p.add_argument("--iters", "-n", type=positive_int, default=None,

@@ -78,6 +78,7 @@ def run(args) -> int:
 
     from ..bench import sweep, verdicts
     from ..bench.baselines import available, shutdown
+    from ..bench.memory import check_sweep_fits
     from ..bench.report import environment, header, preamble, row, write_csv, write_json, write_report
     from ..collectives import auto
     from ..collectives._shared import is_single_node
@@ -118,6 +119,8 @@ def run(args) -> int:
     if args.buffers == "symmetric" and not is_single_node(comm):
         raise UsageError("--buffers symmetric needs every rank on one node (symmetric buffers are shared memory)")
     check_outputs(comm, [("--json", args.json, False), ("--csv", args.csv, False), ("--out", args.out, True)])
+    with usage():
+        check_sweep_fits(comm, sizes)
     skipped = {}
     for name in base:
         reason = available(name, comm)

@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from ..bench.names import COMPRESSORS
 from ..collectives import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
 from ..training.config import MODELS
-from .args import UsageError, check_outputs, comma_list, positive_float, positive_int
+from .args import UsageError, check_outputs, comma_list, positive_float, positive_int, usage
 
 
 def _counts(text: str) -> list[int]:
     """'100K,1M,2.5M' -> element counts (powers of 1000)."""
     out = []
-    for item in comma_list(text.upper()):
-        scale = {"K": 10 ** 3, "M": 10 ** 6}.get(item[-1:], 1)
+    for item in comma_list(text):
+        scale = {"K": 10 ** 3, "M": 10 ** 6}.get(item[-1:].upper(), 1)
         try:
             value = float(item[:-1] if scale > 1 else item) * scale
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a count: {item!r} (use e.g. 100K, 1M, 2.5M)") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"counts must be >= 1, got {item!r}")
+        if not value >= 1 or math.isinf(value):  # (inf: int() raised OverflowError, which argparse passed on)
+            raise argparse.ArgumentTypeError(f"counts must be finite and >= 1, got {item!r}")
         out.append(int(value))
     return out
 
@@ -73,6 +74,7 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from ..bench.compression import tensor_rows, tensor_table, train_rows, train_table
+    from ..bench.memory import check_fits
     from ..bench.sweep import unchecked_benchmarks
     from ..comm import print0, private
     from ..runtime import set_threads
@@ -91,6 +93,8 @@ def run(args) -> int:
         device = gpu_for_rank(comm)
     size = comm.Get_size()
     check_outputs(comm, [("--out", args.out, True)])
+    with usage():  # the gradient, its copies, payloads and residuals: about 8x its fp32 bytes (50M elements, 2 ranks)
+        check_fits(comm, 8 * 4 * max(args.elements), f"--elements {max(args.elements):,}")
     unchecked_benchmarks()
     threads = set_threads(args.threads, comm)
     progress = (lambda line: print0(f"# {line}")) if args.progress else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from .args import UsageError, add_sweep_arguments, apply_placement, check_outputs, sweep_sizes
+from .args import UsageError, add_sweep_arguments, apply_placement, check_outputs, sweep_sizes, usage
 
 
 def configure(p) -> None:
@@ -15,6 +15,7 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
+    from ..bench.memory import check_sweep_fits
     from ..bench.sweep import implementations, unchecked_benchmarks
     from ..bench.sweep import run as sweep
     from ..collectives.costs import COSTS
@@ -30,6 +31,8 @@ def run(args) -> int:
     if P < 2:
         raise UsageError("the cost model needs at least 2 ranks (mpirun -n 2 or more)")
     check_outputs(comm, [("--out", args.out, True)])
+    with usage():
+        check_sweep_fits(comm, sizes)
     topo = detect_private(comm)
     if topo.num_nodes > 1:
         return _across(args, comm, topo, sizes)

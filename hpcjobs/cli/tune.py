@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .args import add_sweep_arguments, apply_placement, check_outputs, positive_int, sweep_sizes
+from .args import add_sweep_arguments, apply_placement, check_outputs, positive_int, sweep_sizes, usage
 
 # Sweeps per `hpcjobs tune`. Two runs here 15 s apart disagreed at 16 MB (shm
 # 1.59x ahead of the ring in one, behind in the next); three passes give a
@@ -24,6 +24,7 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from ..bench import tune
+    from ..bench.memory import check_sweep_fits
     from ..bench.report import environment
     from ..bench.sweep import format_bytes, unchecked_benchmarks
     from ..collectives._shared import is_single_node
@@ -36,6 +37,8 @@ def run(args) -> int:
     comm = private()
     # the table is added to an existing file once every pass is done: one that cannot take it is refused now
     check_outputs(comm, [("--out", args.out, False, tune.merge_problem)])
+    with usage():
+        check_sweep_fits(comm, sizes)
     topo = detect_private(comm)
     names, left_out = tune.applicable(is_single_node(comm), topo.num_nodes)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
