@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from .._files import atomic_write
-from .args import check_outputs, nonnegative_float, positive_int
+from .args import check_outputs, nonnegative_float, positive_int, usage
 
 
 def configure(p) -> None:
@@ -26,12 +26,15 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
+    from ..bench.memory import check_fits
     from ..collectives import OPS
     from ..comm import print0, private
     from ..soak import DTYPES, algorithms, soak
 
     comm = private()
     check_outputs(comm, [("--json", args.json, False)])
+    with usage():  # the values, the buffer, the exact result in a wide type and MPI's: 37 bytes an element measured
+        check_fits(comm, 40 * args.max_count, f"--max-count {args.max_count:,}")
     print0(f"# hpcjobs soak: {args.ops} allreduces at {comm.Get_size()} ranks, counts 0..{args.max_count}, "
            f"algorithms {', '.join(algorithms(comm))}, dtypes {', '.join(DTYPES)}, ops {', '.join(OPS)}")
 

@@ -88,3 +88,9 @@ def test_bench_compression_refuses_counts_that_are_not_finite_or_do_not_fit():
         assert "Traceback" not in out.stderr
     out = hpcjobs("bench", "compression", "--elements", "1e20")
     assert out.returncode == 2 and "--elements 100,000,000,000,000,000,000 does not fit in memory" in out.stderr
+
+
+def test_soak_refuses_a_count_that_does_not_fit():
+    out = hpcjobs("soak", "--max-count", str(10 ** 15))
+    assert out.returncode == 2, out.stderr
+    assert "--max-count 1,000,000,000,000,000 does not fit in memory: rank 0: 1 rank(s) here need about" in out.stderr
