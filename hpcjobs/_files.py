@@ -1,22 +1,25 @@
 """atomic_write: a file that a reader, or a crash, sees whole or not at all.
 
 Every file the suite writes whole goes through it: checkpoints, the tuning
-table, the benchmark reports, ``--json`` and ``model.json``, the amended
-``--metrics`` line. A temporary file next to the target (same directory, so
-the rename stays on one file system) is written, closed and renamed over the
-target; an exception on the way removes it and leaves the target as it was.
+table, the benchmark reports, ``--json`` and ``model.json``, the
+experiments' tables, a submitted job script, the amended ``--metrics``
+line (not the plots, which matplotlib writes, nor the logs appended to line
+by line). A temporary file next to the target (same directory, so the rename
+stays on one file system) is written, closed and renamed over the target; an
+exception on the way removes it and leaves the target as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
-import threading
+import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write"]
+__all__ = ["atomic_write", "write_text"]
 
 
 @contextlib.contextmanager
@@ -28,26 +31,35 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
     ``mode`` is ``"w"`` or ``"wb"``; ``newline`` as :func:`open`'s (``""`` for
     :mod:`csv`). A symbolic link is written through, not replaced. The file
     keeps the permissions of the one it replaces; a new file gets the umask's,
-    as :func:`open` gives. What is not a regular file (``/dev/stdout``, a
-    pipe) is written in place, as :func:`open` would. ``durable=True`` also flushes the file and then its
-    directory to the disk, so that a power cut after the block leaves the new
-    file (checkpoints).
+    as :func:`open` gives. Written in place, as :func:`open` would: what is not
+    a regular file (a pipe, a device) or is named by ``/dev/...`` or
+    ``/proc/...``. The file this process has open as its standard output or
+    error is written through that descriptor, after what it printed there
+    (``--json /dev/stdout > out.json``: a file renamed over ``out.json`` lost
+    what the command printed, and a plain open wrote over it).
+    ``durable=True`` also flushes the file and then its directory to the disk,
+    so that a power cut after the block leaves the new file (checkpoints).
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write: mode must be 'w' or 'wb', not {mode!r}")
-    try:
-        kind = os.stat(path).st_mode  # through links: /dev/stdout is one to /proc/self/fd/1, then a pipe
-    except FileNotFoundError:
-        kind = stat.S_IFREG
-    if not stat.S_ISREG(kind):  # never a file renamed over a device or a pipe
+    fd = _standard_stream(path)
+    if fd is not None:  # through this process's own descriptor: after what it printed, not over it
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with open(fd, mode, newline=newline, closefd=False) as f:
+            yield f
+        return
+    if _in_place(path):
         with open(path, mode, newline=newline) as f:
             yield f
         return
     path = Path(path).resolve()
-    # one name per process and thread: two writers of the same path never share a temporary file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # a name of its own, made here and nowhere else: created exclusively, never through a link
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
-        with open(tmp, mode, newline=newline) as f:
+        with open(fd, mode, newline=newline) as f:
             yield f
             if durable:
                 f.flush()
@@ -64,3 +76,33 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """``Path(path).write_text(text)``, whole or not at all (:func:`atomic_write`)."""
+    with atomic_write(path) as f:
+        f.write(text)
+
+
+def _standard_stream(path: str | os.PathLike) -> int | None:
+    """1 or 2 where ``path`` is the regular file this process has open as its
+    standard output or error (``/dev/stdout`` with stdout sent to a file)."""
+    try:
+        st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1
+    except OSError:
+        return None
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(st.st_mode) and os.path.samestat(os.fstat(fd), st):
+                return fd
+    return None
+
+
+def _in_place(path: str | os.PathLike) -> bool:
+    """Whether ``path`` must be written where it is (:func:`atomic_write`): not
+    a regular file (a pipe, a device), or named by ``/dev/...`` or ``/proc/...``."""
+    try:
+        st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1, then a pipe
+    except FileNotFoundError:
+        return False
+    return not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/", "/proc/"))

@@ -152,3 +152,21 @@ def test_a_link_to_a_pipe_is_written_through_as_dev_stdout_is(tmp_path):
             if fd is not None:
                 os.close(fd)
     assert _names(tmp_path) == ["stdout"]
+
+
+def test_dev_stdout_redirected_to_a_file_is_written_in_place(tmp_path):
+    """``--json /dev/stdout > out.json``: /dev/stdout resolves to out.json, a
+    regular file; renamed over it, the file lost what was printed before and
+    after (the command's table), which went to the old, unlinked file."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    code = ("from hpcjobs._files import atomic_write\n"
+            "print('the table', flush=True)\n"
+            "with atomic_write('/dev/stdout') as f:\n    f.write('{\"rows\": []}\\n')\n"
+            "print('# wrote it', flush=True)\n")
+    with open(out, "w") as stdout:
+        subprocess.run([sys.executable, "-c", code], stdout=stdout, check=True, timeout=60)
+    assert out.read_text() == 'the table\n{"rows": []}\n# wrote it\n'
+    assert _names(tmp_path) == ["out.json"]

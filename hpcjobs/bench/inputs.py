@@ -52,8 +52,10 @@ VARIANTS = 3
 
 def make_input(count: int, dtype: str, op: str, rank: int, variant: int = 0) -> np.ndarray:
     """Rank ``rank``'s input, as the typed data of a Flat (bf16 as bits);
-    ``variant``: the pattern turned by that many positions."""
-    return _to_dtype(np.resize(np.roll(np.array(_pattern(rank, op), dtype=np.int64), variant), count), dtype)
+    ``variant``: the pattern turned by that many positions. (Typed, then
+    tiled: tiled in int64 first, a large input briefly took 8 bytes an
+    element more than itself.)"""
+    return np.resize(_to_dtype(np.roll(np.array(_pattern(rank, op), dtype=np.int64), variant), dtype), count)
 
 
 def expected_output(count: int, dtype: str, op: str, size: int, variant: int = 0) -> np.ndarray:
@@ -68,7 +70,7 @@ def expected_output(count: int, dtype: str, op: str, size: int, variant: int = 0
     with np.errstate(over="ignore"):
         for r in range(1, size):
             ufunc(acc, np.roll(np.array(_pattern(r, op), dtype=acc.dtype), variant), out=acc)
-        out = _to_dtype(np.resize(acc, count), dtype)
+        period = _to_dtype(acc, dtype)
     if op == "avg":
-        finish_avg(out, dtype, size)
-    return out
+        finish_avg(period, dtype, size)
+    return np.resize(period, count)  # one period typed and finished, then tiled: elementwise, the same bits

@@ -258,7 +258,7 @@ def run(comm: MPI.Intracomm, sizes: Iterable[int], impls: dict[str, Callable], d
         count = nbytes // itemsize
         if count == 0:
             continue
-        buf = flat = pristine = want = runs = on_device = None  # the last size's copies go before this one's come
+        buf = flat = pristine = want = runs = on_device = target = None  # the last size's copies go first
         buf = _make_buffer(count, dtype, framework, buffers, comm)
         flat = as_flat(buf)
         # every call's input is the next variant's, and every call is checked: a result left by an earlier

@@ -120,7 +120,7 @@ def run(args) -> int:
         raise UsageError("--buffers symmetric needs every rank on one node (symmetric buffers are shared memory)")
     check_outputs(comm, [("--json", args.json, False), ("--csv", args.csv, False), ("--out", args.out, True)])
     with usage():
-        check_sweep_fits(comm, sizes)
+        check_sweep_fits(comm, sizes, args.max_bytes)
     skipped = {}
     for name in base:
         reason = available(name, comm)

@@ -12,6 +12,7 @@ import json
 import math
 from pathlib import Path
 
+from .._files import write_text
 from ..bench.names import COMPRESSORS
 from ..collectives import MESSAGE_ALGORITHMS
 from ..compression.names import make_compressor
@@ -31,6 +32,8 @@ def _counts(text: str) -> list[int]:
         if not value >= 1 or math.isinf(value):  # (inf: int() raised OverflowError, which argparse passed on)
             raise argparse.ArgumentTypeError(f"counts must be finite and >= 1, got {item!r}")
         out.append(int(value))
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one count, e.g. 100K,1M")
     return out
 
 
@@ -93,8 +96,9 @@ def run(args) -> int:
         device = gpu_for_rank(comm)
     size = comm.Get_size()
     check_outputs(comm, [("--out", args.out, True)])
-    with usage():  # the gradient, its copies, payloads and residuals: about 8x its fp32 bytes (50M elements, 2 ranks)
-        check_fits(comm, 8 * 4 * max(args.elements), f"--elements {max(args.elements):,}")
+    if device == "cpu":  # the gradient, its copies, payloads and residuals: about 8x its fp32 bytes (50M, 2 ranks)
+        with usage():
+            check_fits(comm, 8 * 4 * max(args.elements), f"--elements {max(args.elements):,}")
     unchecked_benchmarks()
     threads = set_threads(args.threads, comm)
     progress = (lambda line: print0(f"# {line}")) if args.progress else None
@@ -115,11 +119,11 @@ def run(args) -> int:
     differ = sum(r["differ"] for r in rows)
     if comm.Get_rank() == 0 and args.out:
         out = Path(args.out)
-        (out / "results.json").write_text(json.dumps({"ranks": size, "tensors": rows, "training": trained}, indent=1))
+        write_text(out / "results.json", json.dumps({"ranks": size, "tensors": rows, "training": trained}, indent=1))
         text = f"# Compression study ({size} ranks)\n\n## Tensors\n\n{tensor_md}\n"
         if train_md:
             text += f"\n## Training (MNIST-1D, {args.model})\n\n{train_md}\n"
-        (out / "compression.md").write_text(text)
+        write_text(out / "compression.md", text)
         print(f"# wrote {out}/results.json and {out}/compression.md", flush=True)
     if differ:
         print0(f"# ERROR: {differ} rank results differ from rank 0's")

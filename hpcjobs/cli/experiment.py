@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .._files import write_text
 from ..training.schedule import WARMUPS
 from .args import (UsageError, check_amp, check_outputs, comma_list, dataclass_values, nonnegative_float,
                    positive_float, positive_int, usage)
@@ -86,12 +87,12 @@ def run(args) -> int:
         out = Path(args.out)
         summary = summarize(results)
         table = markdown_table(summary, base, args.lr)
-        (out / "table.md").write_text(
-            f"# Large-minibatch SGD on {args.dataset} ({comm.Get_size()} ranks)\n\n"
-            f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
-            f"Model {args.model}, dataset {args.dataset} ({args.num_samples or 'all'} samples), "
-            f"SGD momentum {args.momentum}, "
-            f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
+        write_text(out / "table.md",
+                   f"# Large-minibatch SGD on {args.dataset} ({comm.Get_size()} ranks)\n\n"
+                   f"`{' '.join(['hpcjobs', 'experiment', 'large-batch'] + sys.argv[3:])}`\n\n"
+                   f"Model {args.model}, dataset {args.dataset} ({args.num_samples or 'all'} samples), "
+                   f"SGD momentum {args.momentum}, "
+                   f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
         print(table, flush=True)
         written = plot(results, summary, out, base)
         print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {', '.join(written)}", flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .._files import write_text
 from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
                    positive_int, usage)
 from .train import add_model_data_arguments, fill_experiment_samples
@@ -108,9 +109,9 @@ def run(args) -> int:
     if comm.Get_rank() == 0:
         out = Path(args.out)
         table = markdown_table(summarize(results))
-        (out / "table.md").write_text(
-            f"# SGD with and without lockstep on {args.dataset} (1 server + {workers} workers)\n\n"
-            f"`{' '.join(['hpcjobs', 'experiment', 'async'] + sys.argv[3:])}`\n\n{table}\n")
+        write_text(out / "table.md",
+                   f"# SGD with and without lockstep on {args.dataset} (1 server + {workers} workers)\n\n"
+                   f"`{' '.join(['hpcjobs', 'experiment', 'async'] + sys.argv[3:])}`\n\n{table}\n")
         print(table, flush=True)
         print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {plot(results, out)}", flush=True)
     return 0

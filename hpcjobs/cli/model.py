@@ -32,7 +32,7 @@ def run(args) -> int:
         raise UsageError("the cost model needs at least 2 ranks (mpirun -n 2 or more)")
     check_outputs(comm, [("--out", args.out, True)])
     with usage():
-        check_sweep_fits(comm, sizes)
+        check_sweep_fits(comm, sizes, args.max_bytes)
     topo = detect_private(comm)
     if topo.num_nodes > 1:
         return _across(args, comm, topo, sizes)

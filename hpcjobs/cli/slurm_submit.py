@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .._files import write_text
 from . import slurm_render
 from .args import UsageError, check_outputs
 
@@ -34,7 +35,7 @@ def run(args) -> int:
         n = 1 + sum(1 for _ in base.glob(f"{stem}-*.sbatch"))
         script = base / f"{stem}-{n}.sbatch"
     check_outputs(None, [("--script", str(script), False)])
-    script.write_text(text)
+    write_text(script, text)
     script.chmod(0o755)
     cmd = ["sbatch", "--parsable", *(["--wait"] if args.wait else []), str(script)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -38,7 +38,7 @@ def run(args) -> int:
     # the table is added to an existing file once every pass is done: one that cannot take it is refused now
     check_outputs(comm, [("--out", args.out, False, tune.merge_problem)])
     with usage():
-        check_sweep_fits(comm, sizes)
+        check_sweep_fits(comm, sizes, args.max_bytes)
     topo = detect_private(comm)
     names, left_out = tune.applicable(is_single_node(comm), topo.num_nodes)
     print0(f"# hpcjobs tune: {comm.Get_size()} ranks on {topo.num_nodes} node(s); "
