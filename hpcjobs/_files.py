@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "write_text"]
+__all__ = ["atomic_write", "is_stream", "write_text"]
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
         raise ValueError(f"atomic_write: mode must be 'w' or 'wb', not {mode!r}")
     fd = _standard_stream(path)
     if fd is not None:  # through this process's own descriptor: after what it printed, not over it
-        for stream in (sys.stdout, sys.stderr):
+        for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}.values():
             with contextlib.suppress(Exception):
                 stream.flush()
         with open(fd, mode, newline=newline, closefd=False) as f:
@@ -59,7 +59,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
-        with open(fd, mode, newline=newline) as f:
+        try:
+            f = open(fd, mode, newline=newline)
+        except BaseException:
+            os.close(fd)
+            raise
+        with f:
             yield f
             if durable:
                 f.flush()
@@ -84,25 +89,33 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+def is_stream(path: str | os.PathLike) -> bool:
+    """Whether :func:`atomic_write` writes ``path`` where it is, as a stream
+    (this process's standard output or error, a pipe, a device): what is
+    written there cannot be read back and rewritten."""
+    return _standard_stream(path) is not None or _in_place(path)
+
+
 def _standard_stream(path: str | os.PathLike) -> int | None:
-    """1 or 2 where ``path`` is the regular file this process has open as its
-    standard output or error (``/dev/stdout`` with stdout sent to a file)."""
+    """1 or 2 where ``path`` is what this process has open as its standard
+    output or error (``/dev/stdout``, with stdout a file, a pipe or a tty)."""
     try:
         st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1
     except OSError:
         return None
     for fd in (1, 2):
         with contextlib.suppress(OSError):
-            if stat.S_ISREG(st.st_mode) and os.path.samestat(os.fstat(fd), st):
+            if os.path.samestat(os.fstat(fd), st):
                 return fd
     return None
 
 
 def _in_place(path: str | os.PathLike) -> bool:
     """Whether ``path`` must be written where it is (:func:`atomic_write`): not
-    a regular file (a pipe, a device), or named by ``/dev/...`` or ``/proc/...``."""
+    a regular file (a pipe, a device), or a descriptor's name (``/dev/fd/N``,
+    ``/dev/stdin``, ``/proc/<pid>/fd/N``: a file already open elsewhere)."""
     try:
         st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1, then a pipe
     except FileNotFoundError:
         return False
-    return not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/", "/proc/"))
+    return not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/fd/", "/dev/std", "/proc/"))

@@ -163,7 +163,7 @@ def test_dev_stdout_redirected_to_a_file_is_written_in_place(tmp_path):
 
     out = tmp_path / "out.json"
     code = ("from hpcjobs._files import atomic_write\n"
-            "print('the table', flush=True)\n"
+            "print('the table')\n"  # still in sys.stdout's buffer: flushed before the JSON goes through fd 1
             "with atomic_write('/dev/stdout') as f:\n    f.write('{\"rows\": []}\\n')\n"
             "print('# wrote it', flush=True)\n")
     with open(out, "w") as stdout:

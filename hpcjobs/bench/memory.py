@@ -60,32 +60,58 @@ def cgroup_room(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
     best = None
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":  # v2's unified hierarchy
-            base, files = Path(root), ("memory.max", "memory.current", "file")
-        elif "memory" in controllers.split(","):
-            base, files = Path(root) / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
-        else:
+        v1 = controllers != ""  # "": v2's unified hierarchy
+        if v1 and "memory" not in controllers.split(","):
             continue
+        base = Path(root) / "memory" if v1 else Path(root)
         group = PurePosixPath(path or "/")
         for d in (group, *group.parents):
-            room = _room(base / str(d).lstrip("/"), *files)
+            folder = base / str(d).lstrip("/")
+            room = _room(folder, v1)
             if room is not None:
                 best = room if best is None else min(best, room)
+            if v1 and _read(folder / "memory.use_hierarchy") == "0":  # the parents' limits do not bind it
+                break
     return best
 
 
-def _room(folder: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+def _read(path: Path) -> str | None:
     try:
-        limit = (folder / limit_file).read_text().strip()
-        if limit == "max" or int(limit) >= 1 << 60:  # no limit (v1 writes a number near 2^63)
-            return None
-        used = int((folder / usage_file).read_text())
-        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines()
-                    if len(line.split()) >= 2)
-        cache = int(stat.get(cache_key, 0))
-    except (OSError, ValueError):
+        return path.read_text().strip()
+    except OSError:
         return None
-    return max(0, int(limit) - max(0, used - cache))
+
+
+def _room(folder: Path, v1: bool) -> int | None:
+    """The room under ``folder``'s limit: the limit less what the group holds
+    but its reclaimable page cache (shared memory, tmpfs included in the
+    cache, is not reclaimable); the limit itself where use or cache cannot
+    be read (an upper bound: never a refusal it did not earn). None: no limit."""
+    limit = _read(folder / ("memory.limit_in_bytes" if v1 else "memory.max"))
+    try:
+        limit = int(limit)
+    except (TypeError, ValueError):  # absent, unreadable, or v2's "max"
+        return None
+    if limit >= 1 << 60:  # v1's "no limit", a number near 2^63
+        return None
+    try:
+        used = int(_read(folder / ("memory.usage_in_bytes" if v1 else "memory.current")))
+        stat = dict(line.split()[:2] for line in (_read(folder / "memory.stat") or "").splitlines()
+                    if len(line.split()) >= 2)
+        if v1:
+            cache = int(stat.get("total_cache", stat.get("cache"))) - int(stat.get("total_shmem", stat.get("shmem", 0)))
+        else:
+            cache = int(stat["file"]) - int(stat.get("shmem", 0))
+    except (TypeError, ValueError, KeyError):
+        return limit
+    return max(0, limit - max(0, used - max(0, cache)))
+
+
+def _host_bytes() -> int | None:
+    try:
+        return available_bytes()
+    except Exception:  # whatever it is, the host's other ranks wait for this one in the bcast
+        return None
 
 
 def _gib(n: float) -> str:
@@ -104,7 +130,7 @@ def check_fits(comm: MPI.Intracomm, per_rank_bytes: int, what: str, available: i
     try:
         ranks_here = local.Get_size()
         # one reading per host, its first rank's: ranks reading a moment apart could disagree
-        read = local.bcast(available_bytes() if local.Get_rank() == 0 else None, root=0)
+        read = local.bcast(_host_bytes() if local.Get_rank() == 0 else None, root=0)
     finally:
         local.Free()
     available = read if available is None else available

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._files import atomic_write
+from .._files import atomic_write, is_stream
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
@@ -167,6 +167,8 @@ def amend_report(cfg: TrainConfig, record: dict) -> None:
     if not cfg.metrics:
         return
     try:
+        if is_stream(cfg.metrics):  # --metrics /dev/stdout: what went there cannot be read back and rewritten
+            raise ValueError("it is a stream, not a file")
         lines = Path(cfg.metrics).read_text().splitlines(keepends=True)
         if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
             raise ValueError(f"its last line is not epoch {record.get('epoch')}'s, written there by this run")

@@ -50,6 +50,15 @@ def test_a_memory_cgroup_limit_is_what_a_job_may_take(tmp_path):
     assert cgroup_room(str(tmp_path / "cg1"), str(v1)) == 2 * gib - gib // 4  # the parent's limit, not "none"
     (tmp_path / "cg0").write_text("0::/\n4:memory:/\n")  # no limit anywhere
     assert cgroup_room(str(tmp_path / "cg0"), str(v1)) is None
+    (v1 / "memory/slurm/job_7/memory.use_hierarchy").write_text("0\n")  # the parent's limit does not bind it
+    assert cgroup_room(str(tmp_path / "cg1"), str(v1)) is None
+    # tmpfs and shared memory are in the page cache but cannot be reclaimed; a stat that cannot be read leaves
+    # the limit itself, an upper bound on the room (never a refusal it did not earn)
+    (v2 / "slurm/job_7/memory.stat").write_text(f"file {2 * gib}\nshmem {gib}\n")
+    assert cgroup_room(str(tmp_path / "cg2"), str(v2)) == 2 * gib
+    (v2 / "slurm/job_7/memory.stat").unlink()
+    assert cgroup_room(str(tmp_path / "cg2"), str(v2)) == 4 * gib
+    (v2 / "slurm/job_7/memory.stat").write_text(f"anon 1\nfile {2 * gib}\n")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemAvailable: {20 * gib // 1024} kB\n")
     assert available_bytes(str(meminfo), str(tmp_path / "cg2"), str(v2)) == 3 * gib

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import types
 
 import numpy as np
@@ -358,3 +359,6 @@ def test_amend_report_rewrites_only_this_runs_last_line_and_warns_where_it_canno
     amend_report(c, {"epoch": 2, "loss": 1.0, "pushes_applied": 50})
     assert metrics.read_text() == before
     assert "warning: the audit is not in" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "pipe")  # --metrics to a pipe: reading it back waited for a writer that never came
+    amend_report(TrainConfig(metrics=str(tmp_path / "pipe"), quiet=True), {"epoch": 1, "loss": 1.25})
+    assert "the audit is not in" in capsys.readouterr().err
