@@ -32,8 +32,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
     :mod:`csv`). A symbolic link is written through, not replaced. The file
     keeps the permissions of the one it replaces; a new file gets the umask's,
     as :func:`open` gives. Written in place, as :func:`open` would: what is not
-    a regular file (a pipe, a device) or is named by ``/dev/...`` or
-    ``/proc/...``. The file this process has open as its standard output or
+    a regular file (a pipe, a device) or is a descriptor's name (``/dev/fd/N``,
+    ``/proc/<pid>/fd/N``). What this process has open as its standard output or
     error is written through that descriptor, after what it printed there
     (``--json /dev/stdout > out.json``: a file renamed over ``out.json`` lost
     what the command printed, and a plain open wrote over it).
@@ -42,15 +42,15 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write: mode must be 'w' or 'wb', not {mode!r}")
-    fd = _standard_stream(path)
-    if fd is not None:  # through this process's own descriptor: after what it printed, not over it
+    where = _where(path)
+    if isinstance(where, int):  # through this process's own descriptor: after what it printed, not over it
         for stream in {id(s): s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)}.values():
             with contextlib.suppress(Exception):
                 stream.flush()
-        with open(fd, mode, newline=newline, closefd=False) as f:
+        with open(where, mode, newline=newline, closefd=False) as f:
             yield f
         return
-    if _in_place(path):
+    if where == "in place":
         with open(path, mode, newline=newline) as f:
             yield f
         return
@@ -93,29 +93,24 @@ def is_stream(path: str | os.PathLike) -> bool:
     """Whether :func:`atomic_write` writes ``path`` where it is, as a stream
     (this process's standard output or error, a pipe, a device): what is
     written there cannot be read back and rewritten."""
-    return _standard_stream(path) is not None or _in_place(path)
+    return _where(path) != "renamed over"
 
 
-def _standard_stream(path: str | os.PathLike) -> int | None:
-    """1 or 2 where ``path`` is what this process has open as its standard
-    output or error (``/dev/stdout``, with stdout a file, a pipe or a tty)."""
+def _where(path: str | os.PathLike) -> int | str:
+    """How :func:`atomic_write` writes ``path``: 1 or 2 where it is what this
+    process has open as its standard output or error (``/dev/stdout``, with
+    stdout a file, a pipe or a tty); "in place" where it is not a regular file
+    (a pipe, a device) or is a descriptor's name (``/dev/fd/N``,
+    ``/dev/stdin``, ``/proc/<pid>/fd/N``: a file already open elsewhere); else
+    "renamed over" (a regular file, or none yet)."""
     try:
         st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1
     except OSError:
-        return None
+        return "renamed over"
     for fd in (1, 2):
         with contextlib.suppress(OSError):
             if os.path.samestat(os.fstat(fd), st):
                 return fd
-    return None
-
-
-def _in_place(path: str | os.PathLike) -> bool:
-    """Whether ``path`` must be written where it is (:func:`atomic_write`): not
-    a regular file (a pipe, a device), or a descriptor's name (``/dev/fd/N``,
-    ``/dev/stdin``, ``/proc/<pid>/fd/N``: a file already open elsewhere)."""
-    try:
-        st = os.stat(path)  # through links: /dev/stdout is one to /proc/self/fd/1, then a pipe
-    except FileNotFoundError:
-        return False
-    return not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/fd/", "/dev/std", "/proc/"))
+    if not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/fd/", "/dev/std", "/proc/")):
+        return "in place"
+    return "renamed over"

@@ -21,9 +21,14 @@ from mpi4py import MPI
 from ..comm import by_value
 from .inputs import VARIANTS
 
-__all__ = ["SWEEP_COPIES", "available_bytes", "cgroup_room", "check_fits", "check_sweep_fits"]
+__all__ = ["COMPRESSION_BYTES_PER_ELEMENT", "SOAK_BYTES_PER_ELEMENT", "SWEEP_COPIES", "available_bytes",
+           "cgroup_room", "check_fits", "check_sweep_fits"]
 
 SWEEP_COPIES = 1 + 2 * VARIANTS + 1  # the buffer, each variant's input and expected result, one copy of scratch
+# bench compression: the gradient, its copies, payloads and residuals, about 8x its fp32 bytes (50M elements, 2 ranks)
+COMPRESSION_BYTES_PER_ELEMENT = 8 * 4
+# soak: the values, the buffer, the exact result in a wide type and MPI's (37 measured at up to 20M elements)
+SOAK_BYTES_PER_ELEMENT = 40
 
 
 def available_bytes(meminfo: str = "/proc/meminfo", cgroups: str = "/proc/self/cgroup",
@@ -43,8 +48,7 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroups: str = "/proc/self/c
                     break
     except (OSError, ValueError, IndexError):
         pass
-    room = cgroup_room(cgroups, root)
-    return room if host is None else host if room is None else min(host, room)
+    return min((v for v in (host, cgroup_room(cgroups, root)) if v is not None), default=None)
 
 
 def cgroup_room(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
@@ -136,8 +140,11 @@ def check_fits(comm: MPI.Intracomm, per_rank_bytes: int, what: str, available: i
     available = read if available is None else available
     need = per_rank_bytes * ranks_here
     short = available is not None and need > available
-    verdict = (f"{ranks_here} rank(s) here need about {_gib(need)} ({_gib(per_rank_bytes)} each), {_gib(available)} "
-               "is available" if short else "fits" if available is not None else "cannot tell (no MemAvailable)")
+    if short:
+        verdict = f"{ranks_here} rank(s) here need about {_gib(need)} ({_gib(per_rank_bytes)} each), " \
+                  f"{_gib(available)} is available"
+    else:
+        verdict = "fits" if available is not None else "cannot tell (no MemAvailable)"
     found = comm.allgather((short, verdict))
     if any(s for s, _ in found):
         raise ValueError(f"{what} does not fit in memory: " + by_value([v for _, v in found])

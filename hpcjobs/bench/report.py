@@ -10,7 +10,7 @@ from typing import Iterable
 
 from mpi4py import MPI
 
-from .._files import atomic_write
+from .._files import atomic_write, write_text
 from .names import BASELINES
 
 COLUMNS = ("size(B)", "count", "type", "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
@@ -148,6 +148,5 @@ def write_report(out_dir: str, records: list, env: dict, title: str, command: st
               "take turns among three variants), over all calls and ranks.", "", "```",
               header(any(getattr(r, "wire_hosts", None) for r in records)), *(row(r) for r in records), "```", "",
               "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
-    with atomic_write(paths["report.md"]) as f:
-        f.write("\n".join(lines))
+    write_text(paths["report.md"], "\n".join(lines))
     return list(paths.values())

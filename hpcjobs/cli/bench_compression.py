@@ -77,7 +77,7 @@ def configure(p) -> None:
 
 def run(args) -> int:
     from ..bench.compression import tensor_rows, tensor_table, train_rows, train_table
-    from ..bench.memory import check_fits
+    from ..bench.memory import COMPRESSION_BYTES_PER_ELEMENT, check_fits
     from ..bench.sweep import unchecked_benchmarks
     from ..comm import print0, private
     from ..runtime import set_threads
@@ -96,9 +96,9 @@ def run(args) -> int:
         device = gpu_for_rank(comm)
     size = comm.Get_size()
     check_outputs(comm, [("--out", args.out, True)])
-    if device == "cpu":  # the gradient, its copies, payloads and residuals: about 8x its fp32 bytes (50M, 2 ranks)
+    if device == "cpu":  # (on a GPU the gradient and its copies are in device memory)
         with usage():
-            check_fits(comm, 8 * 4 * max(args.elements), f"--elements {max(args.elements):,}")
+            check_fits(comm, COMPRESSION_BYTES_PER_ELEMENT * max(args.elements), f"--elements {max(args.elements):,}")
     unchecked_benchmarks()
     threads = set_threads(args.threads, comm)
     progress = (lambda line: print0(f"# {line}")) if args.progress else None

@@ -26,15 +26,15 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
-    from ..bench.memory import check_fits
+    from ..bench.memory import SOAK_BYTES_PER_ELEMENT, check_fits
     from ..collectives import OPS
     from ..comm import print0, private
     from ..soak import DTYPES, algorithms, soak
 
     comm = private()
     check_outputs(comm, [("--json", args.json, False)])
-    with usage():  # the values, the buffer, the exact result in a wide type and MPI's: 37 bytes an element measured
-        check_fits(comm, 40 * args.max_count, f"--max-count {args.max_count:,}")
+    with usage():
+        check_fits(comm, SOAK_BYTES_PER_ELEMENT * args.max_count, f"--max-count {args.max_count:,}")
     print0(f"# hpcjobs soak: {args.ops} allreduces at {comm.Get_size()} ranks, counts 0..{args.max_count}, "
            f"algorithms {', '.join(algorithms(comm))}, dtypes {', '.join(DTYPES)}, ops {', '.join(OPS)}")
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._files import atomic_write, is_stream
+from .._files import is_stream, write_text
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
@@ -173,8 +173,7 @@ def amend_report(cfg: TrainConfig, record: dict) -> None:
         if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
             raise ValueError(f"its last line is not epoch {record.get('epoch')}'s, written there by this run")
         lines[-1] = _line(record) + "\n"
-        with atomic_write(cfg.metrics) as f:
-            f.write("".join(lines))
+        write_text(cfg.metrics, "".join(lines))
     except (OSError, ValueError) as e:  # (json's JSONDecodeError is a ValueError)
         print(f"# train: warning: the audit is not in {cfg.metrics}: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)
