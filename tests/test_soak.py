@@ -3,6 +3,7 @@ and the soak itself notices a wrong result."""
 
 import json
 
+import numpy as np
 import pytest
 
 import hpcjobs.soak
@@ -19,6 +20,31 @@ def test_soak_at_3_ranks_has_no_wrong_results_and_flat_memory(tmp_path):
     assert sum(data["per_algorithm"].values()) == 2000 and min(data["per_algorithm"].values()) > 100
 
 
+def test_few_large_operations_are_not_read_as_growth(tmp_path):
+    """The baseline was read after the first 1% of operations alone: 150
+    operations up to 20M elements read the scratch kept for the first large
+    message, and the allocator's free pages, as 65% growth. Each algorithm
+    now runs once at --max-count first, and free pages go back before a read."""
+    out = mpirun(2, "soak", "--ops", "100", "--max-count", "8000000", "--json", str(tmp_path / "soak.json"),
+                 "--no-progress", timeout=300)
+    data = json.load(open(tmp_path / "soak.json"))
+    assert out.returncode == 0 and data["wrong_ops"] == 0, out.stdout + out.stderr
+    assert data["warmup_ops"] == len(hpcjobs.soak.algorithms(private())) and data["max_rss_growth_percent"] < 10
+
+
+def test_a_leak_is_read_as_growth(monkeypatch):
+    real, kept = hpcjobs.soak.allreduce, []
+
+    def leaking(buf, **kw):
+        kept.append(np.ones(1 << 18))  # 2 MiB, resident, never freed
+        return real(buf, **kw)
+
+    monkeypatch.setattr(hpcjobs.soak, "allreduce", leaking)
+    result = hpcjobs.soak.soak(private(), ops=200, max_count=100, seed=1)
+    (_, start, end), = result.rss
+    assert result.wrong_ops == 0 and end - start > 300 * 2**20, result.rss  # 396 MiB kept after the first 1%
+
+
 def test_the_soak_counts_a_wrong_result(monkeypatch):
     def off_by_one(buf, op="sum", algorithm="auto", comm=None):
         buf += 1
@@ -26,7 +52,7 @@ def test_the_soak_counts_a_wrong_result(monkeypatch):
 
     monkeypatch.setattr(hpcjobs.soak, "allreduce", off_by_one)
     result = hpcjobs.soak.soak(private(), ops=20, max_count=100, seed=1)
-    assert 0 < result.wrong_ops <= 20 and result.wrong_elements > 0
+    assert 0 < result.wrong_ops <= 20 + result.warmup and result.wrong_elements >= 100 * result.warmup
 
 
 def test_a_wrong_result_makes_the_soak_command_fail(monkeypatch, capsys):
@@ -45,7 +71,6 @@ def test_half_precision_sums_are_exact_in_any_order_at_many_ranks():
     integer the format holds (bfloat16 to 256, float16 to 2048): at 6 ranks
     values up to 64 rounded bfloat16's partial sums, and it counted a sum
     taken in another order as wrong. The values shrink with the ranks."""
-    import numpy as np
     import torch
 
     for dtype, torch_dtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):

@@ -27,8 +27,9 @@ __all__ = ["COMPRESSION_BYTES_PER_ELEMENT", "SOAK_BYTES_PER_ELEMENT", "SWEEP_COP
 SWEEP_COPIES = 1 + 2 * VARIANTS + 1  # the buffer, each variant's input and expected result, one copy of scratch
 # bench compression: the gradient, its copies, payloads and residuals, about 8x its fp32 bytes (50M elements, 2 ranks)
 COMPRESSION_BYTES_PER_ELEMENT = 8 * 4
-# soak: the values, the buffer, the exact result in a wide type and MPI's (37 measured at up to 20M elements)
-SOAK_BYTES_PER_ELEMENT = 40
+# soak: the values, the exact result in a wide type and MPI's, the buffer, the scratch kept for --max-count: peak RSS
+# less the process's, 2 ranks, 36 measured (300 ops to 20M elements) and 40-41 (1,500 to 4M); 48 leaves some room
+SOAK_BYTES_PER_ELEMENT = 48
 
 
 def available_bytes(meminfo: str = "/proc/meminfo", cgroups: str = "/proc/self/cgroup",

@@ -44,7 +44,8 @@ def run(args) -> int:
     result = soak(comm, args.ops, args.max_count, args.seed, progress if args.progress else None)
     worst = result.worst_growth_percent
     if comm.Get_rank() == 0:
-        print(f"# {result.ops} allreduces, {result.elements:,} elements per rank, {result.seconds:.1f} s; "
+        print(f"# {result.ops} allreduces (after {result.warmup} at --max-count, one per algorithm), "
+              f"{result.elements:,} elements per rank, {result.seconds:.1f} s; "
               f"per algorithm: " + ", ".join(f"{a} {n}" for a, n in result.per_algorithm.items()))
         print(f"# {'rank':>4s} {'RSS after 1% (MiB)':>19s} {'RSS at end (MiB)':>17s} {'growth':>7s}")
         for r, s, e in result.rss:
