@@ -208,12 +208,27 @@ def closed_at_exit(method: str) -> list:
 
 
 def environment_problem() -> str | None:
-    """A job parameter in this process's environment that the library read
-    at import and cannot use (``HPCJOBS_TIMEOUT``, ``HPCJOBS_STALL_WARNING``,
-    ``HPCJOBS_CUDA_IPC_ONE_SHOT``), or None."""
+    """What this process's environment sets that the library cannot use, or
+    None: a number it read at import (``HPCJOBS_TIMEOUT``,
+    ``HPCJOBS_STALL_WARNING``, ``HPCJOBS_CUDA_IPC_ONE_SHOT``) or a choice
+    outside its values (``HPCJOBS_CHECKS``, and those of
+    :data:`SAME_EVERYWHERE` that name one: ``HPCJOBS_CHECKS=maybe`` had left
+    the checks on, ``HPCJOBS_AGREE_VIA=xyz`` meant mpi, and
+    ``HPCJOBS_TORCH_ALGORITHM=xyz`` failed at a script's first allreduce)."""
     from .collectives import cuda_ipc, watchdog
+    from .collectives.agreement import AGREE_VIA_VALUES, CHECKS_VALUES
+    from .collectives.names import ALGORITHMS, DEVICE_ALGORITHMS
 
-    return watchdog.ENV_ERROR or cuda_ipc.ENV_ERROR
+    problems = [p for p in (watchdog.ENV_ERROR, cuda_ipc.ENV_ERROR) if p]
+    choices = {"HPCJOBS_AGREE_VIA": AGREE_VIA_VALUES, "HPCJOBS_CUDA_IPC_SYNC": cuda_ipc.SYNC_MODES,
+               "HPCJOBS_TORCH_ALGORITHM": ("auto", *ALGORITHMS, *DEVICE_ALGORITHMS)}
+    for name, values in choices.items():
+        if setting(name) not in values:
+            problems.append(f"{name}={os.environ[name]!r}: choose one of {', '.join(values)}")
+    checks = os.environ.get("HPCJOBS_CHECKS", "").strip().lower()
+    if checks and checks not in CHECKS_VALUES:
+        problems.append(f"HPCJOBS_CHECKS={os.environ['HPCJOBS_CHECKS']!r}: choose one of {', '.join(CHECKS_VALUES)}")
+    return "; ".join(problems) or None
 
 
 def _check_shared_settings(comm: MPI.Intracomm) -> None:

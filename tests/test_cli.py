@@ -167,6 +167,7 @@ def test_a_bad_job_parameter_in_the_environment_is_a_usage_error_before_anything
     ("HPCJOBS_TUNING", "/no/such/tuning.json", "HPCJOBS_TUNING: cannot read tuning table /no/such/tuning.json: .* "
                                                r"\(on rank 1 of 2\)"),
     ("HPCJOBS_TIMEOUT", "soon", r"HPCJOBS_TIMEOUT='soon' is not a number of seconds \(on rank 1 of 2\)"),
+    ("HPCJOBS_CHECKS", "maybe", r"HPCJOBS_CHECKS='maybe': choose one of 1, .*, no \(on rank 1 of 2\)"),
     # valid on each host, but a rank that checks its calls and one that does not, or two that split the ranks
     # into nodes differently, each waited for the other in a different collective (a 2-rank soak hung)
     ("HPCJOBS_CHECKS", "0", r"HPCJOBS_CHECKS differs across ranks \(rank 0: on; rank 1: off\): set it the same "

@@ -228,3 +228,33 @@ def test_a_host_with_another_copy_of_hpcjobs_is_named(tmp_path):
     assert found and found[1] == found[3] == hpcjobs.__version__ and found[2] != found[4], out.stdout
     assert (found[5], found[6]) == (os.path.dirname(os.path.abspath(hpcjobs.__file__)), str(copy)), out.stdout
     assert lines[1] == "rank 1" + found[0][len("rank 0"):], out.stdout
+
+
+_CHOICES = {"HPCJOBS_CHECKS": ("1", "on", "TRUE", " yes", "0", "Off", "false", "no", ""),
+            "HPCJOBS_AGREE_VIA": ("oneshot", "mpi", ""), "HPCJOBS_CUDA_IPC_SYNC": ("events", "host"),
+            "HPCJOBS_TORCH_ALGORITHM": ("auto", "ring", "hierarchical", "cuda_ipc")}
+
+
+@pytest.mark.parametrize("variable,value,words", [
+    ("HPCJOBS_CHECKS", "maybe", "HPCJOBS_CHECKS='maybe': choose one of 1, on, true, yes, 0, off, false, no"),
+    ("HPCJOBS_AGREE_VIA", "xyz", "HPCJOBS_AGREE_VIA='xyz': choose one of oneshot, mpi"),
+    ("HPCJOBS_CUDA_IPC_SYNC", "fence", "HPCJOBS_CUDA_IPC_SYNC='fence': choose one of events, host"),
+    ("HPCJOBS_TORCH_ALGORITHM", "xyz", "HPCJOBS_TORCH_ALGORITHM='xyz': choose one of auto, ring, ring_pipelined,"),
+])
+def test_a_choice_outside_its_values_is_an_environment_problem(monkeypatch, variable, value, words):
+    """Each of these ran as another value before (HPCJOBS_CHECKS=maybe left
+    the checks on, HPCJOBS_AGREE_VIA=xyz exchanged over MPI) or failed late
+    (HPCJOBS_TORCH_ALGORITHM=xyz at a script's first allreduce); now they are
+    refused where the others are, on every rank (test_cli)."""
+    from hpcjobs.comm import environment_problem
+
+    for name in _CHOICES:
+        monkeypatch.delenv(name, raising=False)
+    assert environment_problem() is None
+    for good in _CHOICES[variable]:
+        monkeypatch.setenv(variable, good)
+        assert environment_problem() is None, good
+    monkeypatch.setenv(variable, value)
+    assert words in environment_problem()
+    monkeypatch.setenv("HPCJOBS_CHECKS" if variable != "HPCJOBS_CHECKS" else "HPCJOBS_AGREE_VIA", "bad")
+    assert words in environment_problem() and environment_problem().count("choose one of") == 2

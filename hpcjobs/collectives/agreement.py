@@ -50,8 +50,8 @@ from mpi4py import MPI
 from ..comm import ranks_text, setting, signature
 from ._shared import is_single_node
 
-__all__ = ["MismatchError", "SIG_WORDS", "checks_enabled", "set_checks", "checking", "agree_or_raise", "agree_values",
-           "exchange_of", "disagreements", "ranks_text"]
+__all__ = ["AGREE_VIA_VALUES", "CHECKS_VALUES", "MismatchError", "SIG_WORDS", "checks_enabled", "set_checks",
+           "checking", "agree_or_raise", "agree_values", "exchange_of", "disagreements", "ranks_text"]
 
 SIG_WORDS = 32  # int64s of a signature on oneshot's segment
 
@@ -61,7 +61,9 @@ class MismatchError(ValueError):
     arguments were invalid; raised on every rank with the same message."""
 
 
-_enabled = os.environ.get("HPCJOBS_CHECKS", "1").lower() not in ("0", "off", "false", "no")
+# HPCJOBS_CHECKS: on, or off with one of the last four (hpcjobs.comm refuses any other value on every rank)
+CHECKS_VALUES = ("1", "on", "true", "yes", "0", "off", "false", "no")
+_enabled = os.environ.get("HPCJOBS_CHECKS", "").strip().lower() not in CHECKS_VALUES[4:]
 
 
 def set_checks(enabled: bool) -> None:
@@ -205,6 +207,7 @@ _SEGMENT, _MPI = "segment", "mpi"
 _EXCHANGE_KEYVAL = MPI.Comm.Create_keyval()
 # HPCJOBS_AGREE_VIA=oneshot|mpi: the exchange (oneshot's segment on one
 # node, by default; mpi to measure the other).
+AGREE_VIA_VALUES = ("oneshot", "mpi")
 _VIA = setting("HPCJOBS_AGREE_VIA")
 
 

@@ -86,8 +86,8 @@ from ._buffers import OP_TABLE, chunk_bounds
 from ._shared import free_window, is_single_node, shared_window
 from .device import DEVICE_REDUCE_DTYPES, DeviceFlat, Stream, divide
 
-__all__ = ["CAPACITY", "ONE_SHOT_BYTES", "IpcUnavailable", "allreduce", "reduce_scatter", "allgather", "device_bytes",
-           "sync_mode", "unavailable"]
+__all__ = ["CAPACITY", "ONE_SHOT_BYTES", "SYNC_MODES", "IpcUnavailable", "allreduce", "reduce_scatter", "allgather",
+           "device_bytes", "sync_mode", "unavailable"]
 
 # Largest staging buffer, in bytes (two per communicator and rank).
 CAPACITY = 256 << 20
@@ -104,7 +104,7 @@ except ValueError:
     ENV_ERROR = (f"HPCJOBS_CUDA_IPC_ONE_SHOT={os.environ['HPCJOBS_CUDA_IPC_ONE_SHOT']!r} is not a number of bytes "
                  ">= 0 (0: no one-shot)")
 _MIN_BYTES = 1 << 20
-_SYNC_MODES = ("events", "host")
+SYNC_MODES = ("events", "host")
 
 
 class IpcUnavailable(RuntimeError):
@@ -116,8 +116,8 @@ def sync_mode() -> str:
     """The fence (module docstring): ``HPCJOBS_CUDA_IPC_SYNC``, "events" by
     default."""
     mode = setting("HPCJOBS_CUDA_IPC_SYNC")
-    if mode not in _SYNC_MODES:
-        raise ValueError(f"HPCJOBS_CUDA_IPC_SYNC={mode!r}; choose one of {', '.join(_SYNC_MODES)}")
+    if mode not in SYNC_MODES:
+        raise ValueError(f"HPCJOBS_CUDA_IPC_SYNC={mode!r}; choose one of {', '.join(SYNC_MODES)}")
     return mode
 
 

@@ -178,6 +178,19 @@ def test_a_bad_timeout_is_a_usage_error(args, words):
     assert out.returncode == 2 and words in out.stderr
 
 
+@pytest.mark.parametrize("text", ["-1", "nan", "inf", "-inf"])
+def test_a_time_that_never_comes_or_has_passed_is_refused(monkeypatch, text):
+    """--timeout refused nan and inf, HPCJOBS_TIMEOUT took them (0 is never);
+    HPCJOBS_STALL_WARNING=nan never warned."""
+    from hpcjobs.collectives.watchdog import env_number
+
+    monkeypatch.setenv("HPCJOBS_STALL_WARNING", text)
+    with pytest.raises(ValueError, match=f"HPCJOBS_STALL_WARNING must be >= 0 seconds, got {text}"):
+        env_number("HPCJOBS_STALL_WARNING", 60.0)
+    monkeypatch.setenv("HPCJOBS_STALL_WARNING", "0")
+    assert env_number("HPCJOBS_STALL_WARNING", 60.0) == 0.0
+
+
 @pytest.mark.parametrize("env,args,want", [
     ({"HPCJOBS_TIMEOUT": "30"}, None, (30.0, 15.0)),            # below 2 minutes: the warning at half
     ({"HPCJOBS_TIMEOUT": "600"}, None, (600.0, 60.0)),
