@@ -211,7 +211,7 @@ def environment_problem() -> str | None:
     """What this process's environment sets that the library cannot use, or
     None: a number it read at import (``HPCJOBS_TIMEOUT``,
     ``HPCJOBS_STALL_WARNING``, ``HPCJOBS_CUDA_IPC_ONE_SHOT``) or a choice
-    outside its values (``HPCJOBS_CHECKS``, and those of
+    outside its values (``HPCJOBS_CHECKS``, ``HPCJOBS_BIND_GPU``, and those of
     :data:`SAME_EVERYWHERE` that name one: ``HPCJOBS_CHECKS=maybe`` had left
     the checks on, ``HPCJOBS_AGREE_VIA=xyz`` meant mpi, and
     ``HPCJOBS_TORCH_ALGORITHM=xyz`` failed at a script's first allreduce)."""
@@ -228,6 +228,8 @@ def environment_problem() -> str | None:
     checks = os.environ.get("HPCJOBS_CHECKS", "").strip().lower()
     if checks and checks not in CHECKS_VALUES:
         problems.append(f"HPCJOBS_CHECKS={os.environ['HPCJOBS_CHECKS']!r}: choose one of {', '.join(CHECKS_VALUES)}")
+    if os.environ.get("HPCJOBS_BIND_GPU", "") not in ("", "0", "1"):  # 1 binds (hpcjobs.runtime.bind_gpu)
+        problems.append(f"HPCJOBS_BIND_GPU={os.environ['HPCJOBS_BIND_GPU']!r}: choose 1 (each rank its own GPU) or 0")
     return "; ".join(problems) or None
 
 

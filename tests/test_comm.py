@@ -232,7 +232,7 @@ def test_a_host_with_another_copy_of_hpcjobs_is_named(tmp_path):
 
 _CHOICES = {"HPCJOBS_CHECKS": ("1", "on", "TRUE", " yes", "0", "Off", "false", "no", ""),
             "HPCJOBS_AGREE_VIA": ("oneshot", "mpi", ""), "HPCJOBS_CUDA_IPC_SYNC": ("events", "host"),
-            "HPCJOBS_TORCH_ALGORITHM": ("auto", "ring", "hierarchical", "cuda_ipc")}
+            "HPCJOBS_TORCH_ALGORITHM": ("auto", "ring", "hierarchical", "cuda_ipc"), "HPCJOBS_BIND_GPU": ("0", "1", "")}
 
 
 @pytest.mark.parametrize("variable,value,words", [
@@ -240,6 +240,7 @@ _CHOICES = {"HPCJOBS_CHECKS": ("1", "on", "TRUE", " yes", "0", "Off", "false", "
     ("HPCJOBS_AGREE_VIA", "xyz", "HPCJOBS_AGREE_VIA='xyz': choose one of oneshot, mpi"),
     ("HPCJOBS_CUDA_IPC_SYNC", "fence", "HPCJOBS_CUDA_IPC_SYNC='fence': choose one of events, host"),
     ("HPCJOBS_TORCH_ALGORITHM", "xyz", "HPCJOBS_TORCH_ALGORITHM='xyz': choose one of auto, ring, ring_pipelined,"),
+    ("HPCJOBS_BIND_GPU", "yes", "HPCJOBS_BIND_GPU='yes': choose 1 (each rank its own GPU) or 0"),
 ])
 def test_a_choice_outside_its_values_is_an_environment_problem(monkeypatch, variable, value, words):
     """Each of these ran as another value before (HPCJOBS_CHECKS=maybe left
@@ -257,4 +258,4 @@ def test_a_choice_outside_its_values_is_an_environment_problem(monkeypatch, vari
     monkeypatch.setenv(variable, value)
     assert words in environment_problem()
     monkeypatch.setenv("HPCJOBS_CHECKS" if variable != "HPCJOBS_CHECKS" else "HPCJOBS_AGREE_VIA", "bad")
-    assert words in environment_problem() and environment_problem().count("choose one of") == 2
+    assert words in environment_problem() and environment_problem().count("; ") == 1  # both, said at once

@@ -260,7 +260,7 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
         from ..collectives import agreement, watchdog
         from ..comm import environment_problem
 
-        problem = environment_problem()  # HPCJOBS_TIMEOUT, HPCJOBS_STALL_WARNING: read at import
+        problem = environment_problem()  # HPCJOBS_TIMEOUT, HPCJOBS_CHECKS, ...: numbers read at import, choices
         if problem is None:
             _check_environment(command)
             from ..runtime import bind_gpu
