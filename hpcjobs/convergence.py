@@ -60,7 +60,7 @@ import numpy as np
 from ._nnls import nonnegative_line
 
 __all__ = ["LOSS_MODELS", "MIN_POINTS", "Fit", "PowerFit", "Prediction", "epochs_factor", "fit", "fit_metrics",
-           "fit_power", "is_number", "last_run", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
+           "json_lines", "fit_power", "is_number", "last_run", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
 
 LOSS_MODELS = ("optimus", "power")
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
@@ -233,6 +233,21 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def json_lines(path: str) -> list[tuple[int, object]]:
+    """A JSON-lines file's records, each with its line number (blank lines
+    skipped); ValueError naming the file where it cannot be read or a line
+    is not JSON (or the file not text)."""
+    try:
+        with open(path) as f:
+            return [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON lines ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not JSON lines (not UTF-8 text)") from None
+
+
 def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:
     """(epochs, losses) from a ``train --metrics`` JSONL file (its ``epoch``
     and ``key`` fields) of its last run (:func:`last_run`).
@@ -241,13 +256,7 @@ def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:
         ValueError: unreadable, not JSON lines, or a line without a numeric
             ``epoch`` and ``key``.
     """
-    try:
-        with open(path) as f:
-            numbered = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON lines: {e}") from None
+    numbered = json_lines(path)
     numbered = numbered[len(numbered) - len(last_run([r for _, r in numbered])):]
     lines = [r for _, r in numbered]
     bad = [n for n, r in numbered if not isinstance(r, dict) or not is_number(r.get("epoch"))

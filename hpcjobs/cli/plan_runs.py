@@ -19,21 +19,15 @@ import json
 import math
 import statistics
 
-from ..convergence import is_number, last_run
+from ..convergence import is_number, json_lines, last_run
 
 NEEDED = ("ranks", "epoch_s", "step", "epoch")
 FITS = {"optimus": "Optimus", "power": "power-law"}  # the loss models' names in words
 
 
-def lines(path: str) -> list[dict]:
-    """A JSON-lines file's records; ValueError naming the file if it cannot be read."""
-    try:
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON lines ({e.msg}, line {e.lineno})") from None
+def lines(path: str) -> list:
+    """A JSON-lines file's records (:func:`~hpcjobs.convergence.json_lines`)."""
+    return [record for _, record in json_lines(path)]
 
 
 def measured(path: str) -> dict:
