@@ -97,6 +97,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e.strerror}") from None
+    if head != b"PK\x03\x04":  # torch.save's zip; torch.load's answer to another file is advice on weights_only
+        raise CheckpointError(f"{path} is not an hpcjobs training checkpoint (not the zip file torch.save writes"
+                              + (": it is empty)" if not head else f": it begins {head!r})"))
+    try:
         state = torch.load(path, weights_only=True, map_location="cpu")  # a GPU run's, too
     except Exception as e:
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({type(e).__name__}: {e})") from None

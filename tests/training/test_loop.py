@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import types
 
 import numpy as np
@@ -315,6 +316,12 @@ def test_checkpoint_writes_are_atomic_and_loads_are_checked(tmp_path):
     torch.save({"something": "else"}, path)
     with pytest.raises(CheckpointError, match="not an hpcjobs training checkpoint"):
         load_checkpoint(path)
+    # another kind of file: torch.load's answer was advice to load it with weights_only=False
+    for raw, words in ((b"", "it is empty"), (b'{"a":\n', "it begins b'{\"a\"'"), (b"\x80\x02}q", "it begins")):
+        path.write_bytes(raw)
+        want = f"{path} is not an hpcjobs training checkpoint (not the zip file torch.save writes: {words}"
+        with pytest.raises(CheckpointError, match=re.escape(want)):
+            load_checkpoint(path)
     save_checkpoint(path, {"version": 1, "model": {"w": torch.ones(2)}})
     with pytest.raises(CheckpointError, match="a version 1 checkpoint; this hpcjobs reads version 2"):
         load_checkpoint(path)
