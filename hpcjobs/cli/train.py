@@ -208,7 +208,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--noise-scale", action="store_true",
                    help="each epoch's line gains the gradient noise scale (McCandlish et al. 2018) from the ranks' "
                         "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
-    g.add_argument("--checkpoint", metavar="PATH", help="write a checkpoint here after every epoch (atomic)")
+    g.add_argument("--checkpoint", metavar="PATH",
+                   help="write a checkpoint here after every epoch (atomic), and at the next step after a SIGTERM "
+                        "or SIGUSR1 (then stop: exit status 128 + the signal's number)")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",
@@ -253,7 +255,7 @@ def run(args) -> int:
 
     from ..runtime import pick_device, set_threads
     from ..training.checkpoint import CheckpointError
-    from ..training.loop import train
+    from ..training.loop import Stopped, train
 
     comm = MPI.COMM_WORLD
     with usage():
@@ -274,6 +276,10 @@ def run(args) -> int:
         if comm.Get_rank() == 0:
             print(f"hpcjobs train: error: {e}", file=sys.stderr, flush=True)
         return 1
+    except Stopped as e:  # SIGTERM or SIGUSR1, after the checkpoint: the status a shell gives a signal's end
+        if comm.Get_rank() == 0:
+            print(f"hpcjobs train: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     if comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
         last = history[-1]
         print(f"# train: mode {cfg.mode}, final test accuracy {last['test_acc']:.4f} (error "

@@ -58,9 +58,11 @@ from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
 from .distributed import DistributedOptimizer
 from .lars import LARS
 from .models import build_model
+from .preempt import Stopped, StopSignals
 from .stepping import Progress, Straggler, evaluate, losses_of, report
 
-__all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint"]
+__all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "Stopped", "save_checkpoint",
+           "load_checkpoint"]
 
 
 def _make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -111,6 +113,7 @@ class _Run:
     scaler: torch.amp.GradScaler | None = None  # amp="fp16"
     device: torch.device = torch.device("cpu")
     straggler: Straggler | None = None
+    stop: StopSignals | None = None  # made by train: SIGTERM or SIGUSR1 checkpoints and stops (with a checkpoint)
 
     @property
     def rank(self) -> int:
@@ -127,8 +130,9 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
 
     Raises:
         ValueError: a bad configuration (global batch larger than the data,
-            unknown names); CheckpointError: an unusable checkpoint on resume.
-            Raised on every rank.
+            unknown names); CheckpointError: an unusable checkpoint on resume;
+            Stopped: SIGTERM or SIGUSR1 stopped a run with a checkpoint, after
+            writing it (:mod:`hpcjobs.training.preempt`). Raised on every rank.
     """
     cfg.validate()
     user_comm = comm if comm is not None else MPI.COMM_WORLD
@@ -138,6 +142,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
     run = _setup(cfg, private(user_comm))
     _start(run, user_comm)
     progress = Progress(cfg.progress and run.rank == 0 and not cfg.quiet)
+    run.stop = StopSignals(run.comm, bool(cfg.checkpoint))
     try:
         for epoch in range(run.start_epoch, cfg.epochs):
             try:
@@ -153,6 +158,11 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                     print(f"# train: loss is {record['loss']} after epoch {epoch + 1}; stopping (diverged)",
                           flush=True)
                 break
+            signum = run.stop.agree()  # after the epoch's checkpoint
+            if signum and epoch + 1 < cfg.epochs:
+                raise Stopped(signum, epoch + 1, 0, cfg.checkpoint)
+    except Stopped:
+        raise  # on every rank alike
     except Exception:
         # One rank failing alone would leave the others blocked in the next
         # allreduce: end the job instead, saying which rank and why.
@@ -165,6 +175,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
         raise
     finally:
         run.opt.close()
+        run.stop.close()
     return run.history
 
 
@@ -304,10 +315,14 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             if opt.memory is not None and run.scaler.get_scale() != opt.grad_scale:  # residuals: in the new units
                 opt.memory.rescale(run.scaler.get_scale() / opt.grad_scale)
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
+        written = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe
+        signum = run.stop.poll()  # at the epoch's last step: train stops after the epoch's checkpoint
+        if written or signum and s + 1 < spe:
             checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
                 "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0},
                 run.scaler)
+        if signum and s + 1 < spe:
+            raise Stopped(signum, epoch, s + 1, cfg.checkpoint)
     return sums, elapsed + time.perf_counter() - t0
 
 

@@ -1,6 +1,7 @@
 """``hpcjobs train`` as a user runs it (hpcjobs/cli/train.py)."""
 
 import json
+import os
 
 import pytest
 
@@ -125,6 +126,57 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
     keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc", "sent_bytes")
     lines = [[{k: json.loads(line)[k] for k in keep} for line in open(f)] for f in (tmp_path / "a.jsonl", metrics)]
     assert lines[0] == lines[1] and len(lines[0]) == 4
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_finishes_the_run(tmp_path):
+    """SIGTERM (Slurm's at a time limit or preemption) to rank 1 alone in
+    epoch 2 of 3: every rank stops at the same step after a checkpoint of it,
+    exit status 143; --resume ends with the parameters, BatchNorm statistics
+    and metrics of a run never stopped. Before, the run died where it stood
+    and lost everything since its last checkpoint."""
+    import signal
+    import subprocess
+    import time
+
+    import torch
+    from launch import _mpirun_prefix, launch_env, run, session_pids
+
+    from hpcjobs.training.loop import load_checkpoint
+
+    common = ["-m", "hpcjobs", "train", "--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "8",
+              "--epochs", "3", "--seed", "5", "--algorithm", "ring", "--batch-norm", "--no-progress", "-q"]
+    prefix = _mpirun_prefix(2)
+    with launch_env() as env:
+        straight = run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"), "--metrics",
+                        str(tmp_path / "a.jsonl")], 300, env)
+        assert straight.returncode == 0, straight.stderr
+        metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
+        job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") == 1):  # epoch 1 done: 512 steps to go
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before epoch 2"
+            time.sleep(0.01)
+        ranks = [pid for pid in session_pids(job.pid) if pid != job.pid]
+        os.kill(max(ranks), signal.SIGTERM)  # one rank, the last started
+        out, err = job.communicate(timeout=120)
+        state = load_checkpoint(ckpt)
+        assert job.returncode == 128 + signal.SIGTERM, err
+        words = f"hpcjobs train: SIGTERM: checkpoint {ckpt} written at step {state['step']} of epoch 2; stopped"
+        assert state["epoch"] == 1 and 0 < state["step"] < 512 and words in err, (state["epoch"], err)
+        resumed = run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics), "--resume"], 300, env)
+        assert resumed.returncode == 0, resumed.stderr
+    a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
+    assert a["epoch"] == b["epoch"] == 3
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for ra, rb in zip(a["ranks"], b["ranks"]):
+        for k in ra["buffers"]:
+            assert torch.equal(ra["buffers"][k], rb["buffers"][k]), k
+    keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc")
+    lines = [[{k: json.loads(line)[k] for k in keep} for line in open(f)] for f in (tmp_path / "a.jsonl", metrics)]
+    assert lines[0] == lines[1] and len(lines[0]) == 3
 
 
 def test_each_ranks_own_state_comes_back_from_a_mid_epoch_checkpoint(tmp_path):

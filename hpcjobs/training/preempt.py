@@ -1,0 +1,105 @@
+"""A run told to stop (SIGTERM, SIGUSR1) writes a checkpoint and stops, on
+every rank at the same step.
+
+Slurm ends a job at its time limit or on preemption with SIGTERM to every
+task, and SIGKILL ``KillWait`` seconds later (30 by default); ``sbatch
+--signal=USR1@120`` warns with SIGUSR1 two minutes before the limit, and
+``mpirun`` passes a SIGUSR1 it gets on to every rank. Without this, what a
+run did since its last checkpoint was lost (a whole epoch, or
+``--checkpoint-every`` steps).
+
+A rank's handler only notes the signal. Each step, the ranks combine what
+they noted in a nonblocking ``MPI_Iallreduce`` (MAX) on a communicator of
+its own, started after the step and completed after the next: it costs no
+wait, and every rank sees the same answer after the same step, one step
+after the first rank noted it -- a signal that reaches the ranks a moment
+apart, or one rank only, still stops them all together. At an epoch's end
+the ranks agree once more (blocking), after its checkpoint. Only a run with
+a checkpoint to write (``train --checkpoint``) takes the signals over, and
+gives the previous handlers back when it ends.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["SIGNALS", "Stopped", "StopSignals"]
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Stopped(Exception):
+    """Raised on every rank by :func:`hpcjobs.training.loop.train` once a
+    signal stopped the run after its checkpoint was written: the signal, and
+    where the checkpoint left the run (whole epochs done, steps of the next).
+    ``hpcjobs train`` exits with 128 + the signal's number, as a shell
+    reports a command a signal ended."""
+
+    def __init__(self, signum: int, epoch: int, step: int, path: str):
+        self.signum, self.epoch, self.step, self.path = signum, epoch, step, path
+        where = f"after epoch {epoch}" if not step else f"at step {step} of epoch {epoch + 1}"
+        super().__init__(f"{signal.Signals(signum).name}: checkpoint {path} written {where}; stopped "
+                         "(--resume continues from it)")
+
+
+class StopSignals:
+    """The signals noted on this rank and agreed across ``comm`` (collective
+    to make and to :meth:`close`). Off (never stops, takes no signal) when
+    ``enabled`` is false or this is not the main thread (where Python runs
+    signal handlers)."""
+
+    def __init__(self, comm: MPI.Intracomm, enabled: bool):
+        self.noted = 0  # the first signal this rank got, 0: none
+        on = enabled and threading.current_thread() is threading.main_thread()
+        on = comm.allreduce(int(on), op=MPI.MIN) == 1  # a rank off would never join the ranks' polls
+        self._comm = comm.Dup() if on else None
+        self._mine, self._any = np.zeros(1, np.int64), np.zeros(1, np.int64)
+        self._request: MPI.Request | None = None
+        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
+
+    def _note(self, signum: int, frame) -> None:
+        self.noted = self.noted or signum
+
+    def _finish(self) -> int:
+        """The answer of the poll in flight (0 when none is)."""
+        if self._request is None:
+            return 0
+        self._request.Wait()
+        self._request = None
+        return int(self._any[0])
+
+    def poll(self) -> int:
+        """After each step, on every rank: the signal some rank had noted by
+        the previous call (0: none, or off). Collective."""
+        if self._comm is None:
+            return 0
+        answer = self._finish()
+        if not answer:
+            self._mine[0] = self.noted
+            self._request = self._comm.Iallreduce(self._mine, self._any, op=MPI.MAX)
+        return answer
+
+    def agree(self) -> int:
+        """The signal some rank has noted by now (0: none, or off), blocking:
+        at an epoch's end. Collective."""
+        if self._comm is None:
+            return 0
+        earlier = self._finish()
+        self._mine[0] = self.noted
+        self._comm.Allreduce(self._mine, self._any, op=MPI.MAX)
+        return earlier or int(self._any[0])
+
+    def close(self) -> None:
+        """Completes the poll in flight, frees the communicator and gives the
+        signals back to their previous handlers. Collective where on."""
+        if self._comm is None:
+            return
+        self._finish()
+        self._comm.Free()
+        self._comm = None
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
