@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import math
 import os
 import sys
 import threading
@@ -83,7 +82,7 @@ def env_number(name: str, default: float, unit: str = "seconds") -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number of {unit}") from None
-    if not 0 <= value < math.inf:  # nan and inf too, as --timeout refuses them (0 is never)
+    if not 0 <= value < float("inf"):  # nan and inf too, as --timeout refuses them (0 is never)
         raise ValueError(f"{name} must be >= 0 {unit}, got {text}")
     return value
 
