@@ -60,7 +60,8 @@ import numpy as np
 from ._nnls import nonnegative_line
 
 __all__ = ["LOSS_MODELS", "MIN_POINTS", "Fit", "PowerFit", "Prediction", "epochs_factor", "fit", "fit_metrics",
-           "json_lines", "fit_power", "is_number", "last_run", "min_points", "noise_scale", "predict_epochs", "prediction_fields"]
+           "json_lines", "fit_power", "is_number", "last_run", "min_points", "noise_scale", "predict_epochs",
+           "prediction_fields"]
 
 LOSS_MODELS = ("optimus", "power")
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
@@ -237,15 +238,19 @@ def json_lines(path: str) -> list[tuple[int, object]]:
     """A JSON-lines file's records, each with its line number (blank lines
     skipped); ValueError naming the file where it cannot be read or a line
     is not JSON (or the file not text)."""
+    records, n = [], 0
     try:
-        with open(path) as f:
-            return [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    records.append((n, json.loads(line)))
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not JSON lines ({e.msg}, line {e.lineno})") from None
+        raise ValueError(f"{path}: not JSON lines ({e.msg}, line {n})") from None
     except UnicodeDecodeError:
         raise ValueError(f"{path}: not JSON lines (not UTF-8 text)") from None
+    return records
 
 
 def fit_metrics(path: str, key: str = "loss") -> tuple[list[int], list[float]]:

@@ -121,8 +121,8 @@ def test_metrics_file_gives_the_last_runs_losses(tmp_path):
         fit_metrics(str(path))
     with pytest.raises(ValueError, match="cannot read"):
         fit_metrics(str(tmp_path / "missing.jsonl"))
-    path.write_text('{"epoch": 1, "loss": 2.0}\n{"epoch": 2,\n')
-    with pytest.raises(ValueError, match=r"m.jsonl: not JSON lines \(Expecting .*, line 2\)"):
+    path.write_text('{"epoch": 1, "loss": 2.0}\n\n{"epoch": 2, "loss": 1.0}\n{"epoch": 3,')  # its line, blank counted
+    with pytest.raises(ValueError, match=r"m.jsonl: not JSON lines \(Expecting .*, line 4\)"):
         fit_metrics(str(path))
     path.write_bytes(b'{"epoch": 1, "loss": 2.0}\n\xff\x00\n')  # not text: a traceback's message, unnamed, before
     with pytest.raises(ValueError, match=r"m.jsonl: not JSON lines \(not UTF-8 text\)"):

@@ -123,11 +123,12 @@ def _config_dict(cfg: TrainConfig) -> dict:
 
 
 def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch: int, step: int,
-          partial: dict | None, scaler=None) -> None:
+          partial: dict | None, scaler=None) -> bool:
     """Write a checkpoint after ``epoch`` whole epochs and ``step`` steps of
     the next (collective: every rank's own state goes to rank 0). ``scaler``:
     fp16's ``GradScaler``, whose state rank 0 saves. Nothing is written
-    where a parameter is not finite on some rank (module docstring)."""
+    where a parameter is not finite on some rank (module docstring): returns
+    whether it was, the same on every rank."""
     from mpi4py import MPI
 
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
@@ -135,7 +136,7 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
         if comm.Get_rank() == 0:
             print(f"hpcjobs: warning: parameters not finite after epoch {epoch} step {step}: {cfg.checkpoint} not "
                   "written (the last one, if any, stays)", file=sys.stderr, flush=True)
-        return
+        return False
     mine = {"torch_rng": torch.get_rng_state(),
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
     on = next(model.parameters()).device
@@ -157,6 +158,7 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
             # where the metrics file ended: lines after it are written again on resume (_trim_metrics)
             "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,
         })
+    return True
 
 
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:

@@ -150,7 +150,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             except torch.cuda.OutOfMemoryError as e:  # the handler below ends the job
                 raise _out_of_memory(run, e, end_job=False) from e
             record = _record(run, epoch, sums, elapsed)
-            _end_epoch(run, epoch, record)
+            written = _end_epoch(run, epoch, record)
             if on_epoch is not None:
                 on_epoch(record)
             if not math.isfinite(record["loss"]):
@@ -160,7 +160,7 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
                 break
             signum = run.stop.agree()  # after the epoch's checkpoint
             if signum and epoch + 1 < cfg.epochs:
-                raise Stopped(signum, epoch + 1, 0, cfg.checkpoint)
+                raise Stopped(signum, epoch + 1, 0, cfg.checkpoint, written)
     except Stopped:
         raise  # on every rank alike
     except Exception:
@@ -174,8 +174,10 @@ def train(cfg: TrainConfig, comm: MPI.Comm | None = None, on_epoch=None) -> list
             run.comm.Abort(1)
         raise
     finally:
-        run.opt.close()
-        run.stop.close()
+        try:
+            run.opt.close()
+        finally:
+            run.stop.close()
     return run.history
 
 
@@ -318,11 +320,12 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         written = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe
         signum = run.stop.poll()  # at the epoch's last step: train stops after the epoch's checkpoint
         if written or signum and s + 1 < spe:
-            checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
+            written = checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
                 "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0},
                 run.scaler)
         if signum and s + 1 < spe:
-            raise Stopped(signum, epoch, s + 1, cfg.checkpoint)
+            run.comm.Barrier()  # rank 0 has written it: no rank leaves before (srun --kill-on-bad-exit)
+            raise Stopped(signum, epoch, s + 1, cfg.checkpoint, written)
     return sums, elapsed + time.perf_counter() - t0
 
 
@@ -357,13 +360,13 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
             for k, v in record.items()}
 
 
-def _end_epoch(run: _Run, epoch: int, record: dict) -> None:
-    """Step 4: the metrics line (rank 0) and the end-of-epoch checkpoint."""
+def _end_epoch(run: _Run, epoch: int, record: dict) -> bool:
+    """Step 4: the metrics line (rank 0) and the end-of-epoch checkpoint;
+    whether one was written (on every rank alike)."""
     run.history.append(record)
     if run.cfg.target_loss and len(run.history) >= min_points(run.cfg.loss_model):
         record.update(prediction_fields(run.history, run.cfg.target_loss, model=run.cfg.loss_model))
     if run.rank == 0:
         report(run.cfg, record)
-    if run.cfg.checkpoint:
-        checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt, run.history, epoch + 1, 0, None,
-                         run.scaler)
+    return bool(run.cfg.checkpoint) and checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt,
+                                                         run.history, epoch + 1, 0, None, run.scaler)

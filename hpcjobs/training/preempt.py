@@ -16,7 +16,11 @@ after the first rank noted it -- a signal that reaches the ranks a moment
 apart, or one rank only, still stops them all together. At an epoch's end
 the ranks agree once more (blocking), after its checkpoint. Only a run with
 a checkpoint to write (``train --checkpoint``) takes the signals over, and
-gives the previous handlers back when it ends.
+gives the previous handlers back when it ends. The ranks meet once more
+after a checkpoint written mid-epoch, so none leaves (and none of its
+launcher's kill-on-exit rules fires) while rank 0 still writes it. Under
+Slurm launch the ranks with srun (the templates' default): a SIGTERM to
+``mpirun`` ends its ranks at once, before they can write anything.
 """
 
 from __future__ import annotations
@@ -39,11 +43,13 @@ class Stopped(Exception):
     ``hpcjobs train`` exits with 128 + the signal's number, as a shell
     reports a command a signal ended."""
 
-    def __init__(self, signum: int, epoch: int, step: int, path: str):
+    def __init__(self, signum: int, epoch: int, step: int, path: str, written: bool = True):
         self.signum, self.epoch, self.step, self.path = signum, epoch, step, path
         where = f"after epoch {epoch}" if not step else f"at step {step} of epoch {epoch + 1}"
         super().__init__(f"{signal.Signals(signum).name}: checkpoint {path} written {where}; stopped "
-                         "(--resume continues from it)")
+                         "(--resume continues from it)" if written else
+                         f"{signal.Signals(signum).name}: stopped {where}, with parameters that are not finite: "
+                         f"{path} not written (--resume continues from the last one, if any)")
 
 
 class StopSignals:
@@ -102,4 +108,4 @@ class StopSignals:
         self._comm.Free()
         self._comm = None
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python

@@ -369,3 +369,17 @@ def test_amend_report_rewrites_only_this_runs_last_line_and_warns_where_it_canno
     os.mkfifo(tmp_path / "pipe")  # --metrics to a pipe: reading it back waited for a writer that never came
     amend_report(TrainConfig(metrics=str(tmp_path / "pipe"), quiet=True), {"epoch": 1, "loss": 1.25})
     assert "the audit is not in" in capsys.readouterr().err
+
+
+def test_a_stop_says_where_the_checkpoint_left_the_run_or_that_none_was_written():
+    import signal
+
+    from hpcjobs.training.preempt import Stopped
+
+    assert str(Stopped(signal.SIGTERM, 1, 5, "c.pt")) == ("SIGTERM: checkpoint c.pt written at step 5 of epoch 2; "
+                                                          "stopped (--resume continues from it)")
+    assert str(Stopped(signal.SIGUSR1, 2, 0, "c.pt")).startswith("SIGUSR1: checkpoint c.pt written after epoch 2;")
+    # parameters not finite: checkpoint.write kept the last checkpoint, and the message must not claim one
+    assert str(Stopped(signal.SIGTERM, 1, 5, "c.pt", written=False)) == (
+        "SIGTERM: stopped at step 5 of epoch 2, with parameters that are not finite: c.pt not written (--resume "
+        "continues from the last one, if any)")

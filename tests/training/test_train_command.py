@@ -129,11 +129,11 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_finishes_the_run(tmp_path):
-    """SIGTERM (Slurm's at a time limit or preemption) to rank 1 alone in
-    epoch 2 of 3: every rank stops at the same step after a checkpoint of it,
-    exit status 143; --resume ends with the parameters, BatchNorm statistics
-    and metrics of a run never stopped. Before, the run died where it stood
-    and lost everything since its last checkpoint."""
+    """SIGTERM (Slurm's at a time limit or preemption) to one rank alone
+    after epoch 1 of 4: every rank stops at the same step after a checkpoint
+    of it, exit status 143; --resume ends with the parameters, BatchNorm
+    statistics and metrics of a run never stopped. Before, the run died where
+    it stood and lost everything since its last checkpoint."""
     import signal
     import subprocess
     import time
@@ -144,7 +144,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_fin
     from hpcjobs.training.loop import load_checkpoint
 
     common = ["-m", "hpcjobs", "train", "--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "8",
-              "--epochs", "3", "--seed", "5", "--algorithm", "ring", "--batch-norm", "--no-progress", "-q"]
+              "--epochs", "4", "--seed", "5", "--algorithm", "ring", "--batch-norm", "--no-progress", "-q"]
     prefix = _mpirun_prefix(2)
     with launch_env() as env:
         straight = run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"), "--metrics",
@@ -155,20 +155,23 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_fin
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
         deadline = time.monotonic() + 240
-        while not (metrics.exists() and metrics.read_text().count("\n") == 1):  # epoch 1 done: 512 steps to go
-            assert job.poll() is None and time.monotonic() < deadline, "the job ended before epoch 2"
+        while not ckpt.exists():  # epoch 1's checkpoint: 3 epochs of 512 steps to go
+            assert job.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoint"
             time.sleep(0.01)
+        time.sleep(0.05)  # into epoch 2, most likely: where it stops, the message says and the test follows
         ranks = [pid for pid in session_pids(job.pid) if pid != job.pid]
         os.kill(max(ranks), signal.SIGTERM)  # one rank, the last started
         out, err = job.communicate(timeout=120)
         state = load_checkpoint(ckpt)
         assert job.returncode == 128 + signal.SIGTERM, err
-        words = f"hpcjobs train: SIGTERM: checkpoint {ckpt} written at step {state['step']} of epoch 2; stopped"
-        assert state["epoch"] == 1 and 0 < state["step"] < 512 and words in err, (state["epoch"], err)
+        where = (f"at step {state['step']} of epoch {state['epoch'] + 1}" if state["step"] else
+                 f"after epoch {state['epoch']}")
+        words = f"hpcjobs train: SIGTERM: checkpoint {ckpt} written {where}; stopped"
+        assert 1 <= state["epoch"] < 4 and words in err, (state["epoch"], state["step"], err)
         resumed = run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics), "--resume"], 300, env)
         assert resumed.returncode == 0, resumed.stderr
     a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
-    assert a["epoch"] == b["epoch"] == 3
+    assert a["epoch"] == b["epoch"] == 4
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     for ra, rb in zip(a["ranks"], b["ranks"]):
@@ -176,7 +179,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_fin
             assert torch.equal(ra["buffers"][k], rb["buffers"][k]), k
     keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc")
     lines = [[{k: json.loads(line)[k] for k in keep} for line in open(f)] for f in (tmp_path / "a.jsonl", metrics)]
-    assert lines[0] == lines[1] and len(lines[0]) == 3
+    assert lines[0] == lines[1] and len(lines[0]) == 4
 
 
 def test_each_ranks_own_state_comes_back_from_a_mid_epoch_checkpoint(tmp_path):
