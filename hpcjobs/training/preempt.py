@@ -6,7 +6,9 @@ task, and SIGKILL ``KillWait`` seconds later (30 by default); ``sbatch
 --signal=USR1@120`` warns with SIGUSR1 two minutes before the limit, and
 ``mpirun`` passes a SIGUSR1 it gets on to every rank. Without this, what a
 run did since its last checkpoint was lost (a whole epoch, or
-``--checkpoint-every`` steps).
+``--checkpoint-every`` steps). Slurm's SIGTERM also reaches the launcher,
+and ``srun`` and ``mpirun`` end their tasks on it: the ranks race them
+(docs/reliability.md, "Checkpoints"); a SIGUSR1 reaches the tasks alone.
 
 A rank's handler only notes the signal. Each step, the ranks combine what
 they noted in a nonblocking ``MPI_Iallreduce`` (MAX) on a communicator of
@@ -18,9 +20,7 @@ the ranks agree once more (blocking), after its checkpoint. Only a run with
 a checkpoint to write (``train --checkpoint``) takes the signals over, and
 gives the previous handlers back when it ends. The ranks meet once more
 after a checkpoint written mid-epoch, so none leaves (and none of its
-launcher's kill-on-exit rules fires) while rank 0 still writes it. Under
-Slurm launch the ranks with srun (the templates' default): a SIGTERM to
-``mpirun`` ends its ranks at once, before they can write anything.
+launcher's kill-on-exit rules fires) while rank 0 still writes it.
 """
 
 from __future__ import annotations
