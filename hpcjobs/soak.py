@@ -25,6 +25,7 @@ Launch::
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import math
 import time
@@ -67,10 +68,17 @@ def _trim() -> None:
     the allocator keeps for reuse. Messages under 32 MiB live on the heap, and
     freed in its middle they stay resident: untrimmed, 1,500 operations up to
     4M elements held 90 bytes an element at their peak, where 40 are live."""
+    if _malloc_trim() is not None:
+        _malloc_trim()(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, found once (None where the C library has none)."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        return ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):
-        pass
+        return None
 
 
 def _values(rng: np.random.Generator, count: int, dtype: str, op: str, size: int) -> np.ndarray:

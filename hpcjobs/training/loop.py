@@ -317,13 +317,13 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
             if opt.memory is not None and run.scaler.get_scale() != opt.grad_scale:  # residuals: in the new units
                 opt.memory.rescale(run.scaler.get_scale() / opt.grad_scale)
         progress.update(epoch, cfg.epochs, s + 1, spe, sums[0] / sums[2])
-        written = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe
         signum = run.stop.poll()  # at the epoch's last step: train stops after the epoch's checkpoint
-        if written or signum and s + 1 < spe:
+        stop = signum and s + 1 < spe
+        if stop or cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
             written = checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
                 "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0},
                 run.scaler)
-        if signum and s + 1 < spe:
+        if stop:
             run.comm.Barrier()  # rank 0 has written it: no rank leaves before (srun --kill-on-bad-exit)
             raise Stopped(signum, epoch, s + 1, cfg.checkpoint, written)
     return sums, elapsed + time.perf_counter() - t0
