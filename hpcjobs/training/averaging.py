@@ -27,6 +27,14 @@ The rate: local and easgd steps follow the synchronous schedule for the
 global batch W x b (so H = 1 reproduces it); Hogwild! applies W updates of
 b samples where synchronous SGD applies one of W x b, so its rate is the
 schedule's for b samples (as for the parameter server).
+
+Checkpoints (local, easgd; ``checkpoint``, ``checkpoint_every``, ``resume``):
+written as sync's are (:mod:`hpcjobs.training.checkpoint`, the same format),
+after every epoch, every ``checkpoint_every`` steps, and at the next step
+after a SIGTERM or SIGUSR1 (:mod:`hpcjobs.training.preempt`; then the run
+stops). Between averages each rank's parameters differ, so each rank's own
+parameters, momentum buffers and steps since the last average (EASGD's
+center too) are saved and come back on resume.
 """
 
 from __future__ import annotations
@@ -38,11 +46,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import schedule as sched
+from . import checkpoint, schedule as sched
 from ..collectives.counting import counted_allreduce
 from .config import TrainConfig
 from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
+from .preempt import Stopped, StopSignals
 from .stepping import Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
 
 __all__ = ["PeriodError", "check_periods", "train_averaging"]
@@ -152,27 +161,87 @@ class _Averaging:
         self.both = np.empty(2 * flat.numel(), np.float32) if cfg.average_momentum else None
 
     def run(self) -> list[dict]:
-        cfg, comm = self.cfg, self.comm
-        history, step, since, wall = [], 0, 0, 0.0
+        """The epochs; with a checkpoint (local, easgd), resumed from it, and
+        stopped after one written at a SIGTERM or SIGUSR1 (preempt.py)."""
+        comm = self.comm
+        history, at, mine = self._resume()
         comm.Barrier()
-        with _free_if_all_ended(comm, self.lock.Free if self.lock is not None else lambda: None):
-            for epoch in range(cfg.epochs):
-                idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
-                sums, sent, t_epoch = np.zeros(3), 0, time.monotonic()
-                for t in range(self.spe):
-                    loss, correct, n, secs = compute_step(self.model, self.ds, idx[t])
-                    self.straggler(secs)
-                    sums += loss, correct, n
-                    self._step(step)
-                    step, since = step + 1, since + 1
-                    period = 1 if epoch < cfg.post_local_epochs else cfg.local_steps
-                    if not self.hogwild and since >= period:
-                        sent += self._average()
-                        since = 0
-                epoch_s = time.monotonic() - t_epoch  # training only, as sync's: the test is not timed
-                history.append(self._record(epoch, step, sums, sent, epoch_s, epoch_s + wall))
-                wall += epoch_s
+        stop = StopSignals(comm, bool(self.cfg.checkpoint))
+        with _free_if_all_ended(comm, stop.close):  # handlers given back, also when stopped
+            with _free_if_all_ended(comm, self.lock.Free if self.lock is not None else lambda: None):
+                ended = self._epochs(history, at, mine, stop)
+        if isinstance(ended, Stopped):
+            raise ended  # on every rank alike, after the checkpoint
         return history
+
+    def _epochs(self, history: list[dict], at: tuple[int, int], mine: dict, stop: StopSignals) -> Stopped | None:
+        cfg, comm = self.cfg, self.comm
+        since, wall, partial = mine.get("since", 0), mine.get("wall", 0.0), mine.get("partial")
+        step = at[0] * self.spe + at[1]
+        for epoch in range(at[0], cfg.epochs):
+            idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
+            sums, sent, t_epoch = np.zeros(3), 0, time.monotonic()
+            if partial:  # a mid-epoch checkpoint's share of this epoch
+                sums, sent, t_epoch = np.array(partial["sums"]), partial["sent"], t_epoch - partial["epoch_s"]
+            for t in range(at[1] if partial else 0, self.spe):
+                loss, correct, n, secs = compute_step(self.model, self.ds, idx[t])
+                self.straggler(secs)
+                sums += loss, correct, n
+                self._step(step)
+                step, since = step + 1, since + 1
+                period = 1 if epoch < cfg.post_local_epochs else cfg.local_steps
+                if not self.hogwild and since >= period:
+                    sent += self._average()
+                    since = 0
+                signum = stop.poll()  # at the epoch's last step: stops after the epoch's checkpoint
+                stopping = signum and t + 1 < self.spe
+                if stopping or cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and t + 1 < self.spe:
+                    part = {"sums": [float(v) for v in sums], "sent": int(sent), "epoch_s": time.monotonic() - t_epoch}
+                    written = self._write(history, epoch, t + 1, since, wall, part)
+                if stopping:
+                    comm.Barrier()  # none leaves while rank 0 still writes
+                    return Stopped(signum, epoch, t + 1, cfg.checkpoint, written)
+            partial = None
+            epoch_s = time.monotonic() - t_epoch  # training only, as sync's: the test is not timed
+            history.append(self._record(epoch, step, sums, sent, epoch_s, epoch_s + wall))
+            wall += epoch_s
+            written = bool(cfg.checkpoint) and self._write(history, epoch + 1, 0, since, wall, None)
+            signum = stop.agree()  # after the epoch's checkpoint
+            if signum and epoch + 1 < cfg.epochs:
+                return Stopped(signum, epoch + 1, 0, cfg.checkpoint, written)
+        return None
+
+    def _write(self, history, epoch: int, step: int, since: int, wall: float, partial: dict | None) -> bool:
+        """A checkpoint after ``epoch`` epochs and ``step`` steps of the next:
+        rank 0's model and optimizer, and every rank's own parameters,
+        momentum, steps since the last average and time (collective)."""
+        if not checkpoint.finite_everywhere(self.cfg, self.comm, self.model, epoch, step):
+            return False
+        mine = {"torch_rng": torch.get_rng_state(), "flat": self.flat.clone(), "optimizer": self.opt.state_dict(),
+                "since": since, "wall": wall}
+        if self.center is not None:
+            mine["center"] = self.center.clone()
+        if partial is not None:
+            mine["partial"] = partial
+        checkpoint.gather_and_save(self.cfg, self.comm, self.model, self.opt, history, epoch, step, mine)
+        return True
+
+    def _resume(self) -> tuple[list[dict], tuple[int, int], dict]:
+        """The history, where to start (epoch, step within it) and this rank's
+        own state: the checkpoint's with ``resume`` (where it exists), else a
+        fresh start. CheckpointError on every rank for one it cannot take."""
+        if not self.cfg.resume:
+            return [], (0, 0), {}
+        epoch, step, history, states = checkpoint.read(self.cfg, self.model, self.opt, self.comm)
+        if states is None:
+            return [], (0, 0), {}
+        mine = self.comm.scatter(states or None, root=0)
+        torch.set_rng_state(mine["torch_rng"])
+        self.flat.copy_(mine["flat"])
+        self.opt.load_state_dict(mine["optimizer"])
+        if self.center is not None:
+            self.center.copy_(mine["center"])
+        return history, (epoch, step), mine
 
     def _locked_updates(self) -> int:
         """Every rank's updates so far, from rank 0's counter (hogwild_lock)."""

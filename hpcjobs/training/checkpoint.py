@@ -11,7 +11,10 @@ they are equal), so a resumed run skips the steps the unbroken one skips
 instead of starting again from the initial scale. Files are written
 atomically (temp file, fsync, rename, fsync the directory) and read with
 ``weights_only=True``. Parameters that are not finite (a run that diverged)
-are not written: the last checkpoint, from before, stays.
+are not written: the last checkpoint, from before, stays. Local SGD and
+synchronous EASGD (:mod:`hpcjobs.training.averaging`) keep their own
+checkpoints in the same file format: there each rank's parameters, momentum
+buffers and steps since the last average (and EASGD's center) are its own.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 from .._files import atomic_write
 from .config import TrainConfig
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read"]
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read",
+           "finite_everywhere", "gather_and_save"]
 
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # A resumed run must be the same experiment: these fields may not change. The optimizer's own settings
@@ -35,7 +39,8 @@ CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
                 "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
-                "no_decay_bn_bias")  # the optimizer's parameter groups: torch's own error was "different number"
+                "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
+                "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha")  # local and easgd
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
@@ -59,6 +64,8 @@ def _used(key: str, cfg: TrainConfig) -> bool:
 
         compressor = make_compressor(cfg.compression)
         return cfg.error_feedback and compressor is not None and compressor.fusable
+    if key in ("local_steps", "post_local_epochs", "average_momentum", "elastic_alpha"):
+        return cfg.mode in {"local_steps": ("local", "easgd"), "elastic_alpha": ("easgd",)}.get(key, ("local",))
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
@@ -129,13 +136,7 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
     fp16's ``GradScaler``, whose state rank 0 saves. Nothing is written
     where a parameter is not finite on some rank (module docstring): returns
     whether it was, the same on every rank."""
-    from mpi4py import MPI
-
-    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    if not comm.allreduce(finite, op=MPI.LAND):  # the same answer on every rank: all skip the gather below
-        if comm.Get_rank() == 0:
-            print(f"hpcjobs: warning: parameters not finite after epoch {epoch} step {step}: {cfg.checkpoint} not "
-                  "written (the last one, if any, stays)", file=sys.stderr, flush=True)
+    if not finite_everywhere(cfg, comm, model, epoch, step):
         return False
     mine = {"torch_rng": torch.get_rng_state(),
             "buffers": {name: buf.detach().clone() for name, buf in model.named_buffers()}}
@@ -149,6 +150,28 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
     # on the CPU: a CUDA tensor pickled to rank 0 unpickles there on the sender's device index (rank 0's own
     # GPU where each rank sees one, its neighbours' where it sees them all): P ranks' residuals on one GPU
     mine = {k: v if k == "cuda_rng" else moved(v, torch.device("cpu")) for k, v in mine.items()}
+    gather_and_save(cfg, comm, model, inner, history, epoch, step, mine, scaler)
+    return True
+
+
+def finite_everywhere(cfg: TrainConfig, comm, model, epoch: int, step: int) -> bool:
+    """Whether every rank's parameters are finite, the same answer on every
+    rank (collective); rank 0 warns that nothing is written where not."""
+    from mpi4py import MPI
+
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    if not comm.allreduce(finite, op=MPI.LAND):  # the same answer on every rank: all skip the gather
+        if comm.Get_rank() == 0:
+            print(f"hpcjobs: warning: parameters not finite after epoch {epoch} step {step}: {cfg.checkpoint} not "
+                  "written (the last one, if any, stays)", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def gather_and_save(cfg: TrainConfig, comm, model, inner, history: list[dict], epoch: int, step: int, mine: dict,
+                    scaler=None) -> None:
+    """Rank 0 writes the checkpoint: its model and optimizer ``inner``, and
+    ``mine``, each rank's own state (on the CPU), gathered (collective)."""
     ranks = comm.gather(mine, root=0)
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
@@ -158,7 +181,6 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
             # where the metrics file ended: lines after it are written again on resume (_trim_metrics)
             "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,
         })
-    return True
 
 
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:

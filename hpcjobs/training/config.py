@@ -246,16 +246,20 @@ class TrainConfig:
                                  "mode sync would ignore it")
             return
         refused = [(self.compression != "none", "compression"), (self.backward_passes_per_step != 1,
-                   "backward_passes_per_step"), (bool(self.checkpoint), "checkpoint"), (self.noise_scale,
-                   "noise_scale"), (self.amp != "none", "amp"), (self.device == "cuda", "device cuda"),
-                   (self.batch_norm, "batch_norm"), (self.model not in MODELS, f"model {self.model}"),
-                   (self.target_loss is not None, "target_loss"), (self.nonfinite != "ignore", "nonfinite")]
+                   "backward_passes_per_step"), (self.noise_scale, "noise_scale"), (self.amp != "none", "amp"),
+                   (self.device == "cuda", "device cuda"), (self.batch_norm, "batch_norm"),
+                   (self.model not in MODELS, f"model {self.model}"), (self.target_loss is not None, "target_loss"),
+                   (self.nonfinite != "ignore", "nonfinite")]
         for bad, name in refused:
             if bad:
                 raise ValueError(f"mode {self.mode} trains {' or '.join(MODELS)} without BatchNorm, uncompressed, "
-                                 f"one pass per step, on CPUs, without checkpoints, target-loss predictions or "
-                                 f"nonfinite checks: {name} is for mode sync")
+                                 f"one pass per step, on CPUs, without target-loss predictions or nonfinite checks: "
+                                 f"{name} is for mode sync")
         served = self.mode == "async" or self.easgd_form == "async"
+        if self.checkpoint and (served or self.mode == "hogwild"):
+            raise ValueError(f"checkpoint: mode {self.mode}{' (async form)' if self.mode == 'easgd' else ''} takes "
+                             "none (its state is on the servers, or in one node's shared memory); modes sync, local "
+                             "and easgd (sync form) do")
         self._refuse_ignored(served)
         if self.straggler is not None and served and parse_straggler(self.straggler)[0] < self.servers:
             raise ValueError(f"straggler {self.straggler}: rank {parse_straggler(self.straggler)[0]} is a server in "

@@ -28,16 +28,21 @@ def train_mode(cfg: TrainConfig, comm: MPI.Intracomm, on_epoch=None) -> list[dic
     each epoch, and ``on_epoch(record)`` for each at the end.
 
     Raises:
-        ValueError: a layout the mode cannot take (on every rank).
+        ValueError: a layout the mode cannot take; CheckpointError: a
+            checkpoint it cannot resume; Stopped: stopped by a signal after a
+            checkpoint (local, easgd). On every rank.
     """
     if cfg.mode == "async" or cfg.easgd_form == "async":
         from .paramserver import train_async as run
     else:
         from .averaging import train_averaging as run
+    from .checkpoint import CheckpointError
+    from .preempt import Stopped
+
     try:
         history = run(cfg, comm)
-    except ValueError:
-        raise  # raised alike on every rank, before any rank waits on another
+    except (ValueError, CheckpointError, Stopped):
+        raise  # raised alike on every rank: a layout refused, a checkpoint it cannot resume, a signal's stop
     except Exception:
         if comm.Get_size() > 1:  # the others would wait for this rank: end the job, saying why
             traceback.print_exc()

@@ -1,0 +1,113 @@
+"""Checkpoints of local SGD and synchronous EASGD: every rank's own
+parameters, momentum and steps since the last average come back, at an
+epoch's end and mid-epoch after a signal, to the parameters of a run never
+stopped."""
+
+import os
+import signal
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.training import averaging
+from hpcjobs.training.checkpoint import CheckpointError, load_checkpoint
+from hpcjobs.training.config import TrainConfig
+from hpcjobs.training.loop import train
+from hpcjobs.training.preempt import Stopped
+
+torch.set_num_threads(1)
+
+KEEP = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc", "sent_bytes")
+MODES = [("local", dict(local_steps=5, post_local_epochs=1, average_momentum=True)),
+         ("easgd", dict(local_steps=5))]
+
+
+def shared_dir(tmp_path_factory, name):
+    comm = MPI.COMM_WORLD
+    return comm.bcast(str(tmp_path_factory.mktemp(name)) if comm.rank == 0 else None)
+
+
+def cfg(mode, extra, **kw):
+    return TrainConfig(**{**dict(model="mlp", width=16, dataset="synthetic", num_samples=600, batch_per_rank=8,
+                                 lr=0.05, momentum=0.9, warmup="none", epochs=3, seed=3, quiet=True,
+                                 progress=False, mode=mode), **extra, **kw})
+
+
+def same_run(a_path, b_path, a_history, b_history):
+    """Two runs alike: each epoch's metrics, and every rank's own parameters,
+    momentum and EASGD's center in their last checkpoints."""
+    assert [{k: r[k] for k in KEEP} for r in a_history] == [{k: r[k] for k in KEEP} for r in b_history]
+    if MPI.COMM_WORLD.rank:
+        return
+    a, b = load_checkpoint(a_path), load_checkpoint(b_path)
+    assert len(a["ranks"]) == len(b["ranks"]) == MPI.COMM_WORLD.Get_size()
+    for x, y in zip(a["ranks"], b["ranks"]):
+        assert torch.equal(x["flat"], y["flat"])
+        assert ("center" in x) == ("center" in y) and ("center" not in x or torch.equal(x["center"], y["center"]))
+        mx, my = x["optimizer"]["state"], y["optimizer"]["state"]
+        assert mx.keys() == my.keys() and mx
+        assert all(torch.equal(mx[k]["momentum_buffer"], my[k]["momentum_buffer"]) for k in mx)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_resumed_at_an_epochs_end_it_ends_where_the_unbroken_run_does(tmp_path_factory, mode, extra):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, f"avg-epoch-{mode}")
+    straight = train(cfg(mode, extra, checkpoint=f"{d}/a.pt"), comm)
+    train(cfg(mode, extra, checkpoint=f"{d}/b.pt", epochs=2), comm)
+    resumed = train(cfg(mode, extra, checkpoint=f"{d}/b.pt", resume=True), comm)
+    assert [r["epoch"] for r in resumed] == [1, 2, 3]
+    same_run(f"{d}/a.pt", f"{d}/b.pt", straight, resumed)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_a_signal_to_one_rank_stops_every_rank_mid_epoch_and_resume_ends_as_the_unbroken_run(
+        tmp_path_factory, monkeypatch, mode, extra):
+    """The last rank sends itself SIGUSR1 in the middle of epoch 2, between
+    two averages: every rank stops at the same step after a checkpoint, the
+    signal's handler is given back, and the resumed run -- each rank with
+    its own parameters, momentum and steps since the last average -- ends
+    where the unbroken one does."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, f"avg-signal-{mode}")
+    straight = train(cfg(mode, extra, checkpoint=f"{d}/a.pt"), comm)
+    spe = straight[0]["step"]
+    assert spe >= 6
+    calls, compute = [0], averaging.compute_step
+
+    def signalled_step(*args):
+        calls[0] += 1
+        if calls[0] == spe + spe // 2 and comm.rank == comm.Get_size() - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # noted after this step, agreed after the next
+        return compute(*args)
+
+    monkeypatch.setattr(averaging, "compute_step", signalled_step)
+    with pytest.raises(Stopped) as stopped:
+        train(cfg(mode, extra, checkpoint=f"{d}/b.pt", metrics=f"{d}/b.jsonl"), comm)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    e = stopped.value
+    assert (e.signum, e.epoch, e.step) == (signal.SIGUSR1, 1, spe // 2 + 1)
+    state = load_checkpoint(f"{d}/b.pt")
+    assert (state["epoch"], state["step"]) == (1, spe // 2 + 1)
+    assert all(r["since"] for r in state["ranks"])  # between two averages, at every size here
+    monkeypatch.setattr(averaging, "compute_step", compute)
+    resumed = train(cfg(mode, extra, checkpoint=f"{d}/b.pt", metrics=f"{d}/b.jsonl", resume=True), comm)
+    same_run(f"{d}/a.pt", f"{d}/b.pt", straight, resumed)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("change,words", [
+    (dict(local_steps=4), "local_steps 5 -> 4"),
+    (dict(mode="sync", local_steps=8, post_local_epochs=0, average_momentum=False), "mode 'local' -> 'sync'"),
+    (dict(mode="easgd", post_local_epochs=0, average_momentum=False), "mode 'local' -> 'easgd'"),
+])
+def test_another_experiments_checkpoint_is_refused_on_every_rank(tmp_path_factory, change, words):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "avg-refused")
+    mode, extra = MODES[0]
+    train(cfg(mode, extra, checkpoint=f"{d}/c.pt", epochs=1), comm)
+    with pytest.raises(CheckpointError, match=words):
+        train(cfg(mode, {**extra, **change}, checkpoint=f"{d}/c.pt", resume=True), comm)
