@@ -216,7 +216,7 @@ def environment_problem() -> str | None:
     the checks on, ``HPCJOBS_AGREE_VIA=xyz`` meant mpi, and
     ``HPCJOBS_TORCH_ALGORITHM=xyz`` failed at a script's first allreduce)."""
     from .collectives import cuda_ipc, watchdog
-    from .collectives.agreement import AGREE_VIA_VALUES, CHECKS_VALUES
+    from .collectives.agreement import AGREE_VIA_VALUES, CHECKS_VALUES, checks_choice
     from .collectives.names import ALGORITHMS, DEVICE_ALGORITHMS
 
     problems = [p for p in (watchdog.ENV_ERROR, cuda_ipc.ENV_ERROR) if p]
@@ -225,8 +225,7 @@ def environment_problem() -> str | None:
     for name, values in choices.items():
         if setting(name) not in values:
             problems.append(f"{name}={os.environ[name]!r}: choose one of {', '.join(values)}")
-    checks = os.environ.get("HPCJOBS_CHECKS", "").strip().lower()
-    if checks and checks not in CHECKS_VALUES:
+    if checks_choice() not in ("", *CHECKS_VALUES):
         problems.append(f"HPCJOBS_CHECKS={os.environ['HPCJOBS_CHECKS']!r}: choose one of {', '.join(CHECKS_VALUES)}")
     if os.environ.get("HPCJOBS_BIND_GPU", "") not in ("", "0", "1"):  # 1 binds (hpcjobs.runtime.bind_gpu)
         problems.append(f"HPCJOBS_BIND_GPU={os.environ['HPCJOBS_BIND_GPU']!r}: choose 1 (each rank its own GPU) or 0")

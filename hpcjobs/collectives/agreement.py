@@ -50,8 +50,8 @@ from mpi4py import MPI
 from ..comm import ranks_text, setting, signature
 from ._shared import is_single_node
 
-__all__ = ["AGREE_VIA_VALUES", "CHECKS_VALUES", "MismatchError", "SIG_WORDS", "checks_enabled", "set_checks",
-           "checking", "agree_or_raise", "agree_values", "exchange_of", "disagreements", "ranks_text"]
+__all__ = ["AGREE_VIA_VALUES", "CHECKS_VALUES", "MismatchError", "SIG_WORDS", "checks_choice", "checks_enabled",
+           "set_checks", "checking", "agree_or_raise", "agree_values", "exchange_of", "disagreements", "ranks_text"]
 
 SIG_WORDS = 32  # int64s of a signature on oneshot's segment
 
@@ -63,7 +63,14 @@ class MismatchError(ValueError):
 
 # HPCJOBS_CHECKS: on, or off with one of the last four (hpcjobs.comm refuses any other value on every rank)
 CHECKS_VALUES = ("1", "on", "true", "yes", "0", "off", "false", "no")
-_enabled = os.environ.get("HPCJOBS_CHECKS", "").strip().lower() not in CHECKS_VALUES[4:]
+
+
+def checks_choice() -> str:
+    """``HPCJOBS_CHECKS`` as it is read: stripped, lower case ("" unset)."""
+    return os.environ.get("HPCJOBS_CHECKS", "").strip().lower()
+
+
+_enabled = checks_choice() not in CHECKS_VALUES[4:]
 
 
 def set_checks(enabled: bool) -> None:
