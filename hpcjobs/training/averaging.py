@@ -213,17 +213,26 @@ class _Averaging:
 
     def _write(self, history, epoch: int, step: int, since: int, wall: float, partial: dict | None) -> bool:
         """A checkpoint after ``epoch`` epochs and ``step`` steps of the next:
-        rank 0's model and optimizer, and every rank's own parameters,
-        momentum, steps since the last average and time (collective)."""
+        as its model the one tested (the ranks' average, EASGD's center),
+        rank 0's optimizer, and every rank's own parameters, momentum, steps
+        since the last average and time (collective)."""
         if not checkpoint.finite_everywhere(self.cfg, self.comm, self.model, epoch, step):
             return False
+        own = self.flat.clone()
+        if self.center is not None:
+            self.flat.copy_(self.center)
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+            self.flat.div_(self.W)
+        tested = {k: v.clone() for k, v in self.model.state_dict().items()}
+        self.flat.copy_(own)
         mine = {"torch_rng": torch.get_rng_state(), "flat": self.flat.clone(), "optimizer": self.opt.state_dict(),
                 "since": since, "wall": wall}
         if self.center is not None:
             mine["center"] = self.center.clone()
         if partial is not None:
             mine["partial"] = partial
-        checkpoint.gather_and_save(self.cfg, self.comm, self.model, self.opt, history, epoch, step, mine)
+        checkpoint.gather_and_save(self.cfg, self.comm, tested, self.opt, history, epoch, step, mine)
         return True
 
     def _resume(self) -> tuple[list[dict], tuple[int, int], dict]:

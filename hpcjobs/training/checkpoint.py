@@ -14,7 +14,8 @@ atomically (temp file, fsync, rename, fsync the directory) and read with
 are not written: the last checkpoint, from before, stays. Local SGD and
 synchronous EASGD (:mod:`hpcjobs.training.averaging`) keep their own
 checkpoints in the same file format: there each rank's parameters, momentum
-buffers and steps since the last average (and EASGD's center) are its own.
+buffers and steps since the last average (and EASGD's center) are its own,
+and the file's model is the one they test (the ranks' average, the center).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def write(cfg: TrainConfig, comm, model, inner, opt, history: list[dict], epoch:
     # on the CPU: a CUDA tensor pickled to rank 0 unpickles there on the sender's device index (rank 0's own
     # GPU where each rank sees one, its neighbours' where it sees them all): P ranks' residuals on one GPU
     mine = {k: v if k == "cuda_rng" else moved(v, torch.device("cpu")) for k, v in mine.items()}
-    gather_and_save(cfg, comm, model, inner, history, epoch, step, mine, scaler)
+    gather_and_save(cfg, comm, model.state_dict(), inner, history, epoch, step, mine, scaler)
     return True
 
 
@@ -168,15 +169,16 @@ def finite_everywhere(cfg: TrainConfig, comm, model, epoch: int, step: int) -> b
     return True
 
 
-def gather_and_save(cfg: TrainConfig, comm, model, inner, history: list[dict], epoch: int, step: int, mine: dict,
-                    scaler=None) -> None:
-    """Rank 0 writes the checkpoint: its model and optimizer ``inner``, and
-    ``mine``, each rank's own state (on the CPU), gathered (collective)."""
+def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: list[dict], epoch: int, step: int,
+                    mine: dict, scaler=None) -> None:
+    """Rank 0 writes the checkpoint: its ``model_state`` (a state dict) and
+    optimizer ``inner``, and ``mine``, each rank's own state (on the CPU),
+    gathered (collective)."""
     ranks = comm.gather(mine, root=0)
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
             "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
-            "model": model.state_dict(), "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
+            "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
             "scaler": scaler.state_dict() if scaler is not None else None,
             # where the metrics file ended: lines after it are written again on resume (_trim_metrics)
             "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,

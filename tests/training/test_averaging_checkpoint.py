@@ -10,7 +10,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcjobs.training import averaging
+from hpcjobs.training import averaging, checkpoint
 from hpcjobs.training.checkpoint import CheckpointError, load_checkpoint
 from hpcjobs.training.config import TrainConfig
 from hpcjobs.training.loop import train
@@ -34,9 +34,27 @@ def cfg(mode, extra, **kw):
                                  progress=False, mode=mode), **extra, **kw})
 
 
+def counting_steps(monkeypatch, signal_at=None):
+    """The worker steps this rank computes from now on (a list of one
+    count); with ``signal_at``, the last rank sends itself SIGUSR1 in its
+    step of that number."""
+    calls, compute = [0], averaging.compute_step
+    comm = MPI.COMM_WORLD
+
+    def counted(*args):
+        calls[0] += 1
+        if calls[0] == signal_at and comm.rank == comm.Get_size() - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # noted after this step, agreed after the next
+        return compute(*args)
+
+    monkeypatch.setattr(averaging, "compute_step", counted)
+    return calls
+
+
 def same_run(a_path, b_path, a_history, b_history):
     """Two runs alike: each epoch's metrics, and every rank's own parameters,
-    momentum and EASGD's center in their last checkpoints."""
+    momentum and EASGD's center in their last checkpoints; the second's
+    model is the one it tests."""
     assert [{k: r[k] for k in KEEP} for r in a_history] == [{k: r[k] for k in KEEP} for r in b_history]
     if MPI.COMM_WORLD.rank:
         return
@@ -48,17 +66,24 @@ def same_run(a_path, b_path, a_history, b_history):
         mx, my = x["optimizer"]["state"], y["optimizer"]["state"]
         assert mx.keys() == my.keys() and mx
         assert all(torch.equal(mx[k]["momentum_buffer"], my[k]["momentum_buffer"]) for k in mx)
+    # the file's model is the one tested: the ranks' average, or the center
+    tested = torch.cat([v.reshape(-1) for v in b["model"].values()])
+    flats = torch.stack([r["flat"] for r in b["ranks"]])
+    want = b["ranks"][0]["center"] if "center" in b["ranks"][0] else flats.mean(0)
+    assert torch.allclose(tested, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("mode,extra", MODES)
-def test_resumed_at_an_epochs_end_it_ends_where_the_unbroken_run_does(tmp_path_factory, mode, extra):
+def test_resumed_at_an_epochs_end_it_ends_where_the_unbroken_run_does(tmp_path_factory, monkeypatch, mode, extra):
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, f"avg-epoch-{mode}")
     straight = train(cfg(mode, extra, checkpoint=f"{d}/a.pt"), comm)
-    train(cfg(mode, extra, checkpoint=f"{d}/b.pt", epochs=2), comm)
+    first = train(cfg(mode, extra, checkpoint=f"{d}/b.pt", epochs=2), comm)
+    steps = counting_steps(monkeypatch)
     resumed = train(cfg(mode, extra, checkpoint=f"{d}/b.pt", resume=True), comm)
-    assert [r["epoch"] for r in resumed] == [1, 2, 3]
+    assert steps[0] == straight[0]["step"]  # the third epoch only, from the checkpoint
+    assert resumed[:2] == first  # epochs 1 and 2 as the first run had them, times too
     same_run(f"{d}/a.pt", f"{d}/b.pt", straight, resumed)
 
 
@@ -70,44 +95,47 @@ def test_a_signal_to_one_rank_stops_every_rank_mid_epoch_and_resume_ends_as_the_
     two averages: every rank stops at the same step after a checkpoint, the
     signal's handler is given back, and the resumed run -- each rank with
     its own parameters, momentum and steps since the last average -- ends
-    where the unbroken one does."""
+    where the unbroken one does. Checkpoints every 4 steps meanwhile."""
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, f"avg-signal-{mode}")
     straight = train(cfg(mode, extra, checkpoint=f"{d}/a.pt"), comm)
     spe = straight[0]["step"]
     assert spe >= 6
-    calls, compute = [0], averaging.compute_step
+    written, save = [], checkpoint.gather_and_save
 
-    def signalled_step(*args):
-        calls[0] += 1
-        if calls[0] == spe + spe // 2 and comm.rank == comm.Get_size() - 1:
-            os.kill(os.getpid(), signal.SIGUSR1)  # noted after this step, agreed after the next
-        return compute(*args)
+    def noted(cfg, comm, model_state, inner, history, epoch, step, mine, scaler=None):
+        written.append((epoch, step))
+        save(cfg, comm, model_state, inner, history, epoch, step, mine, scaler)
 
-    monkeypatch.setattr(averaging, "compute_step", signalled_step)
+    monkeypatch.setattr(checkpoint, "gather_and_save", noted)
+    counting_steps(monkeypatch, signal_at=spe + spe // 2)
     with pytest.raises(Stopped) as stopped:
-        train(cfg(mode, extra, checkpoint=f"{d}/b.pt", metrics=f"{d}/b.jsonl"), comm)
+        train(cfg(mode, extra, checkpoint=f"{d}/b.pt", metrics=f"{d}/b.jsonl", checkpoint_every=4), comm)
     assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    every = [(g // spe, g % spe) for g in range(4, spe + spe // 2 + 1, 4) if g % spe]  # not at an epoch's end
+    assert written == sorted(every + [(1, 0), (1, spe // 2 + 1)]), written
     e = stopped.value
     assert (e.signum, e.epoch, e.step) == (signal.SIGUSR1, 1, spe // 2 + 1)
     state = load_checkpoint(f"{d}/b.pt")
     assert (state["epoch"], state["step"]) == (1, spe // 2 + 1)
     assert all(r["since"] for r in state["ranks"])  # between two averages, at every size here
-    monkeypatch.setattr(averaging, "compute_step", compute)
+    steps = counting_steps(monkeypatch)
     resumed = train(cfg(mode, extra, checkpoint=f"{d}/b.pt", metrics=f"{d}/b.jsonl", resume=True), comm)
+    assert steps[0] == 3 * spe - (spe + spe // 2 + 1)  # from the signal's checkpoint on
     same_run(f"{d}/a.pt", f"{d}/b.pt", straight, resumed)
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("change,words", [
-    (dict(local_steps=4), "local_steps 5 -> 4"),
-    (dict(mode="sync", local_steps=8, post_local_epochs=0, average_momentum=False), "mode 'local' -> 'sync'"),
-    (dict(mode="easgd", post_local_epochs=0, average_momentum=False), "mode 'local' -> 'easgd'"),
+@pytest.mark.parametrize("saved,change,words", [
+    ({}, dict(local_steps=4), "local_steps 5 -> 4"),
+    ({}, dict(mode="sync", local_steps=8, post_local_epochs=0, average_momentum=False), "mode 'local' -> 'sync'"),
+    ({}, dict(mode="easgd", post_local_epochs=0, average_momentum=False), "mode 'local' -> 'easgd'"),
+    (dict(mode="sync", local_steps=8, post_local_epochs=0, average_momentum=False), {}, "mode 'sync' -> 'local'"),
 ])
-def test_another_experiments_checkpoint_is_refused_on_every_rank(tmp_path_factory, change, words):
+def test_another_experiments_checkpoint_is_refused_on_every_rank(tmp_path_factory, saved, change, words):
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, "avg-refused")
     mode, extra = MODES[0]
-    train(cfg(mode, extra, checkpoint=f"{d}/c.pt", epochs=1), comm)
+    train(cfg(mode, {**extra, **saved}, checkpoint=f"{d}/c.pt", epochs=1), comm)
     with pytest.raises(CheckpointError, match=words):
         train(cfg(mode, {**extra, **change}, checkpoint=f"{d}/c.pt", resume=True), comm)
