@@ -52,7 +52,7 @@ from .config import TrainConfig
 from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
 from .preempt import Stopped, StopSignals
-from .stepping import Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
+from .stepping import Progress, Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
 
 __all__ = ["PeriodError", "check_periods", "train_averaging"]
 
@@ -178,6 +178,7 @@ class _Averaging:
         cfg, comm = self.cfg, self.comm
         since, wall, partial = mine.get("since", 0), mine.get("wall", 0.0), mine.get("partial")
         step = at[0] * self.spe + at[1]
+        progress = Progress(cfg.progress and comm.Get_rank() == 0 and not cfg.quiet)  # rank 0's own loss
         for epoch in range(at[0], cfg.epochs):
             idx = rank_batches(len(self.ds.train), cfg.batch_per_rank, comm.Get_rank(), self.W, epoch, cfg.seed)
             sums, sent, t_epoch = np.zeros(3), 0, time.monotonic()
@@ -193,6 +194,7 @@ class _Averaging:
                 if not self.hogwild and since >= period:
                     sent += self._average()
                     since = 0
+                progress.update(epoch, cfg.epochs, t + 1, self.spe, sums[0] / sums[2])
                 signum = stop.poll()  # at the epoch's last step: stops after the epoch's checkpoint
                 stopping = signum and t + 1 < self.spe
                 if stopping or cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and t + 1 < self.spe:
