@@ -77,6 +77,9 @@ SlurmctldHost=$host${addr:+($addr)}
 SlurmctldPort=$port
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job runs again cred_expire seconds after it ended (sooner, Slurm kills it: "Job credential
+# revoked"): 120 by default, 10 here, so a test's requeue does not wait two minutes.
+AuthInfo=cred_expire=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 TmpFS=$dir/tmp/%n

@@ -257,6 +257,55 @@ def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
     assert "float32" in (tmp_path / f"test-wait-{job_id}.out").read_text()
 
 
+def test_a_job_told_to_stop_with_usr1_and_requeued_resumes_at_that_step(cluster, tmp_path):
+    """The recipe in the train template: scancel --signal=USR1 reaches the
+    tasks alone (not srun, which would end them on a SIGTERM), they write a
+    checkpoint at the next step and stop; scontrol requeue runs the job
+    again -- the same id, its log appended -- and it resumes from that step,
+    where before it started again from the last epoch's checkpoint."""
+    env = _slurm_env()
+    opts = RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True, job_name="test-requeue",
+                         job_args=("--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "8",
+                                   "--epochs", "3", "--seed", "5"))
+    script = tmp_path / "requeue.sbatch"
+    script.write_text(render(template_path("train").read_text(), opts))
+    proc = subprocess.run([*cluster, "sbatch", "--parsable", str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    results = tmp_path / "results" / f"test-requeue-{job_id}"
+
+    def until(done, what):
+        deadline = time.monotonic() + 300
+        while not done():
+            if time.monotonic() > deadline:
+                subprocess.run([*cluster, "scancel", job_id], env=env)
+                pytest.fail(f"job {job_id}: {what} did not come ({_job_state(cluster, job_id, env)})")
+            time.sleep(0.05)
+
+    until(lambda: (results / "checkpoint.pt").exists(), "epoch 1's checkpoint")  # 2 epochs of 256 steps to go
+    subprocess.run([*cluster, "scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
+    # it ends FAILED: the ranks exit 138, and srun --kill-on-bad-exit ends those still finalizing
+    until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the stop")
+    subprocess.run([*cluster, "scontrol", "requeue", job_id], env=env, check=True, timeout=60)
+    # It runs again cred_expire seconds later (10 on the emulated cluster, 120 by default). Not sooner: with
+    # its StartTime set to now, Slurm killed it at once ("Job credential revoked", exit 1, nothing in its log).
+    until(lambda: _job_state(cluster, job_id, env)[0] == "PENDING", "the requeue")
+    until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the requeued job's end")
+    out = (tmp_path / f"test-requeue-{job_id}.out").read_text()
+    assert _job_state(cluster, job_id, env)[:2] == ("COMPLETED", "0:0"), _failure(out)
+    # in epoch 2 most likely; wherever it was, the requeued job resumes there
+    stopped = re.search(r"hpcjobs train: SIGUSR1: checkpoint \S+ written (at step \d+ of epoch (\d+)|after epoch "
+                        r"(\d+)); stopped", out)
+    resumed = re.search(r"# train: resumed from \S+ (after epoch \d+(, step \d+ of epoch \d+)?)\n", out)
+    assert stopped and resumed, out
+    done = int(stopped[2]) - 1 if stopped[2] else int(stopped[3])
+    step = stopped[1].split()[2] if stopped[2] else None
+    assert 1 <= done < 3, out
+    assert resumed[1] == f"after epoch {done}" + (f", step {step} of epoch {done + 1}" if step else ""), out
+    assert [json.loads(line)["epoch"] for line in open(results / "metrics.jsonl")] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("mem,ok", [("500M", True), ("4000M", False)])  # the emulated nodes have 2000 MB
 def test_slurm_takes_the_sites_choices_as_rendered(cluster, tmp_path, mem, ok):
     """sbatch --test-only reads the rendered #SBATCH lines as a submission
