@@ -70,6 +70,13 @@ def _used(key: str, cfg: TrainConfig) -> bool:
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
+def _effective(key: str, value, size: int):
+    """A setting as a run of ``size`` ranks uses it: EASGD's rate left to
+    its default (None) is 0.9 / the ranks (TrainConfig.moving_rate), so
+    giving that rate on resume changes nothing."""
+    return 0.9 / size if key == "elastic_alpha" and value is None else value
+
+
 def moved(obj, device: torch.device):
     """``obj`` (dicts, lists, tensors) with its tensors on ``device``."""
     if torch.is_tensor(obj):
@@ -197,10 +204,11 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
     if comm.Get_rank() == 0:
         try:
             state = load_checkpoint(cfg.checkpoint)
-            old = state["config"]
+            old, new = state["config"], _config_dict(cfg)
             defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
-            changed = [k for k in _RESUME_KEYS if old.get(k, defaults[k]) != _config_dict(cfg).get(k)
-                       and _used(k, cfg)]
+            size = comm.Get_size()
+            changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), size)
+                       != _effective(k, new.get(k), size) and _used(k, cfg)]
             # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
             # would be added unscaled, and with it unscaled ones would be taken as scaled
             if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):

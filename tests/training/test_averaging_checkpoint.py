@@ -126,6 +126,19 @@ def test_a_signal_to_one_rank_stops_every_rank_mid_epoch_and_resume_ends_as_the_
 
 
 @pytest.mark.mpi(min_size=1)
+def test_easgds_default_rate_given_on_resume_is_the_same_experiment(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "avg-rate")
+    mode, extra = MODES[1]
+    train(cfg(mode, extra, checkpoint=f"{d}/c.pt", epochs=1), comm)
+    rate = 0.9 / comm.Get_size()  # the default: TrainConfig.moving_rate
+    assert len(train(cfg(mode, {**extra, "elastic_alpha": rate}, checkpoint=f"{d}/c.pt", epochs=2, resume=True),
+                     comm)) == 2
+    with pytest.raises(CheckpointError, match="elastic_alpha"):
+        train(cfg(mode, {**extra, "elastic_alpha": rate / 2}, checkpoint=f"{d}/c.pt", epochs=3, resume=True), comm)
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("saved,change,words", [
     ({}, dict(local_steps=4), "local_steps 5 -> 4"),
     ({}, dict(mode="sync", local_steps=8, post_local_epochs=0, average_momentum=False), "mode 'local' -> 'sync'"),
