@@ -78,8 +78,9 @@ SlurmctldPort=$port
 SlurmUser=root
 AuthType=auth/munge
 # A requeued job runs again cred_expire seconds after it ended (sooner, Slurm kills it: "Job credential
-# revoked"): 120 by default, 10 here, so a test's requeue does not wait two minutes.
-AuthInfo=cred_expire=10
+# revoked"): 120 by default, 30 here, so a test's requeue does not wait two minutes. It is also how long a
+# launch credential lasts: not lower, on a loaded 2-core machine.
+AuthInfo=cred_expire=30
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 TmpFS=$dir/tmp/%n

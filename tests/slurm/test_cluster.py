@@ -283,12 +283,12 @@ def test_a_job_told_to_stop_with_usr1_and_requeued_resumes_at_that_step(cluster,
                 pytest.fail(f"job {job_id}: {what} did not come ({_job_state(cluster, job_id, env)})")
             time.sleep(0.05)
 
-    until(lambda: (results / "checkpoint.pt").exists(), "epoch 1's checkpoint")  # 2 epochs of 256 steps to go
+    until(lambda: (results / "checkpoint.pt").exists(), "epoch 1's checkpoint")  # 2 epochs of 204 steps to go
     subprocess.run([*cluster, "scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
     # it ends FAILED: the ranks exit 138, and srun --kill-on-bad-exit ends those still finalizing
     until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the stop")
     subprocess.run([*cluster, "scontrol", "requeue", job_id], env=env, check=True, timeout=60)
-    # It runs again cred_expire seconds later (10 on the emulated cluster, 120 by default). Not sooner: with
+    # It runs again cred_expire seconds later (30 on the emulated cluster, 120 by default). Not sooner: with
     # its StartTime set to now, Slurm killed it at once ("Job credential revoked", exit 1, nothing in its log).
     until(lambda: _job_state(cluster, job_id, env)[0] == "PENDING", "the requeue")
     until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the requeued job's end")

@@ -37,9 +37,11 @@ def on_a_terminal(*extra):
         proc = subprocess.run([sys.executable, "-m", "hpcjobs", *ARGS, *extra], stdout=subprocess.PIPE,
                               stderr=follower, text=True, timeout=120, env=clean_env())
     finally:
-        os.close(follower)
-    reader.join(10)
-    os.close(leader)
+        os.close(follower)  # the run's end and ours: the reader gets EIO once it has read everything
+        reader.join(30)
+        done = not reader.is_alive()
+        os.close(leader)
+    assert done, "the terminal was still open 30 s after the run ended"
     return proc.returncode, proc.stdout, got.decode(errors="replace")
 
 
