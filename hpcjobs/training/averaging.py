@@ -220,14 +220,8 @@ class _Averaging:
         since the last average and time (collective)."""
         if not checkpoint.finite_everywhere(self.cfg, self.comm, self.model, epoch, step):
             return False
-        own = self.flat.clone()
-        if self.center is not None:
-            self.flat.copy_(self.center)
-        else:
-            self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
-            self.flat.div_(self.W)
-        tested = {k: v.clone() for k, v in self.model.state_dict().items()}
-        self.flat.copy_(own)
+        with self._tested():
+            tested = {k: v.clone() for k, v in self.model.state_dict().items()}
         mine = {"torch_rng": torch.get_rng_state(), "flat": self.flat.clone(), "optimizer": self.opt.state_dict(),
                 "since": since, "wall": wall}
         if self.center is not None:
@@ -236,6 +230,22 @@ class _Averaging:
             mine["partial"] = partial
         checkpoint.gather_and_save(self.cfg, self.comm, tested, self.opt, history, epoch, step, mine)
         return True
+
+    @contextlib.contextmanager
+    def _tested(self):
+        """The model holds what is tested for the block -- the center
+        (easgd), the ranks' average (local; collective) -- then this rank's
+        own parameters again."""
+        own = self.flat.clone()
+        if self.center is not None:
+            self.flat.copy_(self.center)
+        else:
+            self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+            self.flat.div_(self.W)
+        try:
+            yield
+        finally:
+            self.flat.copy_(own)
 
     def _resume(self) -> tuple[list[dict], tuple[int, int], dict]:
         """The history, where to start (epoch, step within it) and this rank's
@@ -305,7 +315,7 @@ class _Averaging:
     def _record(self, epoch: int, step: int, sums: np.ndarray, sent: int, epoch_s: float, wall_s: float) -> dict:
         """The epoch's line. Tested: the center (easgd), the ranks' average
         (local: what one more average would give), the shared vector (hogwild)."""
-        comm, flat = self.comm, self.flat
+        comm = self.comm
         maxes = np.array([epoch_s, wall_s, sent], np.float64)
         comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
         comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
@@ -317,14 +327,8 @@ class _Averaging:
                 extra["locked_updates"] = self._locked_updates()
             test_loss, test_acc = evaluate(self.model, self.ds, comm)
         else:
-            own = flat.clone()
-            if self.center is not None:
-                flat.copy_(self.center)
-            else:
-                comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-                flat.div_(self.W)
-            test_loss, test_acc = evaluate(self.model, self.ds, comm)
-            flat.copy_(own)
+            with self._tested():
+                test_loss, test_acc = evaluate(self.model, self.ds, comm)
         lr_step = step * self.W - 1 if self.hogwild else step - 1
         lr = sched.lr_at(lr_step, self.spe * (self.W if self.hogwild else 1), self.schedule)
         record = finish_record(self.cfg, {

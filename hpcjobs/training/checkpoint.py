@@ -42,6 +42,8 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
                 "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
                 "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha")  # local and easgd
+_MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
+              "elastic_alpha": ("easgd",)}  # the modes that use each
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
@@ -65,16 +67,16 @@ def _used(key: str, cfg: TrainConfig) -> bool:
 
         compressor = make_compressor(cfg.compression)
         return cfg.error_feedback and compressor is not None and compressor.fusable
-    if key in ("local_steps", "post_local_epochs", "average_momentum", "elastic_alpha"):
-        return cfg.mode in {"local_steps": ("local", "easgd"), "elastic_alpha": ("easgd",)}.get(key, ("local",))
+    if key in _MODE_KEYS:
+        return cfg.mode in _MODE_KEYS[key]
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
 def _effective(key: str, value, size: int):
     """A setting as a run of ``size`` ranks uses it: EASGD's rate left to
-    its default (None) is 0.9 / the ranks (TrainConfig.moving_rate), so
-    giving that rate on resume changes nothing."""
-    return 0.9 / size if key == "elastic_alpha" and value is None else value
+    its default (None) is TrainConfig.moving_rate's, so giving that rate on
+    resume changes nothing."""
+    return TrainConfig(elastic_alpha=value).moving_rate(size) if key == "elastic_alpha" else value
 
 
 def moved(obj, device: torch.device):
