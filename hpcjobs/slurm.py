@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_commands", "launch_command",
-           "master_address"]
+           "master_address", "STOP_FILE", "requeue_decision"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
@@ -171,12 +171,12 @@ class RenderOptions:
 
 def job_commands(template: str) -> list[tuple[str, ...]]:
     """The hpcjobs commands a template runs with the job's arguments
-    (``hpcjobs slurm launch -- COMMAND ... ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}``:
+    (``hpcjobs slurm launch [FLAGS] -- COMMAND ... ${JOB_ARGS[@]+"${JOB_ARGS[@]}"}``:
     the array, or nothing where it is empty, which bash before 4.4 under
     ``set -u`` would call unbound)."""
     commands = []
     for line in template.replace("\\\n", " ").splitlines():
-        m = re.search(r"hpcjobs slurm launch -- (.*)", line)
+        m = re.search(r"hpcjobs slurm launch(?: [^ ]+)*? -- (.*)", line)  # launch's own flags before --
         if m and '${JOB_ARGS[@]+"${JOB_ARGS[@]}"}' in line:
             words = []
             for word in m.group(1).split():
@@ -303,3 +303,37 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
     else:
         raise ValueError(f"HPCJOBS_LAUNCHER must be srun or mpirun, got {launcher!r}")
     return cmd, new
+
+
+STOP_FILE = "stopped.json"  # in the job's results directory: where a run a signal stopped says so (launch --requeue)
+
+
+def requeue_decision(record: dict | None, restarts: int, limit: int) -> tuple[bool, str]:
+    """After the ranks' run ended, ``launch --requeue LIMIT``: whether to
+    requeue the job, and a line for its log saying why ("" when the run
+    was not stopped by a signal). ``record``: what the run wrote to its
+    stop file (:func:`hpcjobs.training.preempt.write_stop_file`), None if
+    it wrote none; ``restarts``: how often the job ran before
+    (``SLURM_RESTART_COUNT``).
+
+    Only a SIGUSR1 stop requeues: ``sbatch --signal=USR1@SECONDS`` before
+    the time limit, or ``scancel --signal=USR1``. A SIGTERM is Slurm ending
+    the job (``scancel``, the time limit, preemption, which requeues a job
+    by itself where the site says so)."""
+    if record is None:
+        return False, ""
+    step = int(record.get("step") or 0)
+    epoch = int(record.get("epoch") or 0)
+    where = f"at step {step} of epoch {epoch + 1}" if step else f"after epoch {epoch}"
+    signal_name = record.get("signal", "?")
+    if not record.get("written"):
+        return False, (f"{signal_name} stopped the run {where} with parameters that are not finite: not requeued "
+                       "(it would resume from the last checkpoint and end the same)")
+    if signal_name != "SIGUSR1":
+        return False, (f"{signal_name} stopped the run {where}: not requeued (a SIGUSR1 requeues; a SIGTERM is "
+                       "scancel, the time limit or preemption)")
+    if restarts >= limit:
+        return False, (f"SIGUSR1 stopped the run {where}: not requeued, the job was requeued {restarts} time(s) "
+                       f"and --requeue allows {limit}; `scontrol requeue JOB` goes on from the checkpoint")
+    return True, (f"SIGUSR1 stopped the run {where}: requeueing the job ({restarts + 1} of at most {limit}); it "
+                  f"resumes from {record.get('checkpoint')} when Slurm starts it again")

@@ -3,19 +3,66 @@ or mpirun (:func:`hpcjobs.slurm.launch_command`). Runs on the batch host
 before any rank: no MPI.
 
     hpcjobs slurm launch -- bench allreduce --out {job_dir}/report
+    hpcjobs slurm launch --requeue 10 -- train --checkpoint {job_dir}/checkpoint.pt --resume
+
+With ``--requeue N`` it waits for the launcher instead of becoming it, and
+requeues the job when a SIGUSR1 stopped the run after its checkpoint
+(:func:`hpcjobs.slurm.requeue_decision`), at most N times: the run says so
+in ``{job_dir}/stopped.json`` (``HPCJOBS_STOP_FILE``), since srun's exit
+status does not tell a stop from a failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
-from .args import UsageError, usage
+from .args import UsageError, nonnegative_int, usage
 
 
 def configure(p) -> None:
+    p.add_argument("--requeue", type=nonnegative_int, default=0, metavar="N",
+                   help="when a SIGUSR1 stopped the run after its checkpoint (sbatch --signal=USR1@SECONDS before "
+                        "the time limit, scancel --signal=USR1), requeue the job to resume from it; at most N "
+                        "times in all (SLURM_RESTART_COUNT). Default 0: never (the launcher replaces this process)")
     p.epilog = "After --: the hpcjobs command every rank runs; {job_dir} in it becomes the job's results directory"
+
+
+def _stop_record(path: Path) -> dict | None:
+    """What the run wrote when a signal stopped it; None if it wrote nothing (or nothing readable)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _run_and_requeue(cmd: list[str], env: dict, limit: int) -> int:
+    """The launcher as a child; then, after a SIGUSR1's stop, ``scontrol requeue`` this job."""
+    from ..slurm import STOP_FILE, requeue_decision
+    from ..training.preempt import STOP_FILE_ENV
+
+    stop_file = Path(env["HPCJOBS_JOB_DIR"]) / STOP_FILE
+    stop_file.unlink(missing_ok=True)  # a run before this one's
+    env[STOP_FILE_ENV] = str(stop_file)
+    rc = subprocess.call(cmd, env=env)
+    rc = 128 - rc if rc < 0 else rc  # the launcher ended by a signal: as a shell reports it
+    job = os.environ["SLURM_JOB_ID"]
+    requeue, why = requeue_decision(_stop_record(stop_file), int(os.environ.get("SLURM_RESTART_COUNT") or 0), limit)
+    if why:
+        print(f"# hpcjobs slurm launch: job {job}: {why}", flush=True)
+    if not requeue:
+        return rc
+    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if proc.returncode != 0:  # the job was not submitted --requeue, or the site's JobRequeue=0 forbids it
+        print(f"hpcjobs slurm launch: error: scontrol requeue {job} failed: {proc.stderr.strip() or proc.stdout}; "
+              "the checkpoint is there for `--resume`", file=sys.stderr, flush=True)
+        return rc or 1
+    return 0  # Slurm ends this script and queues the job again
 
 
 def run(args) -> int:
@@ -47,4 +94,6 @@ def run(args) -> int:
     print(f"# hpcjobs slurm launch: job {os.environ['SLURM_JOB_ID']}, {env['HPCJOBS_EXPECT_WORLD_SIZE']} tasks on "
           f"{os.environ.get('SLURM_JOB_NUM_NODES', '?')} node(s), results in {env['HPCJOBS_JOB_DIR']}, "
           f"MASTER_ADDR={env['MASTER_ADDR']}:{env['MASTER_PORT']}\n# {shlex.join(cmd)}", flush=True)
+    if args.requeue:
+        return _run_and_requeue(cmd, env, args.requeue)
     os.execvpe(cmd[0], cmd, env)

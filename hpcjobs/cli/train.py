@@ -254,12 +254,9 @@ def run(args) -> int:
     from mpi4py import MPI
 
     from ..runtime import pick_device, set_threads
-    from ..training.checkpoint import CheckpointError
-    from ..training.loop import Stopped, train
 
     comm = MPI.COMM_WORLD
-    with usage():
-        check_amp(args.amp, pick_device(args.device, comm))
+    # What the flags alone refuse, before torch is imported (a second or more of every refusal)
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:
@@ -267,8 +264,14 @@ def run(args) -> int:
     if args.loss_model != DEFAULTS.loss_model and not args.target_loss:
         raise UsageError("--loss-model picks the model that predicts --target-loss: give --target-loss L")
     cfg = config_from_args(args, comm.Get_size())
+    with usage():
+        check_amp(args.amp, pick_device(args.device, comm))
     check_outputs(comm, [("--metrics", args.metrics, False), ("--checkpoint", args.checkpoint, False)])
     set_threads(args.threads, comm)
+
+    from ..training.checkpoint import CheckpointError
+    from ..training.loop import Stopped, train
+    from ..training.preempt import write_stop_file
     try:
         with usage(ValueError):  # a configuration the data cannot take: raised on every rank alike
             history = train(cfg, comm)
@@ -279,6 +282,7 @@ def run(args) -> int:
     except Stopped as e:  # SIGTERM or SIGUSR1, after the checkpoint: the status a shell gives a signal's end
         if comm.Get_rank() == 0:
             print(f"hpcjobs train: {e}", file=sys.stderr, flush=True)
+            write_stop_file(e)  # for `slurm launch --requeue`, which set HPCJOBS_STOP_FILE
         return 128 + e.signum
     if comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
         last = history[-1]

@@ -25,15 +25,20 @@ launcher's kill-on-exit rules fires) while rank 0 still writes it.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["SIGNALS", "Stopped", "StopSignals"]
+__all__ = ["SIGNALS", "STOP_FILE_ENV", "Stopped", "StopSignals", "write_stop_file"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Where a run a signal stopped says so (`hpcjobs slurm launch --requeue` sets it and reads the file when srun
+# ends: srun's exit status does not tell a stop from a failure, it reads 138 or 143 for the same stop).
+STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
 
 
 class Stopped(Exception):
@@ -44,7 +49,7 @@ class Stopped(Exception):
     reports a command a signal ended."""
 
     def __init__(self, signum: int, epoch: int, step: int, path: str, written: bool = True):
-        self.signum, self.epoch, self.step, self.path = signum, epoch, step, path
+        self.signum, self.epoch, self.step, self.path, self.written = signum, epoch, step, path, written
         where = f"after epoch {epoch}" if not step else f"at step {step} of epoch {epoch + 1}"
         super().__init__(f"{signal.Signals(signum).name}: checkpoint {path} written {where}; stopped "
                          "(--resume continues from it)" if written else
@@ -109,3 +114,20 @@ class StopSignals:
         self._comm = None
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+
+
+def write_stop_file(stopped: Stopped, env: dict | None = None) -> str | None:
+    """Rank 0, after a signal's stop: writes where it stopped, as JSON, to
+    ``$HPCJOBS_STOP_FILE`` if that is set (whole, through a rename).
+    Returns the path written, or None."""
+    path = (os.environ if env is None else env).get(STOP_FILE_ENV)
+    if not path:
+        return None
+    record = {"signal": signal.Signals(stopped.signum).name, "epoch": stopped.epoch, "step": stopped.step,
+              "checkpoint": stopped.path, "written": stopped.written}
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(record, f)
+        f.write("\n")
+    os.replace(partial, path)
+    return path

@@ -257,12 +257,15 @@ def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
     assert "float32" in (tmp_path / f"test-wait-{job_id}.out").read_text()
 
 
-def test_a_job_told_to_stop_with_usr1_and_requeued_resumes_at_that_step(cluster, tmp_path):
-    """The recipe in the train template: scancel --signal=USR1 reaches the
-    tasks alone (not srun, which would end them on a SIGTERM), they write a
-    checkpoint at the next step and stop; scontrol requeue runs the job
-    again -- the same id, its log appended -- and it resumes from that step,
-    where before it started again from the last epoch's checkpoint."""
+def test_a_job_told_to_stop_with_usr1_requeues_itself_and_resumes_at_that_step(cluster, tmp_path):
+    """The train template's way past a time limit: a SIGUSR1 (here scancel
+    --signal=USR1; sbatch --signal=USR1@120, which the template sets, sends
+    it two minutes before the limit) reaches the tasks alone (not srun, which
+    would end them on a SIGTERM); they write a checkpoint at the next step
+    and stop; launch --requeue reads their stop file and requeues the job --
+    the same id, its log appended -- which resumes from that step and
+    finishes. Before, it started again from the last epoch's checkpoint, and
+    only if someone ran scontrol requeue."""
     env = _slurm_env()
     opts = RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True, job_name="test-requeue",
                          job_args=("--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "8",
@@ -283,17 +286,19 @@ def test_a_job_told_to_stop_with_usr1_and_requeued_resumes_at_that_step(cluster,
                 pytest.fail(f"job {job_id}: {what} did not come ({_job_state(cluster, job_id, env)})")
             time.sleep(0.05)
 
+    def restarts():
+        out = subprocess.run([*cluster, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                             env=env).stdout
+        return int(re.search(r"\bRestarts=(\d+)", out)[1])
+
     until(lambda: (results / "checkpoint.pt").exists(), "epoch 1's checkpoint")  # 2 epochs of 204 steps to go
     subprocess.run([*cluster, "scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
-    # it ends FAILED: the ranks exit 138, and srun --kill-on-bad-exit ends those still finalizing
-    until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the stop")
-    subprocess.run([*cluster, "scontrol", "requeue", job_id], env=env, check=True, timeout=60)
     # It runs again cred_expire seconds later (30 on the emulated cluster, 120 by default). Not sooner: with
     # its StartTime set to now, Slurm killed it at once ("Job credential revoked", exit 1, nothing in its log).
-    until(lambda: _job_state(cluster, job_id, env)[0] == "PENDING", "the requeue")
+    until(lambda: restarts() == 1, "the requeue")
     until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the requeued job's end")
     out = (tmp_path / f"test-requeue-{job_id}.out").read_text()
-    assert _job_state(cluster, job_id, env)[:2] == ("COMPLETED", "0:0"), _failure(out)
+    assert _job_state(cluster, job_id, env)[:2] == ("COMPLETED", "0:0") and restarts() == 1, _failure(out)
     # in epoch 2 most likely; wherever it was, the requeued job resumes there
     stopped = re.search(r"hpcjobs train: SIGUSR1: checkpoint \S+ written (at step \d+ of epoch (\d+)|after epoch "
                         r"(\d+)); stopped", out)
@@ -302,7 +307,10 @@ def test_a_job_told_to_stop_with_usr1_and_requeued_resumes_at_that_step(cluster,
     done = int(stopped[2]) - 1 if stopped[2] else int(stopped[3])
     step = stopped[1].split()[2] if stopped[2] else None
     assert 1 <= done < 3, out
-    assert resumed[1] == f"after epoch {done}" + (f", step {step} of epoch {done + 1}" if step else ""), out
+    where = f"after epoch {done}" + (f", step {step} of epoch {done + 1}" if step else "")
+    assert resumed[1] == where, out
+    assert (f"# hpcjobs slurm launch: job {job_id}: SIGUSR1 stopped the run {stopped[1]}: requeueing the job (1 of "
+            f"at most 10); it resumes from {results / 'checkpoint.pt'}") in out, out
     assert [json.loads(line)["epoch"] for line in open(results / "metrics.jsonl")] == [1, 2, 3]
 
 

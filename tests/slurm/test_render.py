@@ -12,7 +12,7 @@ import pytest
 from hpcjobs.cli import UsageError
 from hpcjobs.cli.slurm_render import check_job_args
 from hpcjobs.runtime import bind_gpu
-from hpcjobs.slurm import TEMPLATES, RenderOptions, launch_command, render, template_path
+from hpcjobs.slurm import TEMPLATES, RenderOptions, launch_command, render, requeue_decision, template_path
 
 GOLDEN = Path(__file__).parent / "golden"
 OPTIONS = RenderOptions(nodes=4, ntasks_per_node=8, gpus_per_node=8, cpus_per_task=6, time="1-02:00:00",
@@ -264,3 +264,21 @@ def test_the_templates_are_package_data_and_the_checkouts_slurm_folder_links_to_
     checkout = package.parent / "slurm"
     if checkout.exists():  # the checkout's slurm/, where the docs say sbatch slurm/X.sbatch
         assert checkout.resolve() == template_dir()
+
+
+USR1 = {"signal": "SIGUSR1", "epoch": 1, "step": 7, "checkpoint": "/r/ckpt.pt", "written": True}
+
+
+@pytest.mark.parametrize("record,restarts,limit,requeue,says", [
+    (None, 0, 10, False, ""),  # ended on its own, or failed: launch says nothing and passes the status on
+    (USR1, 0, 10, True, "SIGUSR1 stopped the run at step 7 of epoch 2: requeueing the job (1 of at most 10); "
+                        "it resumes from /r/ckpt.pt"),
+    (dict(USR1, step=0), 9, 10, True, "after epoch 1: requeueing the job (10 of at most 10)"),
+    (USR1, 10, 10, False, "not requeued, the job was requeued 10 time(s) and --requeue allows 10"),
+    (USR1, 0, 0, False, "--requeue allows 0"),
+    (dict(USR1, signal="SIGTERM"), 0, 10, False, "SIGTERM stopped the run at step 7 of epoch 2: not requeued"),
+    (dict(USR1, written=False), 0, 10, False, "not finite: not requeued"),  # it would end the same again
+])
+def test_launch_requeues_a_job_only_after_a_sigusr1_stop_with_a_checkpoint(record, restarts, limit, requeue, says):
+    go, why = requeue_decision(record, restarts, limit)
+    assert go is requeue and says in why and (why == "") == (says == ""), why
