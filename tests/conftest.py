@@ -1,14 +1,20 @@
 """Shared fixtures: communicators, per-rank inputs and exact references.
 
-Every rank generates *every* rank's input from a seed, so each rank can
-compute the closed-form reduction in float64 (int64 for integers) and check
-its own result without trusting any collective; where the MPI has the dtype,
-``MPI_Allreduce`` on the same inputs is the second reference.
+Every rank's input comes from a seed, so any rank can generate *every*
+rank's and compute the closed-form reduction in float64 (int64 for
+integers) without trusting the collective under test; where the MPI has the
+dtype, ``MPI_Allreduce`` on the same inputs is the second reference.
+:func:`check_allreduce` has the ranks compare their results bitwise (a hash,
+MIN and MAX through MPI) and rank 0 check its own against both references,
+so every rank's result is checked while only rank 0 generates the others'
+inputs (:class:`RankInputs` makes each when first read): on every rank that
+was P times the work, the most of a 5-rank test run on 2 cores.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -55,6 +61,28 @@ def rank_input(rank: int, count: int, dtype: str, op: str, seed: int = 1234) -> 
     return to_float64(from_float64(vals, dtype), dtype)
 
 
+class RankInputs(Sequence):
+    """The inputs of ranks 0..size-1 (:func:`rank_input`), each generated
+    when first read: a rank reads its own, and the rank that checks the
+    closed form reads them all."""
+
+    def __init__(self, size: int, count: int, dtype: str, op: str, seed: int = 1234):
+        self.size, self.args, self._made = size, (count, dtype, op, seed), {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self[i] for i in range(*r.indices(self.size))]
+        if not -self.size <= r < self.size:
+            raise IndexError(r)
+        r %= self.size
+        if r not in self._made:
+            self._made[r] = rank_input(r, *self.args)
+        return self._made[r]
+
+
 def from_float64(vals: np.ndarray, dtype: str):
     """float64 values -> numpy array of ``dtype`` (bfloat16: torch tensor)."""
     if dtype == "bfloat16":
@@ -81,17 +109,26 @@ def make_buffer(values: np.ndarray, dtype: str, framework: str):
     return values.astype(dtype)
 
 
-def closed_form(inputs: list[np.ndarray], op: str) -> np.ndarray:
-    stack = np.stack(inputs) if inputs[0].size else np.empty((len(inputs), 0), inputs[0].dtype)
-    if op in ("sum", "avg"):
-        out = stack.sum(axis=0)
-        if op == "avg":
-            out = out // len(inputs) if out.dtype.kind == "i" else out / len(inputs)
-        return out
-    return {"min": stack.min(axis=0), "max": stack.max(axis=0), "prod": stack.prod(axis=0)}[op]
+_FOLDS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 
 
-def tolerance(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray | float:
+def _fold(inputs: Sequence[np.ndarray], ufunc, each=None) -> np.ndarray:
+    """``ufunc`` over the inputs in rank order, elementwise (``each`` applied
+    to every input first), into one new array: no P x count stack."""
+    out = np.array(inputs[0] if each is None else each(inputs[0]))
+    for x in inputs[1:]:
+        ufunc(out, x if each is None else each(x), out=out)
+    return out
+
+
+def closed_form(inputs: Sequence[np.ndarray], op: str) -> np.ndarray:
+    out = _fold(inputs, _FOLDS[op])
+    if op == "avg":
+        out = out // len(inputs) if out.dtype.kind == "i" else out / len(inputs)
+    return out
+
+
+def tolerance(inputs: Sequence[np.ndarray], op: str, dtype: str) -> np.ndarray | float:
     """Elementwise bound on |result - exact| for ``dtype`` arithmetic.
 
     Each of the P-1 additions rounds once (relative error eps/2), so a sum is
@@ -102,7 +139,7 @@ def tolerance(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray | flo
     if dtype in INT_DTYPES or op in ("min", "max"):
         return 0.0
     eps, size = _EPS[dtype], len(inputs)
-    abs_sum = np.sum(np.abs(np.stack(inputs)), axis=0)
+    abs_sum = _fold(inputs, np.add, np.abs)
     if op == "sum":
         return 2 * size * eps * abs_sum
     if op == "avg":
@@ -110,7 +147,7 @@ def tolerance(inputs: list[np.ndarray], op: str, dtype: str) -> np.ndarray | flo
     return 2 * size * eps * np.abs(closed_form(inputs, op))
 
 
-def assert_close(result, inputs: list[np.ndarray], op: str, dtype: str) -> None:
+def assert_close(result, inputs: Sequence[np.ndarray], op: str, dtype: str) -> None:
     got = to_float64(result, dtype)
     want = closed_form(inputs, op)
     tol = tolerance(inputs, op, dtype)
@@ -142,14 +179,17 @@ def assert_same_on_every_rank(result, comm: MPI.Comm) -> None:
     assert lo[0] == hi[0], "ranks disagree on the result"
 
 
-def check_allreduce(out, inputs: list[np.ndarray], op: str, dtype: str, comm: MPI.Comm) -> None:
-    """The result of an allreduce of ``inputs`` on this rank: the closed form
-    within the rounding bound, bitwise equal on every rank, and equal to
-    ``MPI_Allreduce`` of the same data where the MPI has the dtype. Every
-    collective call comes before the first assert: a rank failing alone must
-    not leave the others waiting in an Allreduce it skipped."""
+def check_allreduce(out, inputs: Sequence[np.ndarray], op: str, dtype: str, comm: MPI.Comm) -> None:
+    """The result of an allreduce of ``inputs`` on this rank: bitwise equal
+    on every rank and, checked on rank 0 (so on every rank), the closed form
+    within the rounding bound and equal to ``MPI_Allreduce`` of the same data
+    where the MPI has the dtype. Every collective call comes before the
+    first assert: a rank failing alone must not leave the others waiting in
+    an Allreduce it skipped."""
     ref = mpi_reference(inputs[comm.Get_rank()], dtype, op, comm) if dtype in MPI_DTYPES else None
     assert_same_on_every_rank(out, comm)
+    if comm.Get_rank() != 0:
+        return  # bitwise rank 0's, which is checked below
     assert_close(out, inputs, op, dtype)
     if ref is not None:
         diff = np.abs(to_float64(out, dtype) - ref.astype(np.float64))

@@ -5,7 +5,7 @@
 import numpy as np
 import pytest
 
-from conftest import BUFFERS, COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, rank_input
+from conftest import BUFFERS, COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, RankInputs
 from hpcjobs.collectives import (
     ALGORITHMS,
     allreduce,
@@ -28,7 +28,7 @@ FAMILY = [a for a in ALGORITHMS if a not in ("ring", "ring_pipelined")] + ["auto
 def test_algorithm_matches_closed_form_and_mpi(algorithm, framework, dtype, op, count_label, comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     count = count_for(count_label, size)
-    inputs = [rank_input(r, count, dtype, op) for r in range(size)]
+    inputs = RankInputs(size, count, dtype, op)
     buf = make_buffer(inputs[rank], dtype, framework)
 
     out = allreduce(buf, op, algorithm, comm)

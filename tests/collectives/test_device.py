@@ -17,7 +17,7 @@ from hpcjobs.collectives import auto, chunk_bounds, cuda_ipc, hierarchical, ring
 from hpcjobs.collectives.device import DeviceFlat
 from hpcjobs.collectives.select import DEVICE_REGISTRY
 from hpcjobs.comm import private
-from conftest import check_allreduce, from_float64, rank_input
+from conftest import check_allreduce, from_float64, RankInputs
 
 DTYPES = ("float32", "float64", "bfloat16", "int64", "float16")
 OPS = ("sum", "avg", "min", "max", "prod")
@@ -30,7 +30,7 @@ def _flat(values, dtype):
 
 
 def _inputs(size, count, dtype, op, seed=7):
-    return [rank_input(r, count, dtype, op, seed) for r in range(size)]
+    return RankInputs(size, count, dtype, op, seed)
 
 
 @pytest.mark.mpi(min_size=1)

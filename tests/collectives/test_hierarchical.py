@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import COUNT_LABELS, assert_close, assert_same_on_every_rank, count_for, rank_input
+from conftest import COUNT_LABELS, RankInputs, check_allreduce, count_for
 from hpcjobs.collectives import hierarchical_allreduce
 from hpcjobs.topology import detect
 
@@ -23,13 +23,12 @@ def test_hierarchical_matches_closed_form_on_simulated_nodes(ranks_per_node, op,
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
     count = count_for(count_label, size)
-    inputs = [rank_input(r, count, "float64", op) for r in range(size)]
+    inputs = RankInputs(size, count, "float64", op)
     buf = inputs[rank].copy()
 
     hierarchical_allreduce(buf, op, comm, inter=inter, intra=intra, ranks_per_node=ranks_per_node)
 
-    assert_close(buf, inputs, op, "float64")
-    assert_same_on_every_rank(buf, comm)
+    check_allreduce(buf, inputs, op, "float64", comm)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -84,14 +83,13 @@ def test_pipelined_segments_match_closed_form(ranks_per_node, op, inter, intra, 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
     count = 20_011
-    inputs = [rank_input(r, count, "float64", op) for r in range(size)]
+    inputs = RankInputs(size, count, "float64", op)
     buf = inputs[rank].copy()
 
     hierarchical_allreduce(buf, op, comm, inter=inter, intra=intra, ranks_per_node=ranks_per_node,
                            segment_bytes=segment_bytes)
 
-    assert_close(buf, inputs, op, "float64")
-    assert_same_on_every_rank(buf, comm)
+    check_allreduce(buf, inputs, op, "float64", comm)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "1M", True])

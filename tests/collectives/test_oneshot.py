@@ -10,7 +10,7 @@ import pytest
 from launch import mpirun_script
 from mpi4py import MPI
 
-from conftest import BUFFERS, OPS, check_allreduce, make_buffer, rank_input
+from conftest import BUFFERS, OPS, check_allreduce, make_buffer, RankInputs
 from hpcjobs.collectives import allreduce, auto, oneshot, oneshot_allreduce
 from hpcjobs.collectives.agreement import MismatchError, checking
 from hpcjobs.comm import private
@@ -33,7 +33,7 @@ def test_every_op_dtype_and_count(framework, dtype, op, comm, checks):
     results = []
     with checking(checks):
         for count in _counts(size, itemsize):
-            inputs = [rank_input(r, count, dtype, op, seed=count) for r in range(size)]
+            inputs = RankInputs(size, count, dtype, op, seed=count)
             buf = make_buffer(inputs[comm.Get_rank()], dtype, framework)
             assert oneshot_allreduce(buf, op, comm) is buf
             results.append((buf, inputs))

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ALL_BUFFERS as BUFFERS
-from conftest import COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, mpi_reference, rank_input
+from conftest import COUNT_LABELS, OPS, check_allreduce, count_for, make_buffer, mpi_reference, RankInputs, rank_input
 from hpcjobs.collectives import chunk_bounds, ring_allgather, ring_allreduce, ring_reduce_scatter
 
 MODES = ("plain", "pipelined")
@@ -31,7 +31,7 @@ def _mode_kwargs(mode: str, count: int, itemsize: int, size: int) -> dict:
 def test_ring_allreduce_matches_closed_form_and_mpi(framework, dtype, op, count_label, mode, comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     count = count_for(count_label, size)
-    inputs = [rank_input(r, count, dtype, op) for r in range(size)]
+    inputs = RankInputs(size, count, dtype, op)
     buf = make_buffer(inputs[rank], dtype, framework)
     itemsize = buf.element_size() if framework == "torch" else buf.itemsize
 

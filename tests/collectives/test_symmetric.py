@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import BUFFERS, COUNT_LABELS, OPS, check_allreduce, count_for, rank_input
+from conftest import BUFFERS, COUNT_LABELS, OPS, check_allreduce, count_for, RankInputs
 from hpcjobs.collectives import (
     allreduce,
     chunk_bounds,
@@ -59,7 +59,7 @@ def _all_ranks(flag: bool, comm) -> tuple[bool, bool]:
 def test_zero_copy_matches_closed_form_and_mpi(framework, dtype, op, count_label, comm, zero_copy_calls):
     size, rank = comm.Get_size(), comm.Get_rank()
     count = count_for(count_label, size)
-    inputs = [rank_input(r, count, dtype, op) for r in range(size)]
+    inputs = RankInputs(size, count, dtype, op)
     buf = _symmetric_holding(inputs[rank], dtype, framework, comm)
     try:
         assert allreduce(buf, op, "shm", comm) is buf

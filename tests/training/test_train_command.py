@@ -9,7 +9,7 @@ from launch import mpirun as _mpirun
 from launch import mpirun_script
 
 
-@pytest.mark.parametrize("args,words", [
+BAD_ARGS = [
     (["--global-batch", "33"], "--global-batch 33 does not divide by 2 ranks x 1 passes"),
     (["--resume"], "--resume needs --checkpoint"),
     (["--checkpoint-every", "10"], "--checkpoint-every needs --checkpoint"),
@@ -36,8 +36,47 @@ from launch import mpirun_script
     (["--mode", "local", "--local-steps", "1000"], "make no average every 1000 steps"),
     (["--mode", "async", "--algorithm", "ring"], "mode async would ignore it"),
     (["--final-lr", "0.01"], "final_lr is where cosine decay ends, and decay is 'none'"),
-])
-def test_bad_train_arguments_exit_2_on_every_rank(args, words):
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """``hpcjobs train --epochs 1 ARGS`` for every case of BAD_ARGS, each
+    through the command line's ``main`` on 2 ranks, one case after another
+    in one launch (a launch each took 4 s, most of it starting MPI and
+    torch): per rank, each case's exit status and what it wrote to stderr."""
+    out = tmp_path_factory.mktemp("refusals")
+    done = mpirun_script(2, f"""
+import contextlib, io, json
+from mpi4py import MPI
+from hpcjobs.cli import main
+rows = []
+for args in {json.dumps([args for args, _ in BAD_ARGS])}:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(["train", "--epochs", "1", *args])
+        except SystemExit as e:  # argparse's own refusals
+            rc = e.code
+    rows.append([rc, err.getvalue()])
+    MPI.COMM_WORLD.Barrier()  # no rank starts the next case while another is still in this one
+with open({str(out)!r} + f"/rank{{MPI.COMM_WORLD.Get_rank()}}.json", "w") as f:
+    json.dump(rows, f)
+""", timeout=300)
+    assert done.returncode == 0, done.stderr
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_ARGS)), ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_train_arguments_exit_2_on_every_rank(refusals, case):
+    args, words = BAD_ARGS[case]
+    (rc0, err0), (rc1, err1) = refusals[0][case], refusals[1][case]
+    assert (rc0, rc1) == (2, 2), (err0, err1)
+    assert words in err0
+
+
+@pytest.mark.parametrize("args,words", [BAD_ARGS[0], BAD_ARGS[16]])  # refused by the flags; inside training
+def test_a_refused_train_ends_every_rank_process_with_exit_2(args, words):
     out = _mpirun(2, "train", "--epochs", "1", *args)
     assert out.returncode == 2, out.stderr
     assert words in out.stderr
@@ -147,13 +186,15 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_fin
               "--epochs", "4", "--seed", "5", "--algorithm", "ring", "--batch-norm", "--no-progress", "-q"]
     prefix = _mpirun_prefix(2)
     with launch_env() as env:
+        # HPCJOBS_STOP_FILE (`slurm launch --requeue` sets it): where a run a signal stopped says so
         straight = run([*prefix, *common, "--checkpoint", str(tmp_path / "a.pt"), "--metrics",
-                        str(tmp_path / "a.jsonl")], 300, env)
+                        str(tmp_path / "a.jsonl")], 300, {**env, "HPCJOBS_STOP_FILE": str(tmp_path / "a.stop")})
         assert straight.returncode == 0, straight.stderr
+        assert not (tmp_path / "a.stop").exists()  # not stopped: nothing to say
         metrics, ckpt = tmp_path / "b.jsonl", tmp_path / "b.pt"
         job = subprocess.Popen([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**env, "HPCJOBS_STOP_FILE": str(tmp_path / "b.stop")}, start_new_session=True)
         deadline = time.monotonic() + 240
         while not ckpt.exists():  # epoch 1's checkpoint: 3 epochs of 512 steps to go
             assert job.poll() is None and time.monotonic() < deadline, "the job ended before its first checkpoint"
@@ -168,6 +209,9 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_checkpoint_and_resume_fin
                  f"after epoch {state['epoch']}")
         words = f"hpcjobs train: SIGTERM: checkpoint {ckpt} written {where}; stopped"
         assert 1 <= state["epoch"] < 4 and words in err, (state["epoch"], state["step"], err)
+        assert json.loads((tmp_path / "b.stop").read_text()) == {
+            "signal": "SIGTERM", "epoch": state["epoch"], "step": state["step"], "checkpoint": str(ckpt),
+            "written": True}
         resumed = run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics), "--resume"], 300, env)
         assert resumed.returncode == 0, resumed.stderr
     a, b = load_checkpoint(tmp_path / "a.pt"), load_checkpoint(ckpt)
