@@ -127,6 +127,55 @@ def mpirun_script(n, script, timeout=120, env=None):
         return run([*_mpirun_prefix(n), "-c", script], timeout, e)
 
 
+def main_in_one_launch(n, commands, timeout=300, env=None):
+    """Each of ``commands`` (argument lists of ``hpcjobs``) through the
+    command line's ``main`` on ``n`` ranks, one after another in one launch:
+    for refusals, where a launch each spent seconds starting MPI and torch
+    for a line of stderr. Returns, per command, per rank, (exit status,
+    stdout, stderr). Collective calls inside a command meet as in a launch of their
+    own; the ranks wait for each other between commands."""
+    import json
+
+    with tempfile.TemporaryDirectory() as out:
+        done = mpirun_script(n, f"""
+import contextlib, io, json
+from mpi4py import MPI
+from hpcjobs.cli import main
+rows = []
+for argv in {json.dumps([list(c) for c in commands])}:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse's own refusals
+            rc = e.code
+    rows.append([rc, out.getvalue(), err.getvalue()])
+    MPI.COMM_WORLD.Barrier()
+with open({out!r} + f"/rank{{MPI.COMM_WORLD.Get_rank()}}.json", "w") as f:
+    json.dump(rows, f)
+""", timeout=timeout, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        ranks = [json.load(open(f"{out}/rank{r}.json")) for r in range(n)]
+    return [[tuple(ranks[r][i]) for r in range(n)] for i in range(len(commands))]
+
+
+def hpcjobs_here(*args):
+    """``hpcjobs ARGS`` through the command line's ``main`` in this process,
+    as ``hpcjobs()`` returns it: for the commands that start no MPI (plan,
+    slurm render), whose refusals spent a second each starting Python."""
+    import io
+
+    from hpcjobs.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(args))
+        except SystemExit as e:  # argparse's own refusals
+            rc = e.code
+    return subprocess.CompletedProcess(["hpcjobs", *args], rc, out.getvalue(), err.getvalue())
+
+
 def hpcjobs(*args):
     return subprocess.run([sys.executable, "-m", "hpcjobs", *args], capture_output=True, text=True,
                           timeout=60, env=clean_env())

@@ -58,7 +58,7 @@ def test_a_group_without_a_command_prints_its_help_and_exits_2():
     assert out.returncode == 2 and "allreduce" in out.stderr
 
 
-@pytest.mark.parametrize("args,words", [
+BAD_BENCH_ARGS = [
     (["--min-bytes", "0"], "size must be positive"),
     (["--min-bytes", "1K", "--max-bytes", "8"], "--min-bytes 1024 is larger than --max-bytes 8"),
     (["--min-bytes", "1", "--max-bytes", "3"], "holds one float32 element (4 bytes)"),  # was an empty table, "OK"
@@ -68,12 +68,28 @@ def test_a_group_without_a_command_prints_its_help_and_exits_2():
     (["--dtype", "complex64"], "invalid choice"),
     (["--impl", "ring,auto", "--segment-bytes", "64K"], "--impl has neither: it would be ignored"),
     (["--device", "cuda", "--framework", "torch"], "--framework picks the host buffers' type"),
-])
-def test_bad_bench_arguments_exit_2_on_every_rank_naming_the_problem(args, words):
-    out = _mpirun(2, "bench", "allreduce", *args)
-    assert out.returncode == 2, out.stderr
-    assert words in out.stderr
-    assert "size(B)" not in out.stdout  # nothing was measured
+]
+
+
+@pytest.fixture(scope="module")
+def bench_refusals():
+    """Every case of BAD_BENCH_ARGS through ``main`` on 2 ranks, in one launch."""
+    from launch import main_in_one_launch
+
+    return main_in_one_launch(2, [["bench", "allreduce", *args] for args, _ in BAD_BENCH_ARGS])
+
+
+@pytest.mark.parametrize("case", range(len(BAD_BENCH_ARGS)), ids=[" ".join(a) for a, _ in BAD_BENCH_ARGS])
+def test_bad_bench_arguments_exit_2_on_every_rank_naming_the_problem(bench_refusals, case):
+    (rc0, out0, err0), (rc1, out1, err1) = bench_refusals[case]
+    assert (rc0, rc1) == (2, 2), (err0, err1)
+    assert BAD_BENCH_ARGS[case][1] in err0
+    assert "size(B)" not in out0 + out1  # nothing was measured
+
+
+def test_a_refused_bench_ends_every_rank_process_with_exit_2():
+    out = _mpirun(2, "bench", "allreduce", *BAD_BENCH_ARGS[0][0])
+    assert out.returncode == 2 and BAD_BENCH_ARGS[0][1] in out.stderr, out.stderr
 
 
 def test_bench_under_mpirun_prints_the_table_and_writes_json(tmp_path):

@@ -64,12 +64,16 @@ def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
 
 
 def test_fp16_autocast_is_refused_on_cpus_and_cuda_without_a_gpu():
-    for command in (("bench", "train"), ("train",), ("experiment", "large-batch", "--out", "/tmp/never")):
-        out = _mpirun(2, *command, "--amp", "fp16")
-        assert out.returncode == 2 and "--amp fp16 is for GPUs" in out.stderr, (command, out.stderr)
-        if not torch.cuda.is_available():  # on a GPU machine it would start training
-            out = _mpirun(2, *command, "--device", "cuda")
-            assert out.returncode == 2 and "--device cuda: no CUDA GPU is visible" in out.stderr, (command, out.stderr)
+    from launch import main_in_one_launch
+
+    commands = (["bench", "train"], ["train"], ["experiment", "large-batch", "--out", "/tmp/never"])
+    cases = [([*c, "--amp", "fp16"], "--amp fp16 is for GPUs") for c in commands]
+    if not torch.cuda.is_available():  # on a GPU machine it would start training
+        cases += [([*c, "--device", "cuda"], "--device cuda: no CUDA GPU is visible") for c in commands]
+    for (argv, words), ranks in zip(cases, main_in_one_launch(2, [argv for argv, _ in cases])):
+        assert [rc for rc, _, _ in ranks] == [2, 2] and words in ranks[0][2], (argv, ranks)
+    out = _mpirun(2, "bench", "train", "--amp", "fp16")  # and as a launch of its own
+    assert out.returncode == 2 and "--amp fp16 is for GPUs" in out.stderr, out.stderr
 
 
 def test_bench_train_with_the_same_buckets_for_every_library(tmp_path):
@@ -82,15 +86,15 @@ def test_bench_train_with_the_same_buckets_for_every_library(tmp_path):
 
 
 def test_bench_train_refuses_gpt_shapes_it_cannot_build():
-    out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--embed", "100")
-    assert out.returncode == 2 and "embed 100 is not a multiple of heads 6" in out.stderr
-    out = _mpirun(2, "bench", "train", "--model", "mlp", "--seq-len", "64")
-    assert out.returncode == 2 and "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp" in out.stderr
-    # flags of another kind of model: ignored before, silently
-    out = _mpirun(2, "bench", "train", "--model", "gpt-mini", "--width", "64")
-    assert out.returncode == 2 and "--width shapes mlp and cnn1d, not gpt-mini" in out.stderr
-    out = _mpirun(2, "bench", "train", "--model", "mlp", "--image-size", "64")
-    assert out.returncode == 2 and "--image-size shapes the ResNets (resnet18, resnet50), not mlp" in out.stderr
+    from launch import main_in_one_launch
+
+    cases = [(["--model", "gpt-mini", "--embed", "100"], "embed 100 is not a multiple of heads 6"),
+             (["--model", "mlp", "--seq-len", "64"], "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp"),
+             # flags of another kind of model: ignored before, silently
+             (["--model", "gpt-mini", "--width", "64"], "--width shapes mlp and cnn1d, not gpt-mini"),
+             (["--model", "mlp", "--image-size", "64"], "--image-size shapes the ResNets (resnet18, resnet50), not mlp")]
+    for (args, words), ranks in zip(cases, main_in_one_launch(2, [["bench", "train", *a] for a, _ in cases])):
+        assert [rc for rc, _, _ in ranks] == [2, 2] and words in ranks[0][2], (args, ranks)
 
 
 def test_fp16_grad_scaler_recipes_from_the_library():
