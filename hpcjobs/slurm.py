@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_commands", "launch_command",
-           "master_address", "STOP_FILE", "requeue_decision"]
+           "master_address", "STOP_FILE", "STOP_FILE_ENV", "requeue_decision"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
@@ -306,6 +306,9 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
 
 
 STOP_FILE = "stopped.json"  # in the job's results directory: where a run a signal stopped says so (launch --requeue)
+# The variable that names it to the ranks (hpcjobs.training.preempt.write_stop_file): launch reads the file when
+# srun ends, since srun's exit status does not tell a stop from a failure (it read 138 or 143 for the same stop).
+STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
 
 
 def requeue_decision(record: dict | None, restarts: int, limit: int) -> tuple[bool, str]:

@@ -43,8 +43,7 @@ def _stop_record(path: Path) -> dict | None:
 
 def _run_and_requeue(cmd: list[str], env: dict, limit: int) -> int:
     """The launcher as a child; then, after a SIGUSR1's stop, ``scontrol requeue`` this job."""
-    from ..slurm import STOP_FILE, requeue_decision
-    from ..training.preempt import STOP_FILE_ENV
+    from ..slurm import STOP_FILE, STOP_FILE_ENV, requeue_decision  # not training.preempt: it starts MPI
 
     stop_file = Path(env["HPCJOBS_JOB_DIR"]) / STOP_FILE
     stop_file.unlink(missing_ok=True)  # a run before this one's

@@ -282,7 +282,13 @@ def run(args) -> int:
     except Stopped as e:  # SIGTERM or SIGUSR1, after the checkpoint: the status a shell gives a signal's end
         if comm.Get_rank() == 0:
             print(f"hpcjobs train: {e}", file=sys.stderr, flush=True)
-            write_stop_file(e)  # for `slurm launch --requeue`, which set HPCJOBS_STOP_FILE
+            try:
+                write_stop_file(e)  # for `slurm launch --requeue`, which set HPCJOBS_STOP_FILE
+            except OSError as why:
+                print(f"hpcjobs train: warning: the stop file was not written ({why}): the job is not requeued",
+                      file=sys.stderr, flush=True)
+        # none leaves before rank 0 has written it: srun --kill-on-bad-exit ends the others when one exits
+        comm.Barrier()
         return 128 + e.signum
     if comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
         last = history[-1]

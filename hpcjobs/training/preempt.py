@@ -33,12 +33,11 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from ..slurm import STOP_FILE_ENV
+
 __all__ = ["SIGNALS", "STOP_FILE_ENV", "Stopped", "StopSignals", "write_stop_file"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# Where a run a signal stopped says so (`hpcjobs slurm launch --requeue` sets it and reads the file when srun
-# ends: srun's exit status does not tell a stop from a failure, it reads 138 or 143 for the same stop).
-STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
 
 
 class Stopped(Exception):

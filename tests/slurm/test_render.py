@@ -282,3 +282,35 @@ USR1 = {"signal": "SIGUSR1", "epoch": 1, "step": 7, "checkpoint": "/r/ckpt.pt", 
 def test_launch_requeues_a_job_only_after_a_sigusr1_stop_with_a_checkpoint(record, restarts, limit, requeue, says):
     go, why = requeue_decision(record, restarts, limit)
     assert go is requeue and says in why and (why == "") == (says == ""), why
+
+
+@pytest.mark.parametrize("record,child_rc,rc,says", [
+    (None, 0, 0, None),  # ended on its own: nothing said, and the last run's stale file was not read
+    ({"signal": "SIGTERM", "written": True}, 143, 143, "SIGTERM stopped the run after epoch 1: not requeued"),
+    ({"signal": "SIGUSR1", "written": True}, 138, 138, "not requeued, the job was requeued 3 time(s) and --requeue "
+                                                       "allows 3"),
+    (None, -9, 137, None),  # the launcher killed: the status a shell gives it
+])
+def test_launch_requeue_reads_the_runs_stop_file_and_starts_no_mpi(tmp_path, record, child_rc, rc, says):
+    """launch --requeue N runs the launcher as a child, and reads the stop
+    file the run wrote (its stale one from the run before removed first);
+    these cases do not requeue, so no scontrol runs (tests/slurm/
+    test_cluster.py requeues on the emulated Slurm). On the batch host it
+    starts no MPI: importing training.preempt for the variable's name did."""
+    stop = tmp_path / "stopped.json"
+    stop.write_text('{"signal": "SIGUSR1", "written": true, "epoch": 9}')  # the run before's
+    child = ("import json, os, signal, sys\n"
+             f"record = {record!r}\n"
+             "if record: open(os.environ['HPCJOBS_STOP_FILE'], 'w').write(json.dumps(dict(record, epoch=1, step=0, "
+             "checkpoint='c.pt')))\n"
+             f"os.kill(os.getpid(), {-child_rc}) if {child_rc} < 0 else sys.exit({child_rc})\n")
+    code = ("import sys\nfrom hpcjobs.cli.slurm_launch import _run_and_requeue\n"
+            f"rc = _run_and_requeue([sys.executable, '-c', {child!r}], {{'HPCJOBS_JOB_DIR': {str(tmp_path)!r}}}, 3)\n"
+            "print('rc', rc, 'mpi', 'mpi4py.MPI' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(env, SLURM_JOB_ID="77", SLURM_RESTART_COUNT="3"))
+    assert proc.stdout.splitlines()[-1] == f"rc {rc} mpi False", proc.stdout + proc.stderr
+    said = [line for line in proc.stdout.splitlines() if line.startswith("# hpcjobs slurm launch: job 77: ")]
+    assert (said == []) if says is None else (len(said) == 1 and says in said[0]), proc.stdout
+    assert stop.exists() == bool(record)
