@@ -133,7 +133,9 @@ def main_in_one_launch(n, commands, timeout=300, env=None):
     for refusals, where a launch each spent seconds starting MPI and torch
     for a line of stderr. Returns, per command, per rank, (exit status,
     stdout, stderr). Collective calls inside a command meet as in a launch of their
-    own; the ranks wait for each other between commands."""
+    own; the ranks wait for each other between commands, on a communicator
+    of their own. For refusals only: what a command sets for the process
+    (the checks off in a benchmark, torch's threads) stays for the next."""
     import json
 
     with tempfile.TemporaryDirectory() as out:
@@ -141,6 +143,7 @@ def main_in_one_launch(n, commands, timeout=300, env=None):
 import contextlib, io, json
 from mpi4py import MPI
 from hpcjobs.cli import main
+between = MPI.COMM_WORLD.Dup()  # not the commands' own: a barrier of theirs one rank skipped must not meet this
 rows = []
 for argv in {json.dumps([list(c) for c in commands])}:
     out, err = io.StringIO(), io.StringIO()
@@ -150,7 +153,7 @@ for argv in {json.dumps([list(c) for c in commands])}:
         except SystemExit as e:  # argparse's own refusals
             rc = e.code
     rows.append([rc, out.getvalue(), err.getvalue()])
-    MPI.COMM_WORLD.Barrier()
+    between.Barrier()
 with open({out!r} + f"/rank{{MPI.COMM_WORLD.Get_rank()}}.json", "w") as f:
     json.dump(rows, f)
 """, timeout=timeout, env=env)
@@ -161,8 +164,11 @@ with open({out!r} + f"/rank{{MPI.COMM_WORLD.Get_rank()}}.json", "w") as f:
 
 def hpcjobs_here(*args):
     """``hpcjobs ARGS`` through the command line's ``main`` in this process,
-    as ``hpcjobs()`` returns it: for the commands that start no MPI (plan,
-    slurm render), whose refusals spent a second each starting Python."""
+    as ``hpcjobs()`` returns it: for refusals of commands that start no MPI
+    (plan, slurm render), which spent a second each starting Python. This
+    process has MPI started: what would start it (plan --cost-model reads
+    the file with hpcjobs.perfmodel, which imports MPI) goes through
+    ``hpcjobs()``."""
     import io
 
     from hpcjobs.cli import main

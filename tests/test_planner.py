@@ -410,7 +410,8 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--model", "mlp", "--measure", "--device", "cuda", "--compression", "fp16"], "codec on the CPU"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
-    r = hpcjobs_here("plan", *args)  # a login-node command: main in this process, no Python of its own
+    # a login-node command: main in this process, no Python of its own; --cost-model's reading starts MPI
+    r = (hpcjobs if "--cost-model" in args else hpcjobs_here)("plan", *args)
     assert r.returncode == 2 and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -548,12 +549,12 @@ def test_a_cost_model_with_impossible_values_is_refused(tmp_path, change, words)
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"ranks": 2, "machine": m | change}))
-    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
-                     "--cost-model", str(path))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+                "--cost-model", str(path))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     path.write_text(json.dumps({"ranks": 2, "machine": m}))  # the same file unchanged: planned
-    good = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node",
-                        "2", "--cost-model", str(path))
+    good = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+                   "--cost-model", str(path))
     assert good.returncode == 0, good.stderr
 
 

@@ -281,10 +281,10 @@ def run(args) -> int:
         return 1
     except Stopped as e:  # SIGTERM or SIGUSR1, after the checkpoint: the status a shell gives a signal's end
         if comm.Get_rank() == 0:
-            print(f"hpcjobs train: {e}", file=sys.stderr, flush=True)
             try:
+                print(f"hpcjobs train: {e}", file=sys.stderr, flush=True)
                 write_stop_file(e)  # for `slurm launch --requeue`, which set HPCJOBS_STOP_FILE
-            except OSError as why:
+            except Exception as why:  # noqa: BLE001 -- whatever it was, rank 0 still meets the others below
                 print(f"hpcjobs train: warning: the stop file was not written ({why}): the job is not requeued",
                       file=sys.stderr, flush=True)
         # none leaves before rank 0 has written it: srun --kill-on-bad-exit ends the others when one exits

@@ -67,12 +67,12 @@ def test_fp16_autocast_is_refused_on_cpus_and_cuda_without_a_gpu():
     from launch import main_in_one_launch
 
     commands = (["bench", "train"], ["train"], ["experiment", "large-batch", "--out", "/tmp/never"])
-    cases = [([*c, "--amp", "fp16"], "--amp fp16 is for GPUs") for c in commands]
+    cases = [([*c, "--amp", "fp16", "--device", "cpu"], "--amp fp16 is for GPUs") for c in commands]
     if not torch.cuda.is_available():  # on a GPU machine it would start training
         cases += [([*c, "--device", "cuda"], "--device cuda: no CUDA GPU is visible") for c in commands]
     for (argv, words), ranks in zip(cases, main_in_one_launch(2, [argv for argv, _ in cases])):
         assert [rc for rc, _, _ in ranks] == [2, 2] and words in ranks[0][2], (argv, ranks)
-    out = _mpirun(2, "bench", "train", "--amp", "fp16")  # and as a launch of its own
+    out = _mpirun(2, "bench", "train", "--amp", "fp16", "--device", "cpu")  # and as a launch of its own
     assert out.returncode == 2 and "--amp fp16 is for GPUs" in out.stderr, out.stderr
 
 
