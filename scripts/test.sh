@@ -2,9 +2,9 @@
 # The test suite: pytest serially (one process, MPI as a singleton), then
 # under real MPI with 2, 3, 4 and 5 ranks. Creates .venv and installs everything
 # on first use. Each MPI run is killed after HPCJOBS_TEST_TIMEOUT seconds
-# (default 900), the serial run after HPCJOBS_SERIAL_TIMEOUT (default twice
-# that: it brings up the emulated cluster and runs every Slurm job), so a hang
-# fails instead of stalling.
+# (default 900), the serial run after HPCJOBS_SERIAL_TIMEOUT (default three
+# times that: it brings up the emulated cluster and runs every Slurm job, about
+# 25 minutes on 2 cores), so a hang fails instead of stalling.
 #
 #   scripts/test.sh                 # everything
 #   scripts/test.sh -k ring         # extra args go to every pytest run
@@ -45,7 +45,7 @@ else
     say "Horovod: $(grep -a 'ready' "$logs/horovod-build.log" | tail -n 1)"
 fi
 timeout_s=${HPCJOBS_TEST_TIMEOUT:-900}
-serial_timeout_s=${HPCJOBS_SERIAL_TIMEOUT:-$((2 * timeout_s))}
+serial_timeout_s=${HPCJOBS_SERIAL_TIMEOUT:-$((3 * timeout_s))}  # twice was 30 min: a busy machine's serial run hit it
 pytest_args=(-p no:cacheprovider -q -rfE --color=no "$@")
 # what to collect: tests/, unless a path is given (tests/x.py, tests/x.py::test_y)
 targets=(tests)
