@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_commands", "launch_command",
-           "master_address", "STOP_FILE", "STOP_FILE_ENV", "requeue_decision"]
+           "master_address", "STOP_FILE", "STOP_FILE_ENV", "requeue_decision", "stop_point"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
@@ -311,6 +311,12 @@ STOP_FILE = "stopped.json"  # in the job's results directory: where a run a sign
 STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
 
 
+def stop_point(epoch: int, step: int) -> str:
+    """Where a stopped run stands, as its messages say it: whole epochs
+    done, and steps of the next."""
+    return f"at step {step} of epoch {epoch + 1}" if step else f"after epoch {epoch}"
+
+
 def requeue_decision(record: dict | None, restarts: int, limit: int) -> tuple[bool, str]:
     """After the ranks' run ended, ``launch --requeue LIMIT``: whether to
     requeue the job, and a line for its log saying why ("" when the run
@@ -325,9 +331,7 @@ def requeue_decision(record: dict | None, restarts: int, limit: int) -> tuple[bo
     by itself where the site says so)."""
     if record is None:
         return False, ""
-    step = int(record.get("step") or 0)
-    epoch = int(record.get("epoch") or 0)
-    where = f"at step {step} of epoch {epoch + 1}" if step else f"after epoch {epoch}"
+    where = stop_point(int(record.get("epoch") or 0), int(record.get("step") or 0))
     signal_name = record.get("signal", "?")
     if not record.get("written"):
         return False, (f"{signal_name} stopped the run {where} with parameters that are not finite: not requeued "

@@ -33,9 +33,10 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from ..slurm import STOP_FILE_ENV
+from .._files import atomic_write
+from ..slurm import STOP_FILE_ENV, stop_point
 
-__all__ = ["SIGNALS", "STOP_FILE_ENV", "Stopped", "StopSignals", "write_stop_file"]
+__all__ = ["SIGNALS", "Stopped", "StopSignals", "write_stop_file"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -49,7 +50,7 @@ class Stopped(Exception):
 
     def __init__(self, signum: int, epoch: int, step: int, path: str, written: bool = True):
         self.signum, self.epoch, self.step, self.path, self.written = signum, epoch, step, path, written
-        where = f"after epoch {epoch}" if not step else f"at step {step} of epoch {epoch + 1}"
+        where = stop_point(epoch, step)
         super().__init__(f"{signal.Signals(signum).name}: checkpoint {path} written {where}; stopped "
                          "(--resume continues from it)" if written else
                          f"{signal.Signals(signum).name}: stopped {where}, with parameters that are not finite: "
@@ -115,18 +116,15 @@ class StopSignals:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
 
 
-def write_stop_file(stopped: Stopped, env: dict | None = None) -> str | None:
+def write_stop_file(stopped: Stopped) -> str | None:
     """Rank 0, after a signal's stop: writes where it stopped, as JSON, to
     ``$HPCJOBS_STOP_FILE`` if that is set (whole, through a rename).
     Returns the path written, or None."""
-    path = (os.environ if env is None else env).get(STOP_FILE_ENV)
+    path = os.environ.get(STOP_FILE_ENV)
     if not path:
         return None
     record = {"signal": signal.Signals(stopped.signum).name, "epoch": stopped.epoch, "step": stopped.step,
               "checkpoint": stopped.path, "written": stopped.written}
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(record, f)
-        f.write("\n")
-    os.replace(partial, path)
+    with atomic_write(path) as f:
+        f.write(json.dumps(record) + "\n")
     return path
