@@ -166,9 +166,8 @@ def hpcjobs_here(*args):
     """``hpcjobs ARGS`` through the command line's ``main`` in this process,
     as ``hpcjobs()`` returns it: for refusals of commands that start no MPI
     (plan, slurm render), which spent a second each starting Python. This
-    process has MPI started: what would start it (plan --cost-model reads
-    the file with hpcjobs.perfmodel, which imports MPI) goes through
-    ``hpcjobs()``."""
+    process may have MPI started, so that a command starts none is checked
+    in a fresh process (test_planner, slurm/test_render)."""
     import io
 
     from hpcjobs.cli import main

@@ -127,7 +127,7 @@ def test_csv_as_spreadsheets_write_it(tmp_path):
 
 
 def test_a_relative_cost_model_is_read_beside_the_rows(tmp_path):
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     sizes = [1024, 1 << 20, 16 << 20]
     net = Machine(5e-5, 1e-8, 8e-9, 1e-11, "float32", sizes, [5e-5 + n * 1e-8 for n in sizes],

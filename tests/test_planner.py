@@ -5,6 +5,8 @@ recommendation, and the command's output and errors."""
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +15,7 @@ from hpcjobs.collectives.costs import (ACROSS, COSTS, across_path, default_segme
 from hpcjobs.planner import (Linear, Network, Payload, Target, Workload, allreduce_s, bucket_sizes, fit_runs,
                              flat_shapes, iteration, plan, recommend)
 from hpcjobs.cli.plan import table
-from launch import hpcjobs, hpcjobs_here
+from launch import clean_env, hpcjobs, hpcjobs_here
 
 NODE = Linear(alpha=5e-6, beta=1e-10, gamma=2e-11)  # 10 GB/s inside a node
 NET = Linear(alpha=30e-6, beta=8e-10)  # 10 Gbit/s between nodes
@@ -410,8 +412,8 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--model", "mlp", "--measure", "--device", "cuda", "--compression", "fp16"], "codec on the CPU"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
-    # a login-node command: main in this process, no Python of its own; --cost-model's reading starts MPI
-    r = (hpcjobs if "--cost-model" in args else hpcjobs_here)("plan", *args)
+    # a login-node command: main in this process, no Python of its own
+    r = hpcjobs_here("plan", *args)
     assert r.returncode == 2 and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
@@ -425,7 +427,7 @@ def test_measuring_on_a_gpu_that_is_not_there_is_refused():
 
 
 def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     sizes = [1024, MB // 2, MB, 16 * MB]  # the sizes costed below, so no interpolation comes in
     node = Machine(1e-6, 1e-10, 1e-10, 1e-11, "float32", sizes, [1e-6 + n * 1e-10 for n in sizes],
@@ -435,7 +437,7 @@ def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"ranks": 4, "machine": net.to_dict(), "node_machine": node.to_dict(), "rows": []}))
     out = tmp_path / "plan.json"
-    r = hpcjobs("plan", "--params", "524288", "--throughput", "100", "--batch-per-device", "10", "--devices", "2,4",
+    r = hpcjobs_here("plan", "--params", "524288", "--throughput", "100", "--batch-per-device", "10", "--devices", "2,4",
                 "--devices-per-node", "2", "--cost-model", str(model), "--algorithm", "ring", "--no-overlap",
                 "--fusion-bytes", "64M", "--json", str(out))
     assert r.returncode == 0, r.stderr
@@ -544,28 +546,28 @@ def test_the_noise_scale_comes_from_the_run_that_was_fitted(tmp_path):
     ({"sizes": [1024, 8]}, "sizes must increase"),
 ])
 def test_a_cost_model_with_impossible_values_is_refused(tmp_path, change, words):
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"ranks": 2, "machine": m | change}))
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
                 "--cost-model", str(path))
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
     path.write_text(json.dumps({"ranks": 2, "machine": m}))  # the same file unchanged: planned
-    good = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
+    good = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--devices-per-node", "2",
                    "--cost-model", str(path))
     assert good.returncode == 0, good.stderr
 
 
 def test_a_one_node_cost_model_refuses_a_reduce_bw_it_would_not_use(tmp_path):
     """Its measured reduction cost prices every reduction, across nodes too: --reduce-bw changed nothing."""
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"ranks": 2, "machine": m}))
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
                 "--cost-model", str(path), "--inter-bw", "10", "--reduce-bw", "0.001")
     assert r.returncode == 2 and "--reduce-bw would be ignored" in r.stderr, r.stderr
 
@@ -577,13 +579,13 @@ def test_a_one_node_cost_model_refuses_a_reduce_bw_it_would_not_use(tmp_path):
 def test_a_two_level_cost_model_gives_its_ranks_per_node(tmp_path, per_node, flags, planned):
     """With the default of 1 device per node its link inside a node went unused; with more, and a model measured
     at one rank per node, the network's link stood in for it."""
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path, out = tmp_path / "model.json", tmp_path / "plan.json"
     path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m,
                                 **({"ranks_per_node": per_node} if per_node else {})}))
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2,4", "--cost-model", str(path),
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2,4", "--cost-model", str(path),
                 *flags, "--json", str(out))
     if planned is None:
         assert r.returncode == 2 and "measured with one rank per node" in r.stderr, r.stderr
@@ -595,12 +597,12 @@ def test_a_two_level_cost_model_gives_its_ranks_per_node(tmp_path, per_node, fla
 
 
 def test_a_two_level_cost_model_refuses_the_link_flags_it_replaces(tmp_path):
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m}))
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--devices", "2,4", "--devices-per-node", "2",
                 "--cost-model", str(path), "--inter-bw", "10", "--inter-latency", "5")
     assert r.returncode == 2 and "--inter-bw, --inter-latency would be ignored" in r.stderr, r.stderr
 
@@ -608,11 +610,27 @@ def test_a_two_level_cost_model_refuses_the_link_flags_it_replaces(tmp_path):
 def test_a_one_node_cost_model_plans_the_node_it_measured(tmp_path):
     """Measured by 4 ranks on one node: its devices per node are 4 (it planned 1 device alone, with the
     default of 1 per node and no network)."""
-    from hpcjobs.perfmodel import Machine
+    from hpcjobs.machine import Machine
 
     m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
     path, out = tmp_path / "model.json", tmp_path / "plan.json"
     path.write_text(json.dumps({"ranks": 4, "machine": m}))
-    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--cost-model", str(path), "--json", str(out))
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--cost-model", str(path), "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert [row["devices"] for row in json.loads(out.read_text())["rows"]] == [1, 2, 4]
+
+
+def test_plan_with_a_cost_model_starts_no_mpi(tmp_path):
+    """A login-node command: reading the model.json went through hpcjobs.perfmodel, which imports mpi4py's MPI,
+    and started MPI (a singleton, where a login node may not allow one) to plan."""
+    from hpcjobs.machine import Machine
+
+    m = Machine(1e-6, 1e-9, 1e-9, 1e-10, "float32", [8, 1024], [1e-6, 2e-6], [1e-6, 2e-6], [1e-9, 1e-7]).to_dict()
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m, "ranks_per_node": 2}))
+    code = ("import sys\nfrom hpcjobs.cli import main\n"
+            f"rc = main(['plan', '--params', '1M', '--throughput', '10', '--devices', '2,4', '--cost-model', {str(path)!r}])\n"
+            "print('rc', rc, 'mpi', 'mpi4py.MPI' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert (proc.stdout.splitlines() or [""])[-1] == "rc 0 mpi False", proc.stdout + proc.stderr
+    assert "| devices |" in proc.stdout

@@ -102,7 +102,7 @@ def _network(args):
 
     gamma = 1e-9 / args.reduce_bw if args.reduce_bw else 0.0
     if args.cost_model:
-        from ..perfmodel import costing
+        from ..machine import costing
 
         net, node = plan_runs.cost_model(args.cost_model)  # (check_flags read it already: it reads)
         if node is None:  # measured inside one node: the network from the flags, if any

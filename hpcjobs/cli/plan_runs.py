@@ -168,7 +168,7 @@ def cost_model(path: str):
     of ``hpcjobs model`` (``inside`` None where it was measured inside one
     node), each checked: finite non-negative constants, and costs at the
     same increasing sizes, all positive."""
-    from ..perfmodel import Machine
+    from ..machine import Machine
 
     def machine(data) -> Machine:
         m = Machine(**data)
