@@ -259,3 +259,21 @@ def test_a_choice_outside_its_values_is_an_environment_problem(monkeypatch, vari
     assert words in environment_problem()
     monkeypatch.setenv("HPCJOBS_CHECKS" if variable != "HPCJOBS_CHECKS" else "HPCJOBS_AGREE_VIA", "bad")
     assert words in environment_problem() and environment_problem().count("; ") == 1  # both, said at once
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_refusal_meets_every_rank_but_does_not_wait_for_ranks_that_never_come():
+    """main's UsageError on every rank: rank 0 prints, and no rank leaves before every rank has come (srun's
+    --kill-on-bad-exit ends the others when one exits). One raised on rank 0 alone gives up after its bound."""
+    from hpcjobs.cli import _meet
+
+    comm = MPI.COMM_WORLD.Dup()
+    try:
+        assert _meet(comm, 30.0)  # every rank: met
+        if comm.Get_rank() == 0:
+            assert not _meet(comm, 0.2)  # the others are not coming (not before the barrier below)
+        MPI.COMM_WORLD.Barrier()
+        if comm.Get_rank() != 0:
+            assert _meet(comm, 30.0)  # completes rank 0's barrier left behind
+    finally:
+        comm.Free()

@@ -242,6 +242,24 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
     return True
 
 
+def _meet(comm, seconds: float = 10.0) -> bool:
+    """Wait, at most ``seconds``, until every rank of ``comm`` has come here:
+    a refusal every rank makes alike ends no rank before rank 0 has printed
+    it (srun's --kill-on-bad-exit ends the others when one exits 2). Bounded,
+    unlike a barrier: a refusal made on some ranks only must not become a
+    hang of the ones that raised it (the others, in a collective, meet the
+    watchdog). Whether they met."""
+    import time
+
+    request = comm.Ibarrier()
+    end = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > end:
+            return False  # the request is left behind: this rank is about to exit
+        time.sleep(0.001)
+    return True
+
+
 def _shared_settings(args) -> dict:
     """The job parameters that every rank must share (:func:`hpcjobs.comm.shared_settings`)
     and the ranks per simulated node after the command line's override."""
@@ -292,6 +310,7 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
     except UsageError as e:
         if MPI.COMM_WORLD.Get_rank() == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        _meet(MPI.COMM_WORLD)
         return 2
     except Exception:
         traceback.print_exc()
