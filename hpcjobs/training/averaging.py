@@ -167,9 +167,12 @@ class _Averaging:
         history, at, mine = self._resume()
         comm.Barrier()
         stop = StopSignals(comm, bool(self.cfg.checkpoint))
-        with _free_if_all_ended(comm, stop.close):  # handlers given back, also when stopped
-            with _free_if_all_ended(comm, self.lock.Free if self.lock is not None else lambda: None):
-                ended = self._epochs(history, at, mine, stop)
+        try:
+            with _free_if_all_ended(comm, stop.close):  # handlers given back, also when stopped
+                with _free_if_all_ended(comm, self.lock.Free if self.lock is not None else lambda: None):
+                    ended = self._epochs(history, at, mine, stop)
+        finally:
+            stop.restore()  # after an error too, where close (collective) is not called
         if isinstance(ended, Stopped):
             raise ended  # on every rank alike, after the checkpoint
         return history

@@ -112,8 +112,16 @@ class StopSignals:
         self._finish()
         self._comm.Free()
         self._comm = None
+        self.restore()
+
+    def restore(self) -> None:
+        """Gives the signals back to their previous handlers; this rank's
+        alone, so also after an error where the ranks cannot meet to
+        :meth:`close` (a SIGTERM noted here after training would be lost).
+        Polls then answer 0 (the signal no longer reaches this)."""
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+        self._previous = {}
 
 
 def write_stop_file(stopped: Stopped) -> str | None:

@@ -152,3 +152,21 @@ def test_another_experiments_checkpoint_is_refused_on_every_rank(tmp_path_factor
     train(cfg(mode, {**extra, **saved}, checkpoint=f"{d}/c.pt", epochs=1), comm)
     with pytest.raises(CheckpointError, match=words):
         train(cfg(mode, {**extra, **change}, checkpoint=f"{d}/c.pt", resume=True), comm)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_error_alike_on_every_rank_gives_the_signals_back(tmp_path_factory, monkeypatch):
+    """A checkpoint that cannot be written, on every rank: the error reaches the caller, and SIGTERM and SIGUSR1
+    have their handlers back (they stayed noted by the run's, and a SIGTERM after training was lost)."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "avg-error")
+
+    def fails(*args, **kwargs):
+        raise CheckpointError("the disk is full (a test)")
+
+    monkeypatch.setattr(checkpoint, "gather_and_save", fails)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    with pytest.raises(CheckpointError, match="the disk is full"):
+        train(cfg("local", dict(local_steps=5), checkpoint=f"{d}/a.pt", checkpoint_every=3), comm)
+    assert {s: signal.getsignal(s) for s in before} == before
+    comm.Barrier()
