@@ -21,6 +21,7 @@ from ..convergence import LOSS_MODELS
 from ..training.config import (AMP, EASGD_FORMS, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS,
                                OVERLAPS, TrainConfig, parse_straggler)
 from ..runtime import DEVICES
+from ..slurm import TEMPLATE_CHECKPOINT_ENV
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_amp, check_outputs, dataclass_values, nonnegative_float, nonnegative_int,
@@ -244,9 +245,15 @@ def config_from_args(args, size: int) -> TrainConfig:
         raise UsageError(f"--local-steps is for --mode local and easgd, not mode {mode}")
     if getattr(args, "noise_scale", False) and size < 2:
         raise UsageError("--noise-scale compares one rank's gradient with the average over ranks: run 2 or more")
-    with usage():
-        cfg = TrainConfig(**values)
-        cfg.validate()
+    try:
+        with usage():
+            cfg = TrainConfig(**values)
+            cfg.validate()
+    except UsageError as e:
+        if str(e).startswith("checkpoint: mode") and os.environ.get(TEMPLATE_CHECKPOINT_ENV) == "1":
+            raise UsageError(f"{e}. slurm/train.sbatch passes --checkpoint and --resume: submit this mode with "
+                             f"{TEMPLATE_CHECKPOINT_ENV}=0 (no checkpoint, no requeue)") from None
+        raise
     return cfg
 
 

@@ -253,3 +253,22 @@ sys.exit(main({args + extra + (["--resume"] if resume else [])!r}))
     keep = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc")
     lines = [[{k: json.loads(line)[k] for k in keep} for line in open(tmp_path / f)] for f in ("a.jsonl", "b.jsonl")]
     assert lines[0] == lines[1] and len(lines[0]) == 3
+
+
+@pytest.mark.parametrize("template,mode", [("1", "async"), ("1", "hogwild"), (None, "async")])
+def test_a_mode_without_checkpoints_in_the_train_template_is_told_how_to_submit_it(monkeypatch, template, mode):
+    """slurm/train.sbatch passed --checkpoint and --resume to every train: a job of mode async was refused with no
+    way around but editing the template. It exports HPCJOBS_CHECKPOINT=1, and the refusal names its 0."""
+    from hpcjobs.cli import _parser_for
+    from hpcjobs.cli.args import UsageError
+    from hpcjobs.cli.train import config_from_args
+
+    if template is None:
+        monkeypatch.delenv("HPCJOBS_CHECKPOINT", raising=False)
+    else:
+        monkeypatch.setenv("HPCJOBS_CHECKPOINT", template)
+    argv = ["train", "--mode", mode, "--checkpoint", "c.pt", "--resume"]
+    args = _parser_for(argv)[1].parse_args(argv)
+    with pytest.raises(UsageError, match=f"checkpoint: mode {mode} takes none") as refused:
+        config_from_args(args, 4)
+    assert ("submit this mode with HPCJOBS_CHECKPOINT=0" in str(refused.value)) == (template == "1")
