@@ -28,13 +28,16 @@ global batch W x b (so H = 1 reproduces it); Hogwild! applies W updates of
 b samples where synchronous SGD applies one of W x b, so its rate is the
 schedule's for b samples (as for the parameter server).
 
-Checkpoints (local, easgd; ``checkpoint``, ``checkpoint_every``, ``resume``):
-written as sync's are (:mod:`hpcjobs.training.checkpoint`, the same format),
-after every epoch, every ``checkpoint_every`` steps, and at the next step
-after a SIGTERM or SIGUSR1 (:mod:`hpcjobs.training.preempt`; then the run
-stops). Between averages each rank's parameters differ, so each rank's own
+Checkpoints (``checkpoint``, ``checkpoint_every``, ``resume``): written as
+sync's are (:mod:`hpcjobs.training.checkpoint`, the same format), after
+every epoch, every ``checkpoint_every`` steps, and at the next step after a
+SIGTERM or SIGUSR1 (:mod:`hpcjobs.training.preempt`; then the run stops).
+Between averages each rank's parameters differ, so each rank's own
 parameters, momentum buffers and steps since the last average (EASGD's
-center too) are saved and come back on resume.
+center too) are saved and come back on resume. Hogwild!'s one vector is
+the checkpoint's model, written once every rank's update of that step is in
+and before any rank makes the next; each rank's momentum (and, with the
+lock, rank 0's count of updates) are its own state.
 """
 
 from __future__ import annotations
@@ -102,6 +105,18 @@ def check_periods(cfg: TrainConfig, W: int, spe: int) -> None:
                               False)
 
 
+class _NoOptimizer:
+    """Hogwild!'s place for the optimizer a checkpoint holds (rank 0's): it
+    applies its steps itself, and each rank's momentum is its own state."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"a Hogwild! checkpoint holds no optimizer state, this one has {sorted(state)}")
+
+
 def _hogwild(cfg, comm, ds, model, spe, straggler) -> list[dict]:
     """One copy of the parameters, in rank 0's segment of a shared window that every rank maps."""
     from ..collectives._shared import allocate_shared, free_window, is_single_node
@@ -142,7 +157,7 @@ class _Averaging:
         self.straggler, self.W = straggler, comm.Get_size()
         self.hogwild, self.win = cfg.mode == "hogwild", win
         self.schedule = cfg.schedule(1 if self.hogwild else self.W)
-        self.opt = None if self.hogwild else _make_optimizer(cfg, model)
+        self.opt = _NoOptimizer() if self.hogwild else _make_optimizer(cfg, model)
         self.alpha = cfg.moving_rate(self.W)
         self.center = flat.clone() if cfg.mode == "easgd" else None
         # hogwild_lock: an exclusive lock on rank 0's counter of updates, held from a fetch-and-add on it
@@ -161,10 +176,12 @@ class _Averaging:
         self.both = np.empty(2 * flat.numel(), np.float32) if cfg.average_momentum else None
 
     def run(self) -> list[dict]:
-        """The epochs; with a checkpoint (local, easgd), resumed from it, and
-        stopped after one written at a SIGTERM or SIGUSR1 (preempt.py)."""
+        """The epochs; with a checkpoint, resumed from it, and stopped after
+        one written at a SIGTERM or SIGUSR1 (preempt.py)."""
         comm = self.comm
         history, at, mine = self._resume()
+        if self.win is not None:
+            self.win.Sync()  # rank 0 loaded the shared vector: every rank sees it after the barrier
         comm.Barrier()
         stop = StopSignals(comm, bool(self.cfg.checkpoint))
         try:
@@ -223,10 +240,15 @@ class _Averaging:
         since the last average and time (collective)."""
         if not checkpoint.finite_everywhere(self.cfg, self.comm, self.model, epoch, step):
             return False
+        mine = {"torch_rng": torch.get_rng_state(), "since": since, "wall": wall}
         with self._tested():
             tested = {k: v.clone() for k, v in self.model.state_dict().items()}
-        mine = {"torch_rng": torch.get_rng_state(), "flat": self.flat.clone(), "optimizer": self.opt.state_dict(),
-                "since": since, "wall": wall}
+            if self.lock is not None and self.comm.Get_rank() == 0:  # counted before any rank updates again
+                mine["locked_updates"] = self._locked_updates()
+        if self.hogwild:  # the shared vector is the model; each rank's momentum is its own
+            mine["momentum"] = torch.from_numpy(self.momentum.copy())
+        else:
+            mine |= {"flat": self.flat.clone(), "optimizer": self.opt.state_dict()}
         if self.center is not None:
             mine["center"] = self.center.clone()
         if partial is not None:
@@ -238,7 +260,18 @@ class _Averaging:
     def _tested(self):
         """The model holds what is tested for the block -- the center
         (easgd), the ranks' average (local; collective) -- then this rank's
-        own parameters again."""
+        own parameters again. Hogwild!: the shared vector once every rank's
+        last update is in, and no rank updates it again before every rank
+        has left the block (collective)."""
+        if self.hogwild:
+            self.win.Sync()
+            self.comm.Barrier()
+            try:
+                yield
+            finally:
+                self.win.Sync()
+                self.comm.Barrier()
+            return
         own = self.flat.clone()
         if self.center is not None:
             self.flat.copy_(self.center)
@@ -261,6 +294,13 @@ class _Averaging:
             return [], (0, 0), {}
         mine = self.comm.scatter(states or None, root=0)
         torch.set_rng_state(mine["torch_rng"])
+        if self.hogwild:  # rank 0 loaded the model, the shared vector (checkpoint.read)
+            self.momentum[:] = mine["momentum"].numpy()
+            if "locked_updates" in mine:
+                self.lock.Lock(0, MPI.LOCK_EXCLUSIVE)
+                self.lock.Put(np.array([mine["locked_updates"]], np.int64), 0)
+                self.lock.Unlock(0)
+            return history, (epoch, step), mine
         self.flat.copy_(mine["flat"])
         self.opt.load_state_dict(mine["optimizer"])
         if self.center is not None:
