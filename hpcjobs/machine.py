@@ -18,6 +18,7 @@ __all__ = ["Machine", "MODELED", "costing", "predict", "predict_across"]
 # The algorithms the model predicts (ring_pipelined is the ring's formula).
 MODELED = tuple(name for name in COSTS if name != "ring_pipelined")
 
+
 @dataclass
 class Machine:
     """What ``measure`` found, in seconds and seconds per byte.

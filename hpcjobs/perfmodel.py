@@ -27,6 +27,7 @@ up every send buffer), not computed, and compared with the formula's.
 from __future__ import annotations
 
 import statistics
+
 import numpy as np
 from mpi4py import MPI
 

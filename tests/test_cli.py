@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from launch import _mpirun_prefix, hpcjobs as _hpcjobs, launch_env, mpirun as _mpirun, run
+from launch import _mpirun_prefix, hpcjobs as _hpcjobs, launch_env, mpirun as _mpirun, mpirun_script, run
 from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.auto import DEFAULT_TABLE
 from hpcjobs.comm import SETTINGS, install
@@ -329,3 +329,28 @@ def test_auto_alone_is_timed_at_once_not_after_settling():
     out = _hpcjobs("bench", "compression", "--elements", "1000", "--iters", "2", "--compressors", "fp16",
                   "--no-progress")
     assert out.returncode == 0 and "fp32 auto" in out.stdout, out.stderr
+
+
+def test_a_refusal_made_on_one_rank_alone_aborts_the_job_saying_so():
+    """The ranks meet after a refusal, so that none leaves before rank 0 said it. A refusal made on rank 1 only
+    (a check of that process's own) while rank 0 went on into a collective must not wait for rank 0 for good:
+    rank 1 says what it refused and aborts the job, after the meeting's bound (10 s)."""
+    r = mpirun_script(2, """
+import sys
+from mpi4py import MPI
+import hpcjobs.cli.info as info
+from hpcjobs.cli import main
+from hpcjobs.cli.args import UsageError
+
+def run(args):
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        raise UsageError("refused on rank 1 alone (a test)")
+    MPI.COMM_WORLD.Barrier()  # rank 0 went on: it waits here for rank 1
+    return 0
+
+info.run = run
+sys.exit(main(["info"]))
+""", timeout=90)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert ("hpcjobs: rank 1: hpcjobs info: error: refused on rank 1 alone (a test); some ranks did not refuse it: "
+            "aborting the job") in r.stderr, r.stderr

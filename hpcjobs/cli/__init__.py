@@ -246,9 +246,9 @@ def _meet(comm, seconds: float = 10.0) -> bool:
     """Wait, at most ``seconds``, until every rank of ``comm`` has come here:
     a refusal every rank makes alike ends no rank before rank 0 has printed
     it (srun's --kill-on-bad-exit ends the others when one exits 2). Bounded,
-    unlike a barrier: a refusal made on some ranks only must not become a
-    hang of the ones that raised it (the others, in a collective, meet the
-    watchdog). Whether they met."""
+    unlike a barrier: a refusal made on some ranks only must not hang the
+    ones that made it; they abort the job (``_run_ranks``), and their barrier
+    left behind never meets MPI_Finalize. Whether they met."""
     import time
 
     request = comm.Ibarrier()
@@ -305,12 +305,17 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
         print(f"hpcjobs: error on rank {MPI.COMM_WORLD.Get_rank()}: {e}", file=sys.stderr, flush=True)
         return 1
     world()  # collective: the private world and the stall watchdog's, so a timeout can name missing ranks
+    meeting = MPI.COMM_WORLD.Dup()  # for a refusal's meeting only: no command's collective can be on it
     try:
         return int(run(args) or 0)
     except UsageError as e:
-        if MPI.COMM_WORLD.Get_rank() == 0:
+        rank = MPI.COMM_WORLD.Get_rank()
+        if rank == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        _meet(MPI.COMM_WORLD)
+        if not _meet(meeting):  # refused on some ranks only: the others went on, and would wait for these
+            print(f"hpcjobs: rank {rank}: {prog}: error: {e}" + ("" if rank else " (said above)")
+                  + "; some ranks did not refuse it: aborting the job", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(2)
         return 2
     except Exception:
         traceback.print_exc()

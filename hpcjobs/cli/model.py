@@ -106,7 +106,7 @@ def _across(args, comm, topo, sizes) -> int:
     print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "
            "between nodes the smallest message's one-way time + n x the largest's per byte (the sustained rate), "
            "an exchange as one direction, flows sharing an uplink as one message of their total bytes "
-           "(perfmodel.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
+           "(machine.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
     _print_rows(rows, names)
     if args.out and comm.Get_rank() == 0:
         write(args.out, net, rows, [], P, node=node, ranks_per_node=L)

@@ -211,7 +211,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="write a checkpoint here after every epoch (atomic), and at the next step after a SIGTERM "
-                        "or SIGUSR1 (then stop: exit status 128 + the signal's number); modes sync, local and easgd")
+                        "or SIGUSR1 (then stop: exit status 128 + the signal's number); not the parameter server's modes")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",
@@ -250,7 +250,7 @@ def config_from_args(args, size: int) -> TrainConfig:
             cfg = TrainConfig(**values)
             cfg.validate()
     except UsageError as e:
-        if str(e).startswith("checkpoint: mode") and os.environ.get(TEMPLATE_CHECKPOINT_ENV) == "1":
+        if values.get("checkpoint") and served and os.environ.get(TEMPLATE_CHECKPOINT_ENV) == "1":
             raise UsageError(f"{e}. slurm/train.sbatch passes --checkpoint and --resume: submit this mode with "
                              f"{TEMPLATE_CHECKPOINT_ENV}=0 (no checkpoint, no requeue)") from None
         raise

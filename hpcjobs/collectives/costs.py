@@ -17,7 +17,7 @@ L, M                ranks per node and nodes (hierarchical)
 module docstring, ``docs/algorithms.md`` and ``hpcjobs model`` print), the
 bytes rank 0 sends, the bytes each node sends off the node (its uplink)
 across M nodes of L ranks each, and the critical path as messages and
-reductions, which :func:`hpcjobs.perfmodel.predict` costs with measured
+reductions, which :func:`hpcjobs.machine.predict` costs with measured
 per-size costs. A test checks that the critical path with linear costs is
 the formula; another that the uplink formula is what the algorithm sends to
 other nodes, counted; ``bench allreduce`` across hosts prints it beside

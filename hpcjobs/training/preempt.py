@@ -118,7 +118,9 @@ class StopSignals:
         """Gives the signals back to their previous handlers; this rank's
         alone, so also after an error where the ranks cannot meet to
         :meth:`close` (a SIGTERM noted here after training would be lost).
-        Polls then answer 0 (the signal no longer reaches this)."""
+        A signal after this goes to the previous handler and is not noted;
+        polls, still collective until :meth:`close`, report what was noted
+        before."""
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
         self._previous = {}

@@ -1,6 +1,6 @@
 """One source of each algorithm's cost: the formula that the module
 docstrings and docs/algorithms.md print is the critical path that
-hpcjobs.perfmodel.predict costs."""
+hpcjobs.machine.predict costs."""
 
 import importlib
 import re
@@ -10,7 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcjobs.collectives.costs import ACROSS, COSTS, across_path, evaluate
-from hpcjobs.perfmodel import Machine, count_bytes, formula_bytes, predict
+from hpcjobs.machine import Machine, predict
+from hpcjobs.perfmodel import count_bytes, formula_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = {"ring_pipelined": "ring"}  # the pipelined ring is the ring's module and formula
@@ -134,7 +135,7 @@ def test_the_network_is_costed_one_way_at_its_sustained_rate():
     """predict_across: between nodes, the smallest one-way time plus n times
     the largest size's one-way time per byte (a token bucket's burst makes
     the sizes between read faster than a stream of them runs)."""
-    from hpcjobs.perfmodel import predict_across
+    from hpcjobs.machine import predict_across
 
     sizes = [8, 1 << 18, 16 << 20]
     node = Machine(alpha=1e-6, beta=1e-10, beta_pingpong=1e-10, gamma=5e-11, dtype="float32", sizes=sizes,

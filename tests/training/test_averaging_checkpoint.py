@@ -154,7 +154,7 @@ def test_another_experiments_checkpoint_is_refused_on_every_rank(tmp_path_factor
         train(cfg(mode, {**extra, **change}, checkpoint=f"{d}/c.pt", resume=True), comm)
 
 
-@pytest.mark.mpi(min_size=1)
+@pytest.mark.mpi(min_size=2)  # on one rank the ending frees the signals' communicator and gave them back already
 def test_an_error_alike_on_every_rank_gives_the_signals_back(tmp_path_factory, monkeypatch):
     """A checkpoint that cannot be written, on every rank: the error reaches the caller, and SIGTERM and SIGUSR1
     have their handlers back (they stayed noted by the run's, and a SIGTERM after training was lost)."""
@@ -170,3 +170,44 @@ def test_an_error_alike_on_every_rank_gives_the_signals_back(tmp_path_factory, m
         train(cfg("local", dict(local_steps=5), checkpoint=f"{d}/a.pt", checkpoint_every=3), comm)
     assert {s: signal.getsignal(s) for s in before} == before
     comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hogwild_stopped_by_a_signal_resumes_at_that_step_with_every_update_counted(tmp_path_factory, monkeypatch):
+    """Hogwild! took no checkpoint. The shared vector is written once every rank's update of the step is in
+    and before any rank's next (the lock's count of updates says so: exactly W per step), each rank's momentum
+    with it; resumed, the run makes the steps left and no more. On one rank Hogwild! is plain SGD, and the
+    resumed run ends where the unbroken one does, bit for bit."""
+    comm = MPI.COMM_WORLD
+    W, d, extra = comm.Get_size(), shared_dir(tmp_path_factory, "hogwild-signal"), dict(hogwild_lock=True)
+    straight = train(cfg("hogwild", extra, checkpoint=f"{d}/a.pt"), comm)
+    spe = straight[0]["step"]
+    assert spe >= 6 and straight[-1]["locked_updates"] == 3 * spe * W
+    counts, save = [], checkpoint.gather_and_save
+
+    def counted(cfg, comm, model_state, inner, history, epoch, step, mine, scaler=None):
+        counts.append((epoch * spe + step, mine.get("locked_updates")))
+        save(cfg, comm, model_state, inner, history, epoch, step, mine, scaler)
+
+    monkeypatch.setattr(checkpoint, "gather_and_save", counted)
+    counting_steps(monkeypatch, signal_at=spe + spe // 2)
+    with pytest.raises(Stopped) as stopped:
+        train(cfg("hogwild", extra, checkpoint=f"{d}/b.pt", checkpoint_every=4), comm)
+    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, 1, spe // 2 + 1)
+    if comm.rank == 0:  # every checkpoint, every 4 steps too: W updates per step, none of the next step's
+        assert len(counts) >= 3 and all(n == W * at for at, n in counts), counts
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    if comm.rank == 0:
+        state = load_checkpoint(f"{d}/b.pt")
+        assert (state["epoch"], state["step"]) == (1, spe // 2 + 1) and state["optimizer"] == {}
+        assert state["ranks"][0]["locked_updates"] == W * (spe + spe // 2 + 1)
+        assert all(float(r["momentum"].abs().sum()) > 0 for r in state["ranks"]) and len(state["ranks"]) == W
+    steps = counting_steps(monkeypatch)
+    resumed = train(cfg("hogwild", extra, checkpoint=f"{d}/b.pt", resume=True), comm)
+    assert steps[0] == 3 * spe - (spe + spe // 2 + 1)  # from the signal's checkpoint on
+    assert [r["epoch"] for r in resumed] == [1, 2, 3] and resumed[-1]["locked_updates"] == 3 * spe * W
+    if W == 1:
+        assert [{k: r[k] for k in KEEP} for r in resumed] == [{k: r[k] for k in KEEP} for r in straight]
+        a, b = load_checkpoint(f"{d}/a.pt"), load_checkpoint(f"{d}/b.pt")
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+        assert torch.equal(a["ranks"][0]["momentum"], b["ranks"][0]["momentum"])

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -255,8 +256,11 @@ sys.exit(main({args + extra + (["--resume"] if resume else [])!r}))
     assert lines[0] == lines[1] and len(lines[0]) == 3
 
 
-@pytest.mark.parametrize("template,mode", [("1", "async"), ("1", "hogwild"), (None, "async")])
-def test_a_mode_without_checkpoints_in_the_train_template_is_told_how_to_submit_it(monkeypatch, template, mode):
+@pytest.mark.parametrize("template,flags,mode", [
+    ("1", ["--mode", "async"], "async"), ("1", ["--mode", "easgd", "--easgd-form", "async"], "easgd (async form)"),
+    (None, ["--mode", "async"], "async")])
+def test_a_mode_without_checkpoints_in_the_train_template_is_told_how_to_submit_it(monkeypatch, template, flags,
+                                                                                  mode):
     """slurm/train.sbatch passed --checkpoint and --resume to every train: a job of mode async was refused with no
     way around but editing the template. It exports HPCJOBS_CHECKPOINT=1, and the refusal names its 0."""
     from hpcjobs.cli import _parser_for
@@ -267,8 +271,8 @@ def test_a_mode_without_checkpoints_in_the_train_template_is_told_how_to_submit_
         monkeypatch.delenv("HPCJOBS_CHECKPOINT", raising=False)
     else:
         monkeypatch.setenv("HPCJOBS_CHECKPOINT", template)
-    argv = ["train", "--mode", mode, "--checkpoint", "c.pt", "--resume"]
+    argv = ["train", *flags, "--checkpoint", "c.pt", "--resume"]
     args = _parser_for(argv)[1].parse_args(argv)
-    with pytest.raises(UsageError, match=f"checkpoint: mode {mode} takes none") as refused:
+    with pytest.raises(UsageError, match=re.escape(f"checkpoint: mode {mode} takes none")) as refused:
         config_from_args(args, 4)
     assert ("submit this mode with HPCJOBS_CHECKPOINT=0" in str(refused.value)) == (template == "1")
