@@ -311,7 +311,7 @@ STOP_FILE = "stopped.json"  # in the job's results directory: where a run a sign
 # srun ends, since srun's exit status does not tell a stop from a failure (it read 138 or 143 for the same stop).
 STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
 # train.sbatch's switch (exported to the ranks): 1, the default, passes train --checkpoint and --resume; 0 runs the
-# modes that take no checkpoint (async, easgd's async form). train's refusal of a checkpoint names it.
+# mode that takes no checkpoint (easgd's async form). train's refusal of a checkpoint names it.
 TEMPLATE_CHECKPOINT_ENV = "HPCJOBS_CHECKPOINT"
 
 

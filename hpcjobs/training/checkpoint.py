@@ -16,6 +16,8 @@ synchronous EASGD (:mod:`hpcjobs.training.averaging`) keep their own
 checkpoints in the same file format: there each rank's parameters, momentum
 buffers and steps since the last average (and EASGD's center) are its own,
 and the file's model is the one they test (the ranks' average, the center).
+Hogwild!'s is its one vector; the parameter server's
+(:mod:`hpcjobs.training.ps_checkpoint`) holds each server's shard and state.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .._files import atomic_write
 from .config import TrainConfig
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read",
-           "finite_everywhere", "gather_and_save"]
+           "finite_everywhere", "gather_and_save", "check_same_experiment", "config_dict", "trim_metrics"]
 
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # A resumed run must be the same experiment: these fields may not change. The optimizer's own settings
@@ -41,9 +43,11 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "backward_passes_per_step", "optimizer", "momentum", "weight_decay", "trust_coefficient",
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
                 "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
-                "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha")  # local and easgd
+                "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha",  # local and easgd
+                "servers", "staleness_bound", "staleness_lr", "fixed_delay")  # the parameter server
 _MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
-              "elastic_alpha": ("easgd",)}  # the modes that use each
+              "elastic_alpha": ("easgd",), "servers": ("async",), "staleness_bound": ("async",),
+              "staleness_lr": ("async",), "fixed_delay": ("async",)}  # the modes that use each
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
@@ -133,7 +137,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return state
 
 
-def _config_dict(cfg: TrainConfig) -> dict:
+def config_dict(cfg: TrainConfig) -> dict:
     d = dataclasses.asdict(cfg)
     d["milestones"] = list(cfg.milestones)
     return d
@@ -186,10 +190,10 @@ def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: l
     ranks = comm.gather(mine, root=0)
     if comm.Get_rank() == 0:
         save_checkpoint(cfg.checkpoint, {
-            "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": _config_dict(cfg),
+            "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": config_dict(cfg),
             "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            # where the metrics file ended: lines after it are written again on resume (_trim_metrics)
+            # where the metrics file ended: lines after it are written again on resume (trim_metrics)
             "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,
         })
 
@@ -206,22 +210,7 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
     if comm.Get_rank() == 0:
         try:
             state = load_checkpoint(cfg.checkpoint)
-            old, new = state["config"], _config_dict(cfg)
-            defaults = _config_dict(TrainConfig())  # for keys older checkpoints do not have
-            size = comm.Get_size()
-            changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), size)
-                       != _effective(k, new.get(k), size) and _used(k, cfg)]
-            # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
-            # would be added unscaled, and with it unscaled ones would be taken as scaled
-            if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):
-                changed.append("amp")
-            if changed:
-                raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
-                                      + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-            if len(state["ranks"]) != comm.Get_size():
-                raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
-                                      f"this run has {comm.Get_size()}")
-            _warn_schedule_changes(cfg, old, defaults)
+            check_same_experiment(cfg, state, comm.Get_size())
             model.load_state_dict(state["model"])
             inner.load_state_dict(state["optimizer"])
         except FileNotFoundError:
@@ -240,11 +229,33 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
         scaler.load_state_dict(scaled)
     if comm.Get_rank() == 0:
         if cfg.metrics and state["config"].get("metrics") == cfg.metrics and state.get("metrics_bytes") is not None:
-            _trim_metrics(cfg.metrics, state["metrics_bytes"], epoch)
+            trim_metrics(cfg.metrics, state["metrics_bytes"], epoch)
         if not cfg.quiet:
             where = f", step {step} of epoch {epoch + 1}" if step else ""
             print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
     return epoch, step, history, state["ranks"] if comm.Get_rank() == 0 else []
+
+
+def check_same_experiment(cfg: TrainConfig, state: dict, size: int) -> None:
+    """CheckpointError where the checkpoint ``state`` is of another
+    experiment than ``cfg`` on ``size`` ranks (a setting of
+    :data:`_RESUME_KEYS` the run uses changed, or the ranks); a warning on
+    stderr where only the schedule changed."""
+    old, new = state["config"], config_dict(cfg)
+    defaults = config_dict(TrainConfig())  # for keys older checkpoints do not have
+    changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), size)
+               != _effective(k, new.get(k), size) and _used(k, cfg)]
+    # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
+    # would be added unscaled, and with it unscaled ones would be taken as scaled
+    if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):
+        changed.append("amp")
+    if changed:
+        raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
+                              + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+    if len(state["ranks"]) != size:
+        raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
+                              f"this run has {size}")
+    _warn_schedule_changes(cfg, old, defaults)
 
 
 def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
@@ -252,7 +263,7 @@ def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
     (those either run's schedule uses: ``gamma`` and ``milestones`` with step
     decay, ``final_lr`` and ``epochs`` with cosine, ``warmup_epochs`` with a
     warmup)."""
-    new = _config_dict(cfg)
+    new = config_dict(cfg)
     decays = {old.get("decay", defaults["decay"]), cfg.decay}
     unused = {"gamma": "step" not in decays, "milestones": "step" not in decays, "final_lr": "cosine" not in decays,
               "epochs": "cosine" not in decays,
@@ -264,7 +275,7 @@ def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
               + "): the resumed run is not the run that was saved", file=sys.stderr, flush=True)
 
 
-def _trim_metrics(path: str, size: int, epoch: int) -> None:
+def trim_metrics(path: str, size: int, epoch: int) -> None:
     """Cut the metrics file ``path`` back to ``size`` bytes, where it ended
     when the checkpoint (after ``epoch`` epochs) was written: a run killed
     between an epoch's line and its checkpoint wrote a line that the resumed

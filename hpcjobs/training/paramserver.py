@@ -53,6 +53,12 @@ to the others); a rank that hears nothing from a server it waits on for
 epoch's worth of pushes it snapshots the other shards and tests the model,
 heartbeating all the while (a test longer than the timeout is not its death).
 
+Checkpoints (``checkpoint``, ``checkpoint_every``, ``resume``): the workers
+pause after each epoch's share of pushes (and every ``checkpoint_every``),
+and server 0 writes the cut the servers then agree on
+(:mod:`hpcjobs.training.ps_checkpoint`); a SIGTERM or SIGUSR1 stops the run
+at the next pause.
+
 **Asynchronous EASGD** (``--mode easgd --easgd-form async``; Zhang,
 Choromanska, LeCun 2015, Algorithm 1) runs on the same servers, which then
 hold the *center* x~ instead of the parameters. A worker takes H
@@ -88,6 +94,7 @@ __all__ = ["train_async", "run_async", "reference_fixed_delay", "shard_bounds", 
 
 HDR = 64  # bytes of float64 header at the front of every message
 TAG_PULL, TAG_PARAMS, TAG_PUSH, TAG_DONE, TAG_SNAP, TAG_SHARD, TAG_STOP, TAG_FINAL, TAG_ALIVE = range(7101, 7110)
+TAG_PAUSE, TAG_CKPT, TAG_GO = range(7110, 7113)  # checkpoints (ps_checkpoint.py): paused, a server's state, go on
 IDLE_S = 2e-4  # a server's nap when no message waits: it leaves the cores to the workers
 FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself after COUNT pushes, 0 too (tests)
 # "RANK:VERSION:SECONDS": server RANK, at that version, answers no pull for SECONDS (it still hears and
@@ -243,22 +250,30 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
         from .ps_server import Server as role
     else:
         from .ps_worker import Worker as role
-    try:  # imports and set-up before the clock starts, with every rank ready
-        me, error = role(ctx), None
-    except ValueError as e:  # a worker's optimizer (nesterov without momentum, say): the servers build none
-        me, error = None, e
-    errors = comm.allgather(None if error is None else str(error))
-    if any(errors):  # on every rank: the others would have waited for this one for good
-        if error is not None:
-            raise error
-        raise ValueError("; ".join(f"rank {r}: {text}" for r, text in enumerate(errors) if text))
+    from .ps_checkpoint import Noted, read
+
+    noted = Noted(bool(cfg.checkpoint))  # SIGTERM, SIGUSR1: a checkpoint at the next pause, and stop
     try:
-        history = me.run()
-        return history, ctx.flat.numpy()
-    except PeerLost as e:
-        print(f"hpcjobs train: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)  # MPI_Finalize would wait for the lost rank
+        mine = read(ctx)  # with resume (collective): this rank's state, or None
+        try:  # imports and set-up before the clock starts, with every rank ready
+            me, error = role(ctx, mine), None
+        except ValueError as e:  # a worker's optimizer (nesterov without momentum, say): the servers build none
+            me, error = None, e
+        errors = comm.allgather(None if error is None else str(error))
+        if any(errors):  # on every rank: the others would have waited for this one for good
+            if error is not None:
+                raise error
+            raise ValueError("; ".join(f"rank {r}: {text}" for r, text in enumerate(errors) if text))
+        me.noted = noted
+        try:
+            history = me.run()
+            return history, ctx.flat.numpy()
+        except PeerLost as e:
+            print(f"hpcjobs train: error: rank {ctx.rank}: {e}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(3)  # MPI_Finalize would wait for the lost rank
+    finally:
+        noted.restore()
 
 
 # --- waiting on a peer ------------------------------------------------------------------

@@ -6,15 +6,17 @@ and on server 0 test the model every epoch and end the run."""
 from __future__ import annotations
 
 import os
+import pickle
 import time
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_DONE, TAG_FINAL, TAG_PARAMS,
-                          TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost, ShardUpdate, _await,
-                          _Ctx, _die_if_told, _recv_object)
+from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO,
+                          TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost,
+                          ShardUpdate, _await, _Ctx, _die_if_told, _recv_object)
+from . import ps_checkpoint
 from .stepping import amend_report, evaluate_local, finish_record, report
 
 __all__ = ["Server"]
@@ -27,7 +29,7 @@ class _Epoch:
 
 
 class Server:
-    def __init__(self, ctx: _Ctx):
+    def __init__(self, ctx: _Ctx, mine: dict | None = None):
         self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
         self.k, self.S, self.W = ctx.rank, ctx.servers, ctx.workers
         self.shard = ctx.flat[ctx.shard(self.k)].numpy()
@@ -52,11 +54,18 @@ class Server:
         self.slow_test = float(os.environ.get(SLOW_TEST_ENV) or 0) if self.k == 0 else 0.0
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
+        # checkpoints (ps_checkpoint.py): the workers paused (count, signal), the other servers' states (server 0)
+        self.paused, self.states, self.state_sent, self.go, self.wall0 = {}, {}, False, None, 0.0
+        self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
+        if mine is not None:
+            ps_checkpoint.load_server(self, mine)
+            self.history = list(mine.get("history", []))
 
     def run(self) -> list[dict]:
         status = MPI.Status()
-        self.t0 = self.t_epoch = self.heard0 = time.monotonic()
-        self.heard[:] = self.t0
+        self.t_epoch = self.heard0 = time.monotonic()
+        self.t0 = self.t_epoch - self.wall0  # a resumed run's wall time goes on
+        self.heard[:] = self.t_epoch
         while not self.stopped:
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
@@ -72,6 +81,10 @@ class Server:
                 self.comm.send(self._audit(), dest=0, tag=TAG_STOP)
                 self.stopped = True
                 break
+            if self.paused and self._all_paused():
+                self._at_pause()
+                if self.stopped:
+                    break
             if self.orphans:
                 self.orphans = [(r, b) for r, b in self.orphans if not r.Test()]
             if self.held_until and now >= self.held_until:
@@ -80,7 +93,45 @@ class Server:
             if self.k and now - self.heard0 > self.cfg.peer_timeout:
                 raise PeerLost(f"server rank 0 sent nothing for {self.cfg.peer_timeout:g} s: presumed lost")
             time.sleep(IDLE_S)
+        if self.go is not None:  # a signal's stop, after the checkpoint
+            raise ps_checkpoint.stopped(self.cfg, self.ctx.spe, self.go)
         return self._final_history()
+
+    def _all_paused(self) -> bool:
+        """Every live worker has paused, and every push it made is applied here."""
+        live = [w for w in range(self.W) if w not in self.lost and w not in self.done]
+        return bool(live) and all(w in self.paused for w in live) and not self.pending
+
+    def _at_pause(self) -> None:
+        """Server k: its state to server 0, once. Server 0, with every
+        server's: the checkpoint, then go on (or stop) to every rank."""
+        if self.k:
+            if not self.state_sent:
+                ps_checkpoint.send_bytes(self.comm, ps_checkpoint.server_state(self), 0, TAG_CKPT)
+                self.state_sent = True
+            return
+        if len(self.states) < self.S - 1:
+            return
+        epochs = self.ctx.epochs_done(self.version)
+        if epochs > len(self.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
+            self._record(epochs)
+        states = [ps_checkpoint.server_state(self)] + [self.states[k] for k in range(1, self.S)]
+        pushes = max(count for count, _ in self.paused.values())
+        signals = [self.noted.signum, *(s for _, s in self.paused.values()), *(st["signum"] for st in states)]
+        # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
+        ps_checkpoint.write(self.ctx, self.history, states, pushes, trim=self.version < self.ctx.total)
+        go = {"stop": next((s for s in signals if s), 0), "pushes": pushes}
+        for k in range(1, self.S):
+            ps_checkpoint.send_bytes(self.comm, go, k, TAG_GO)
+        for w in self.paused:
+            if w not in self.lost:
+                self.comm.send(go, dest=self.S + w, tag=TAG_GO)
+        self._go_on(go)
+
+    def _go_on(self, go: dict) -> None:
+        self.paused, self.states, self.state_sent = {}, {}, False
+        if go["stop"]:
+            self.go, self.stopped = go, True
 
     def _all_in(self) -> bool:
         return len(self.done) + len(self.lost - set(self.done)) == self.W
@@ -123,10 +174,19 @@ class Server:
         if tag == TAG_STOP:  # the audit waits for the DONEs of the workers server 0 counted (_stop_ready)
             self.stop_mask = self.inbuf[:count].copy()
             return
+        if tag == TAG_CKPT:  # server 0: a server's state at a pause
+            self.states[src] = pickle.loads(self.inbuf[:count].tobytes())
+            return
+        if tag == TAG_GO:  # server k: the checkpoint is written
+            self._go_on(pickle.loads(self.inbuf[:count].tobytes()))
+            return
         w = src - self.S
         if w in self.lost:
             return  # a worker declared lost that speaks again: its messages are dropped
         self.heard[w] = time.monotonic()
+        if tag == TAG_PAUSE:  # after its last push, which is applied here by now: (pushes, a signal it noted)
+            self.paused[w] = (int(hdr[0]), int(hdr[1]))
+            return
         if tag != TAG_DONE:  # the audit's sums are not training traffic
             self.ep.bytes_in += count
         if tag == TAG_PULL:

@@ -12,15 +12,16 @@ from mpi4py import MPI
 
 from . import schedule as sched
 from .data import rank_batches
-from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_PARAMS, TAG_PULL, TAG_PUSH, Beats, _await, _Ctx,
-                          _die_if_told, _recv_object)
+from . import ps_checkpoint
+from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, Beats, _await,
+                          _Ctx, _die_if_told, _recv_object)
 from .stepping import Straggler, compute_step, grad_vector
 
 __all__ = ["Worker"]
 
 
 class Worker:
-    def __init__(self, ctx: _Ctx):
+    def __init__(self, ctx: _Ctx, mine: dict | None = None):
         self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
         self.w, self.S, self.W = ctx.rank - ctx.servers, ctx.servers, ctx.workers
         sizes = [ctx.bounds[k + 1] - ctx.bounds[k] for k in range(self.S)]
@@ -30,7 +31,8 @@ class Worker:
         self.ask = np.zeros(8)
         self.grad = np.empty(ctx.flat.numel(), np.float32)
         self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
-        self.pushed_count = 0
+        self.pushed_count = mine["pushes"] if mine is not None else 0  # resumed: after that push
+        self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
         self.heard = {}
         # While it waits (on one server's held pull, say) it tells every server it lives: the others, which
         # answered, would otherwise count the wait as its silence and find it lost
@@ -53,12 +55,12 @@ class Worker:
         """Downpour: pull, a gradient on the next batch, push."""
         ctx, cfg = self.ctx, self.cfg
         flat = ctx.flat.numpy()
-        epoch = 0
+        epoch, start = divmod(self.pushed_count, ctx.spe)  # where a resumed run goes on
         # Until a server says stop (it has applied the run's pushes, from whichever workers: a fast worker
         # goes on into its next epoch's batches); in fixed-delay mode, exactly this worker's share.
         while cfg.fixed_delay is None or epoch < cfg.epochs:
             batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
-            for t in range(ctx.spe):
+            for t in range(start, ctx.spe):
                 clock = self.pushed_count
                 index = clock * self.W + self.w
                 wanted = max(0, index - cfg.fixed_delay) if cfg.fixed_delay is not None else -1
@@ -70,7 +72,9 @@ class Worker:
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
                 self._push(heads, epoch, index, (loss, correct, samples), grad_vector(ctx.model, self.grad))
-            epoch += 1
+                if ps_checkpoint.due(cfg, ctx.spe, self.pushed_count):
+                    self._pause()
+            epoch, start = epoch + 1, 0
 
     def _run_elastic(self) -> None:
         """Asynchronous EASGD: H steps of this worker's own SGD, then pull the
@@ -110,6 +114,20 @@ class Worker:
                 self._push(heads, epoch, self.pushed_count * self.W + self.w, sums, self.grad)
                 sums = np.zeros(3)
             epoch += 1
+
+    def _pause(self) -> None:
+        """A checkpoint's pause (ps_checkpoint.py): tell every server, after
+        this worker's last push, and wait until server 0 says go on; raise
+        Stopped where it says stop."""
+        comm, cfg = self.comm, self.cfg
+        _await(comm, self.outreq, list(range(self.S)), cfg.peer_timeout, self.heard, self.beat)
+        marker = np.zeros(8)
+        marker[:2] = self.pushed_count, self.noted.signum
+        for k in range(self.S):
+            comm.Send(marker, dest=k, tag=TAG_PAUSE)
+        go = _recv_object(comm, 0, TAG_GO, cfg.peer_timeout, beat=self.beat)
+        if go["stop"]:
+            raise ps_checkpoint.stopped(cfg, self.ctx.spe, go)
 
     def _between_steps(self) -> None:
         """Between local steps: the last push moves on (a large one over TCP

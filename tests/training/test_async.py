@@ -92,7 +92,6 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="local", staleness_bound=0), "staleness_bound is a knob of mode async, not local"),
     (dict(mode="local", target_loss=0.3), "target_loss is for mode sync"),
     (dict(mode="hogwild", nonfinite="abort"), "nonfinite is for mode sync"),
-    (dict(mode="async", checkpoint="c.pt"), "checkpoint: mode async takes none"),
     (dict(mode="easgd", easgd_form="async", checkpoint="c.pt"), "checkpoint: mode easgd (async form) takes none"),
     (dict(mode="async", straggler="0:3"), "rank 0 is a server in mode async"),
     (dict(mode="easgd", easgd_form="async", servers=2, straggler="1:2"), "rank 1 is a server in mode easgd"),

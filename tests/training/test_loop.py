@@ -272,16 +272,16 @@ def test_only_the_lines_written_after_the_checkpoint_are_dropped_and_only_if_the
     earlier = '{"epoch": 1, "loss": 9.0}\n{"epoch": 7, "loss": 8.0}\n'
     path = tmp_path / "m.jsonl"
     path.write_text(earlier + '{"epoch": 1, "loss": 2.0}\n')  # killed after epoch 1's line, checkpoint mid-epoch 1
-    checkpoint._trim_metrics(str(path), len(earlier), 0)
+    checkpoint.trim_metrics(str(path), len(earlier), 0)
     assert path.read_text() == earlier
     assert "dropped 1 line(s) after epoch 0" in capsys.readouterr().err
     for tail in ('{"epoch": 1, "loss": 2.0}\n', "not json\n", '{"epoch": 3}\n{"note": "another writer"}\n'):
         path.write_text(earlier + tail)
-        checkpoint._trim_metrics(str(path), len(earlier), 1)  # not only later epochs after the checkpoint's end
+        checkpoint.trim_metrics(str(path), len(earlier), 1)  # not only later epochs after the checkpoint's end
         assert path.read_text() == earlier + tail
         assert "left as it is" in capsys.readouterr().err
     path.write_text(earlier)
-    checkpoint._trim_metrics(str(path), len(earlier), 1)  # nothing after it: nothing said
+    checkpoint.trim_metrics(str(path), len(earlier), 1)  # nothing after it: nothing said
     assert path.read_text() == earlier and capsys.readouterr().err == ""
 
 

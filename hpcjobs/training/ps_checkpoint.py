@@ -1,0 +1,162 @@
+"""Checkpoints of the asynchronous parameter server (``train --mode async
+--checkpoint``): a cut every server agrees on, taken without a barrier.
+
+With a checkpoint to write, every worker pauses after its push number c
+whenever c is a multiple of its steps per epoch or of ``checkpoint_every``:
+it tells every server so (TAG_PAUSE, after its last push -- MPI delivers one
+sender's messages to one receiver in order, so each server has applied that
+push before it reads the marker) and waits. A server all of whose live
+workers have paused has applied every push they made and gets no more: its
+shard, optimizer state and version are a cut that every server agrees on
+(version c x W). Servers 1.. send theirs to server 0 (TAG_CKPT), which
+writes the checkpoint -- the whole model, every server's state, each
+worker's count -- and tells every rank to go on, or, where any rank had
+noted SIGTERM or SIGUSR1, to stop (TAG_GO). So a signal stops the run at the
+next pause (an epoch's end, or ``--checkpoint-every`` pushes), where sync
+stops at the next step; and with a checkpoint the workers meet at each pause,
+where without one a fast worker goes on into the next epoch's batches.
+
+A resumed run starts every worker after its push c and every server at the
+saved version, with its shard, optimizer state, counts and (fixed delay) its
+last k versions: in fixed-delay mode it is the run never stopped (the tests
+hold it to the single-process reference). The audit's sums start again at
+the resume (its counts cover the run). The checkpoint must be written within
+``--peer-timeout``: the ranks waiting for it take longer for server 0's
+death. Asynchronous EASGD (workers with parameters of their own) takes none
+yet.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import checkpoint
+from .preempt import SIGNALS, Stopped
+
+__all__ = ["Noted", "due", "read", "server_state", "load_server", "write"]
+
+
+class Noted:
+    """SIGTERM and SIGUSR1 noted on this rank (with a checkpoint to write, in
+    the main thread): acted on at the next pause. :meth:`restore` gives the
+    previous handlers back."""
+
+    def __init__(self, on: bool):
+        self.signum = 0
+        on = on and threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
+
+    def _note(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+
+def due(cfg, spe: int, pushes: int) -> bool:
+    """Whether a worker pauses after its push number ``pushes``."""
+    every = cfg.checkpoint_every
+    return bool(cfg.checkpoint) and pushes > 0 and (pushes % spe == 0 or bool(every) and pushes % every == 0)
+
+
+def stopped(cfg, spe: int, go: dict) -> Stopped:
+    """The Stopped every rank raises on a TAG_GO that says stop."""
+    return Stopped(go["stop"], go["pushes"] // spe, go["pushes"] % spe, cfg.checkpoint, True)
+
+
+def send_bytes(comm: MPI.Intracomm, obj, dest: int, tag: int) -> None:
+    """``obj`` pickled, as bytes: a server receives every message raw (ps_server._handle)."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    comm.Send([data, data.size, MPI.BYTE], dest=dest, tag=tag)
+
+
+def server_state(server) -> dict:
+    """What server ``server`` resumes from (tensors, lists, numbers: read with weights_only)."""
+    state = {"shard": torch.from_numpy(server.shard.copy()), "update": torch.from_numpy(server.update.state.copy()),
+             "version": server.version, "clocks": [int(c) for c in server.clocks],
+             "applied_by": [int(n) for n in server.applied_by], "stale_all": list(server.stale_all),
+             "kept": None if server.kept is None else {v: torch.from_numpy(a.copy()) for v, a in server.kept.items()},
+             "signum": server.noted.signum}
+    if server.k == 0:
+        ep = server.ep
+        state["epoch_sums"] = [float(v) for v in ep.sums] + [ep.stale_sum, ep.stale_max, ep.pushes, ep.bytes_in,
+                                                            ep.bytes_out]
+        state["wall"] = time.monotonic() - server.t0
+    return state
+
+
+def load_server(server, state: dict) -> None:
+    server.shard[:] = state["shard"].numpy()
+    server.update.state[:] = state["update"].numpy()
+    server.version = state["version"]
+    server.clocks[:] = state["clocks"]
+    server.applied_by[:] = state["applied_by"]
+    server.stale_all = list(state["stale_all"])
+    if server.kept is not None:
+        server.kept = {int(v): a.numpy().copy() for v, a in state["kept"].items()}
+    if server.k == 0:
+        s = state["epoch_sums"]
+        server.ep.sums[:] = s[:3]
+        server.ep.stale_sum, server.ep.stale_max, server.ep.pushes, server.ep.bytes_in, server.ep.bytes_out = \
+            s[3], s[4], int(s[5]), s[6], s[7]
+        server.wall0 = state["wall"]
+
+
+def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True) -> None:
+    """Server 0: the checkpoint of a pause after each worker's push ``pushes``,
+    from every server's ``states`` (in server order); the model is every shard.
+    ``trim``: a resumed run cuts the metrics file back to where it ends now."""
+    import os
+
+    for k, state in enumerate(states):
+        ctx.flat[ctx.shard(k)] = state["shard"]
+    cfg = ctx.cfg
+    ranks = states + [{"pushes": pushes} for _ in range(ctx.workers)]
+    checkpoint.save_checkpoint(cfg.checkpoint, {
+        "version": checkpoint.CHECKPOINT_VERSION, "epoch": pushes // ctx.spe, "step": pushes % ctx.spe,
+        "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
+        "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
+        "metrics_bytes": os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics) else None})
+
+
+def read(ctx) -> dict | None:
+    """With ``resume``: this rank's state from the checkpoint (collective;
+    server 0 reads it and tells every rank an error first), or None where
+    there is none. Server 0's also holds the history."""
+    cfg, comm = ctx.cfg, ctx.comm
+    if not cfg.resume:
+        return None
+    states, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            state = checkpoint.load_checkpoint(cfg.checkpoint)
+            checkpoint.check_same_experiment(cfg, state, comm.Get_size())
+            if state.get("servers") != ctx.servers or "version" not in state["ranks"][0]:
+                raise checkpoint.CheckpointError(f"{cfg.checkpoint} is not a checkpoint of mode async with "
+                                                 f"{ctx.servers} server(s)")
+            states = state["ranks"]
+            states[0] = dict(states[0], history=state["history"])
+            if cfg.metrics and state["config"].get("metrics") == cfg.metrics and state["metrics_bytes"] is not None:
+                checkpoint.trim_metrics(cfg.metrics, state["metrics_bytes"], state["epoch"])
+            if not cfg.quiet:
+                where = f", step {state['step']} of epoch {state['epoch'] + 1}" if state["step"] else ""
+                print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where}", flush=True)
+        except FileNotFoundError:
+            states = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error = comm.bcast(error, root=0)
+    if error:
+        raise checkpoint.CheckpointError(error)
+    if not comm.bcast(states is not None, root=0):
+        return None
+    return comm.scatter(states, root=0)

@@ -1,0 +1,125 @@
+"""Checkpoints of the asynchronous parameter server (hpcjobs.training.ps_checkpoint): a signal stops every
+rank at the next pause after a checkpoint, and the resumed run is, in fixed-delay mode, the single-process
+reference of the run never stopped; at an epoch's end, every push of the run applied and audited."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcjobs.comm import private
+from hpcjobs.training import ps_worker
+from hpcjobs.training.checkpoint import CheckpointError, load_checkpoint
+from hpcjobs.training.config import TrainConfig
+from hpcjobs.training.data import steps_per_epoch
+from hpcjobs.training.loop import train
+from hpcjobs.training.paramserver import reference_fixed_delay, run_async
+from hpcjobs.training.preempt import Stopped
+
+torch.set_num_threads(1)
+
+TINY = dict(model="mlp", width=16, dataset="mnist1d", num_samples=500, batch_per_rank=8, lr=0.05, warmup="none",
+            progress=False, quiet=True, mode="async")
+KEEP = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc", "pushes")
+
+
+def _layout(size):
+    servers = 2 if size >= 4 else 1
+    return servers, size - servers
+
+
+def shared_dir(tmp_path_factory, name):
+    comm = MPI.COMM_WORLD
+    return comm.bcast(str(tmp_path_factory.mktemp(name)) if comm.rank == 0 else None)
+
+
+def counting_pushes(monkeypatch, signal_at=None):
+    """The gradients this rank computes from now on (a list of one count); with ``signal_at``, the last rank
+    sends itself SIGUSR1 while computing that one."""
+    calls, compute = [0], ps_worker.compute_step
+    comm = MPI.COMM_WORLD
+
+    def counted(*args):
+        calls[0] += 1
+        if calls[0] == signal_at and comm.rank == comm.Get_size() - 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # noted: said with the pause after this push
+        return compute(*args)
+
+    monkeypatch.setattr(ps_worker, "compute_step", counted)
+    return calls
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fixed_delay_stopped_by_a_signal_and_resumed_is_the_run_never_stopped(tmp_path_factory, monkeypatch):
+    """The last worker gets SIGUSR1 in its push spe + 1; every worker pauses after push spe + 3 (every 3
+    pushes), server 0 writes the checkpoint, and every rank stops there. Resumed, each worker makes the pushes
+    left, and the parameters are the single-process reference's, which has each server's last two versions
+    (gradient i on version i - 2) to come back right after the stop."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-fixed-delay")
+    cfg = TrainConfig(**TINY, servers=servers, fixed_delay=2, epochs=2, checkpoint=f"{d}/c.pt", checkpoint_every=3)
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    assert spe >= 6 and spe % 3
+    pause = (spe + 1 + 2) // 3 * 3  # the first multiple of 3 from push spe + 1 on
+    counting_pushes(monkeypatch, signal_at=spe + 1)
+    with pytest.raises(Stopped) as stopped:
+        run_async(cfg, private(comm))
+    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, *divmod(pause, spe))
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    if comm.rank == 0:
+        state = load_checkpoint(cfg.checkpoint)
+        assert (state["epoch"], state["step"]) == divmod(pause, spe)
+        assert [r["version"] for r in state["ranks"][:servers]] == [pause * workers] * servers
+        assert [r["pushes"] for r in state["ranks"][servers:]] == [pause] * workers
+    pushes = counting_pushes(monkeypatch)
+    history, flat = run_async(TrainConfig(**{**cfg.__dict__, "resume": True}), private(comm))
+    assert pushes[0] == (0 if comm.rank < servers else 2 * spe - pause)
+    assert [h["epoch"] for h in history] == [1, 2] and history[-1]["pushes_applied"] == 2 * spe * workers
+    assert history[-1]["pushes_by_worker"] == [2 * spe] * workers and history[-1]["audit_max_diff"] <= 1e-12
+    if comm.rank == 0:
+        reference = reference_fixed_delay(TrainConfig(**{**cfg.__dict__, "checkpoint": None,
+                                                         "checkpoint_every": 0}), workers)
+        np.testing.assert_allclose(flat, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_downpour_resumed_after_an_epoch_applies_every_push_of_the_run(tmp_path_factory, monkeypatch):
+    """Without a fixed delay the order of the pushes is the machine's; what a checkpoint must keep is that
+    every push is applied once: the first epoch's line as it was, the second epoch's pushes made after the
+    resume alone, every one applied and audited, and the counts of the whole run."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-downpour")
+    cfg = dict(TINY, servers=servers, staleness_bound=1, checkpoint=f"{d}/c.pt", metrics=f"{d}/m.jsonl")
+    first = train(TrainConfig(**cfg, epochs=1), comm)
+    spe = first[0]["step"] // workers
+    pushes = counting_pushes(monkeypatch)
+    resumed = train(TrainConfig(**cfg, epochs=2, resume=True), comm)
+    assert pushes[0] == (0 if comm.rank < servers else spe)
+    assert [{k: r[k] for k in KEEP} for r in resumed[:1]] == [{k: r[k] for k in KEEP} for r in first]
+    last = resumed[-1]
+    assert last["epoch"] == 2 and last["pushes_applied"] == last["pushes_reported"] == 2 * spe * workers
+    assert last["pushes_by_worker"] == [2 * spe] * workers and last["audit_max_diff"] <= 1e-12
+    if comm.rank == 0:
+        state = load_checkpoint(cfg["checkpoint"])
+        assert (state["epoch"], state["step"]) == (2, 0) and len(state["history"]) == 2
+        with open(cfg["metrics"]) as f:
+            assert [int(line.split('"epoch": ')[1].split(",")[0]) for line in f] == [1, 2]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_checkpoint_of_another_layout_is_refused_on_every_rank(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-refused")
+    cfg = dict(TINY, servers=servers, epochs=1, checkpoint=f"{d}/c.pt")
+    train(TrainConfig(**cfg), comm)
+    with pytest.raises(CheckpointError, match="another experiment: staleness_bound None -> 3"):
+        train(TrainConfig(**cfg, staleness_bound=3, resume=True), comm)
+    if comm.Get_size() >= 3:
+        with pytest.raises(CheckpointError, match="servers"):
+            train(TrainConfig(**{**cfg, "servers": servers + 1}, resume=True), comm)
