@@ -295,6 +295,10 @@ def run(args) -> int:
             except Exception as why:  # noqa: BLE001 -- whatever it was, rank 0 still meets the others below
                 print(f"hpcjobs train: warning: the stop file was not written ({why}): the job is not requeued",
                       file=sys.stderr, flush=True)
+        if getattr(e, "lost", False):  # the parameter server's, with a worker lost: the ranks cannot meet again
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + e.signum)
         # none leaves before rank 0 has written it: srun --kill-on-bad-exit ends the others when one exits
         comm.Barrier()
         return 128 + e.signum

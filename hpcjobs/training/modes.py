@@ -30,7 +30,7 @@ def train_mode(cfg: TrainConfig, comm: MPI.Intracomm, on_epoch=None) -> list[dic
     Raises:
         ValueError: a layout the mode cannot take; CheckpointError: a
             checkpoint it cannot resume; Stopped: stopped by a signal after a
-            checkpoint (local, easgd). On every rank.
+            checkpoint (local, easgd, hogwild, async). On every rank.
     """
     if cfg.mode == "async" or cfg.easgd_form == "async":
         from .paramserver import train_async as run

@@ -38,9 +38,10 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
+from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO
 from .preempt import SIGNALS, Stopped
 
-__all__ = ["Noted", "due", "read", "server_state", "load_server", "write"]
+__all__ = ["Noted", "at_pause", "due", "go_on", "read", "server_state", "load_server", "write"]
 
 
 class Noted:
@@ -69,14 +70,23 @@ def due(cfg, spe: int, pushes: int) -> bool:
 
 
 def stopped(cfg, spe: int, go: dict) -> Stopped:
-    """The Stopped every rank raises on a TAG_GO that says stop."""
-    return Stopped(go["stop"], go["pushes"] // spe, go["pushes"] % spe, cfg.checkpoint, True)
+    """The Stopped every rank raises on a TAG_GO that says stop; ``lost``: a
+    worker was lost, and the ranks cannot meet once more (``hpcjobs train``)."""
+    e = Stopped(go["stop"], go["pushes"] // spe, go["pushes"] % spe, cfg.checkpoint, True)
+    e.lost = go["lost"]
+    return e
 
 
 def send_bytes(comm: MPI.Intracomm, obj, dest: int, tag: int) -> None:
     """``obj`` pickled, as bytes: a server receives every message raw (ps_server._handle)."""
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
     comm.Send([data, data.size, MPI.BYTE], dest=dest, tag=tag)
+
+
+def isend_bytes(comm: MPI.Intracomm, obj, dest: int, tag: int) -> tuple:
+    """:func:`send_bytes`, started: (request, buffer), the buffer held until the request completes."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    return comm.Isend([data, data.size, MPI.BYTE], dest=dest, tag=tag), data
 
 
 def server_state(server) -> dict:
@@ -98,7 +108,7 @@ def load_server(server, state: dict) -> None:
     server.shard[:] = state["shard"].numpy()
     server.update.state[:] = state["update"].numpy()
     server.version = state["version"]
-    server.clocks[:] = state["clocks"]
+    server.clocks[:] = max(state["clocks"])  # every worker resumes at the live ones' count (write)
     server.applied_by[:] = state["applied_by"]
     server.stale_all = list(state["stale_all"])
     if server.kept is not None:
@@ -112,9 +122,12 @@ def load_server(server, state: dict) -> None:
 
 
 def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True) -> None:
-    """Server 0: the checkpoint of a pause after each worker's push ``pushes``,
-    from every server's ``states`` (in server order); the model is every shard.
-    ``trim``: a resumed run cuts the metrics file back to where it ends now."""
+    """Server 0: the checkpoint of a pause after each live worker's push
+    ``pushes``, from every server's ``states`` (in server order); the model
+    is every shard. Every worker resumes after push ``pushes``, one lost
+    before too (its count behind the others' would hold them at every
+    pause, with a staleness bound for good). ``trim``: a resumed run cuts
+    the metrics file back to where it ends now."""
     import os
 
     for k, state in enumerate(states):
@@ -146,10 +159,12 @@ def read(ctx) -> dict | None:
             states = state["ranks"]
             states[0] = dict(states[0], history=state["history"])
             if cfg.metrics and state["config"].get("metrics") == cfg.metrics and state["metrics_bytes"] is not None:
-                checkpoint.trim_metrics(cfg.metrics, state["metrics_bytes"], state["epoch"])
+                # the epochs recorded: after a worker was lost, fewer than its count of pushes makes
+                checkpoint.trim_metrics(cfg.metrics, state["metrics_bytes"], len(state["history"]))
             if not cfg.quiet:
                 where = f", step {state['step']} of epoch {state['epoch'] + 1}" if state["step"] else ""
-                print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where}", flush=True)
+                print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where} of each "
+                      f"worker's pushes (version {state['ranks'][0]['version']})", flush=True)
         except FileNotFoundError:
             states = None
         except Exception as e:
@@ -160,3 +175,43 @@ def read(ctx) -> dict | None:
     if not comm.bcast(states is not None, root=0):
         return None
     return comm.scatter(states, root=0)
+
+
+def at_pause(server) -> None:
+    """Every live worker of ``server`` (ps_server.Server) has paused. Server
+    k: its state to server 0, once. Server 0, with every server's: the
+    checkpoint, then go on (or stop) to every rank."""
+    if server.k:
+        if server.state_sent is None:  # nonblocking: server 0 may be asking for this shard to test meanwhile
+            server.state_sent = isend_bytes(server.comm, server_state(server), 0, TAG_CKPT)
+        return
+    if len(server.states) < server.S - 1:
+        return
+    epochs = server.ctx.epochs_done(server.version)
+    if epochs > len(server.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
+        server._record(epochs)
+    states = [server_state(server)] + [server.states[k] for k in range(1, server.S)]
+    pushes = max(count for count, _ in server.paused.values())
+    signals = [server.noted.signum, *(s for _, s in server.paused.values()), *(st["signum"] for st in states)]
+    # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
+    write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total)
+    go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "lost": bool(server.lost)}
+    for k in range(1, server.S):
+        send_bytes(server.comm, go, k, TAG_GO)
+    for w in server.paused:
+        if w not in server.lost:
+            server.comm.send(go, dest=server.S + w, tag=TAG_GO)
+    if go["stop"]:  # a worker done already (the others were lost) waits for the history: it stops too
+        for w in server.done:
+            server.comm.send(go, dest=server.S + w, tag=TAG_FINAL)
+    go_on(server, go)
+
+
+def go_on(server, go: dict) -> None:
+    """The pause is over (the checkpoint written); a stop where ``go`` says so.
+    A worker's marker for the next pause may have come before server 0's go
+    for this one: it stays."""
+    server.paused = {w: p for w, p in server.paused.items() if p[0] > go["pushes"]}
+    server.states, server.state_sent = {}, None
+    if go["stop"]:
+        server.go, server.stopped = go, True

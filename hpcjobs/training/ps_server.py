@@ -55,11 +55,12 @@ class Server:
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
         # checkpoints (ps_checkpoint.py): the workers paused (count, signal), the other servers' states (server 0)
-        self.paused, self.states, self.state_sent, self.go, self.wall0 = {}, {}, False, None, 0.0
+        self.paused, self.states, self.state_sent, self.go, self.wall0 = {}, {}, None, None, 0.0
         self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
         if mine is not None:
             ps_checkpoint.load_server(self, mine)
             self.history = list(mine.get("history", []))
+        self.base = self.applied_by.copy()  # the audit's counts from the resume on (its sums start there)
 
     def run(self) -> list[dict]:
         status = MPI.Status()
@@ -103,35 +104,10 @@ class Server:
         return bool(live) and all(w in self.paused for w in live) and not self.pending
 
     def _at_pause(self) -> None:
-        """Server k: its state to server 0, once. Server 0, with every
-        server's: the checkpoint, then go on (or stop) to every rank."""
-        if self.k:
-            if not self.state_sent:
-                ps_checkpoint.send_bytes(self.comm, ps_checkpoint.server_state(self), 0, TAG_CKPT)
-                self.state_sent = True
-            return
-        if len(self.states) < self.S - 1:
-            return
-        epochs = self.ctx.epochs_done(self.version)
-        if epochs > len(self.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
-            self._record(epochs)
-        states = [ps_checkpoint.server_state(self)] + [self.states[k] for k in range(1, self.S)]
-        pushes = max(count for count, _ in self.paused.values())
-        signals = [self.noted.signum, *(s for _, s in self.paused.values()), *(st["signum"] for st in states)]
-        # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
-        ps_checkpoint.write(self.ctx, self.history, states, pushes, trim=self.version < self.ctx.total)
-        go = {"stop": next((s for s in signals if s), 0), "pushes": pushes}
-        for k in range(1, self.S):
-            ps_checkpoint.send_bytes(self.comm, go, k, TAG_GO)
-        for w in self.paused:
-            if w not in self.lost:
-                self.comm.send(go, dest=self.S + w, tag=TAG_GO)
-        self._go_on(go)
+        ps_checkpoint.at_pause(self)
 
     def _go_on(self, go: dict) -> None:
-        self.paused, self.states, self.state_sent = {}, {}, False
-        if go["stop"]:
-            self.go, self.stopped = go, True
+        ps_checkpoint.go_on(self, go)
 
     def _all_in(self) -> bool:
         return len(self.done) + len(self.lost - set(self.done)) == self.W
@@ -200,7 +176,8 @@ class Server:
             while self.version in self.pending:
                 self._apply(*self.pending.pop(self.version))
         elif tag == TAG_DONE:
-            self.done[w] = (int(hdr[0]), self.inbuf[HDR:HDR + 8 * self.shard.size].view(np.float64).copy())
+            self.done[w] = (int(hdr[0]), self.inbuf[HDR:HDR + 8 * self.shard.size].view(np.float64).copy(),
+                            int(hdr[2]))  # its pushes, their sum, and its count at the resume
             self.last_lr[w] = hdr[1]
         self._answer_deferred()
 
@@ -328,13 +305,15 @@ class Server:
 
     def _audit(self) -> dict:
         """What this server applied against what the finished workers say they pushed."""
-        reported = sum((s for _, s in self.done.values()), np.zeros_like(self.applied_sum))
-        counts_ok = all(self.applied_by[w] == pushes for w, (pushes, _) in self.done.items())
+        reported = sum((s for _, s, _ in self.done.values()), np.zeros_like(self.applied_sum))
+        # since the resume (both sums start there; every worker resumes at one count, one lost before too)
+        counts_ok = all(self.applied_by[w] - self.base[w] == pushes - start
+                        for w, (pushes, _, start) in self.done.items())
         diff = float(np.max(np.abs(reported - self.applied_sum), initial=0.0)) if not self.lost else None
         scale = float(np.max(np.abs(self.applied_sum), initial=1.0))
         ok = counts_ok and (diff is None or diff <= 1e-9 * max(1.0, scale))
         return {"ok": ok, "applied": int(self.applied_by.sum()), "diff": diff,
-                "pushed": sum(p for p, _ in self.done.values())}
+                "pushed": int(self.base.sum()) + sum(p - start for p, _, start in self.done.values())}
 
     def _finish(self) -> None:
         """Server 0, once every worker is done or lost: the last (partial)

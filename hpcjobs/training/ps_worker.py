@@ -32,6 +32,7 @@ class Worker:
         self.grad = np.empty(ctx.flat.numel(), np.float32)
         self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
         self.pushed_count = mine["pushes"] if mine is not None else 0  # resumed: after that push
+        self.start = self.pushed_count  # the audit's sums start here
         self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
         self.heard = {}
         # While it waits (on one server's held pull, say) it tells every server it lives: the others, which
@@ -168,9 +169,13 @@ class Worker:
         for k in range(S):
             sl = ctx.shard(k)
             buf = np.empty(HDR + 8 * (sl.stop - sl.start), np.uint8)
-            buf[:HDR].view(np.float64)[:2] = pushes, self.opt.param_groups[0]["lr"] if ctx.elastic else np.nan
+            buf[:HDR].view(np.float64)[:3] = (pushes, self.opt.param_groups[0]["lr"] if ctx.elastic else np.nan,
+                                              self.start)
             buf[HDR:].view(np.float64)[:] = self.pushed_sum[sl]
             done.append(buf)
             self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_DONE)
         _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
-        return _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
+        history = _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
+        if isinstance(history, dict):  # a signal's stop at a pause of the others (this one was done)
+            raise ps_checkpoint.stopped(cfg, ctx.spe, history)
+        return history

@@ -90,6 +90,27 @@ def test_a_run_whose_workers_are_lost_at_an_epochs_end_has_the_audit_in_its_metr
         "lost_workers": "1"}
 
 
+def test_checkpoints_go_on_without_a_lost_worker_and_a_resumed_run_audits_it(tmp_path):
+    """With --checkpoint the workers pause at each epoch's end: one killed at its 5th push must not hold the
+    others' pause for good (it is lost after 6 s, and the checkpoint written without it). Resumed for a third
+    epoch with every worker alive, the one lost goes on from its own count, 5, not the others'; the audit
+    counts each worker's pushes since the resume (from a single count for all, it failed: 'lost update')."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "c.pt"
+    common = [*SMALL, "--staleness-bound", "2", "--peer-timeout", "6", "--metrics", str(metrics), "--checkpoint",
+              str(ckpt)]
+    out, _ = _train(4, *common, "--epochs", "2", fault="2:5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"worker rank 2 lost \(silent for 6 s after [45] pushes\)", out.stdout), out.stdout[-2000:]
+    out, _ = _train(4, *common, "--epochs", "3", "--resume")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "# train: resumed from" in out.stdout, out.stdout[-2000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3] and "lost_workers" not in records[-1], records
+    last = records[-1]
+    assert last["pushes_applied"] == last["pushes_reported"] == sum(last["pushes_by_worker"]) >= 3 * 24
+    assert last["audit_max_diff"] < 1e-9
+
+
 def test_a_worker_waiting_on_one_server_is_not_lost_to_another(tmp_path):
     """Server rank 1 holds every pull for 30 s at its 10th push (as it would
     behind a lost worker with a staleness bound); server 0 has answered. The
