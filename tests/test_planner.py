@@ -437,9 +437,9 @@ def test_the_cost_model_of_hpcjobs_model_costs_both_links(tmp_path):
     model = tmp_path / "model.json"
     model.write_text(json.dumps({"ranks": 4, "machine": net.to_dict(), "node_machine": node.to_dict(), "rows": []}))
     out = tmp_path / "plan.json"
-    r = hpcjobs_here("plan", "--params", "524288", "--throughput", "100", "--batch-per-device", "10", "--devices", "2,4",
-                "--devices-per-node", "2", "--cost-model", str(model), "--algorithm", "ring", "--no-overlap",
-                "--fusion-bytes", "64M", "--json", str(out))
+    r = hpcjobs_here("plan", "--params", "524288", "--throughput", "100", "--batch-per-device", "10", "--devices",
+                     "2,4", "--devices-per-node", "2", "--cost-model", str(model), "--algorithm", "ring",
+                     "--no-overlap", "--fusion-bytes", "64M", "--json", str(out))
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
     N = 2 * MB
@@ -629,7 +629,8 @@ def test_plan_with_a_cost_model_starts_no_mpi(tmp_path):
     path = tmp_path / "model.json"
     path.write_text(json.dumps({"ranks": 4, "machine": m, "node_machine": m, "ranks_per_node": 2}))
     code = ("import sys\nfrom hpcjobs.cli import main\n"
-            f"rc = main(['plan', '--params', '1M', '--throughput', '10', '--devices', '2,4', '--cost-model', {str(path)!r}])\n"
+            f"rc = main(['plan', '--params', '1M', '--throughput', '10', '--devices', '2,4', "
+            f"'--cost-model', {str(path)!r}])\n"
             "print('rc', rc, 'mpi', 'mpi4py.MPI' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
     assert (proc.stdout.splitlines() or [""])[-1] == "rc 0 mpi False", proc.stdout + proc.stderr

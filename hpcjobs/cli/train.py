@@ -211,8 +211,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="write a checkpoint here after every epoch (atomic), and at the next step after a SIGTERM "
-                        "or SIGUSR1 (then stop: exit status 128 + the signal's number; mode async at its next pause); not "
-                        "easgd --easgd-form async")
+                        "or SIGUSR1 (then stop: exit status 128 + the signal's number; mode async at its next "
+                        "pause); not easgd --easgd-form async")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",

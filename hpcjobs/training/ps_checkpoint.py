@@ -8,7 +8,7 @@ sender's messages to one receiver in order, so each server has applied that
 push before it reads the marker) and waits. A server all of whose live
 workers have paused has applied every push they made and gets no more: its
 shard, optimizer state and version are a cut that every server agrees on
-(version c x W). Servers 1.. send theirs to server 0 (TAG_CKPT), which
+(version c x W where no worker was lost). Servers 1.. send theirs to server 0 (TAG_CKPT), which
 writes the checkpoint -- the whole model, every server's state, each
 worker's count -- and tells every rank to go on, or, where any rank had
 noted SIGTERM or SIGUSR1, to stop (TAG_GO). So a signal stops the run at the
@@ -38,7 +38,7 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
-from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO
+from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import SIGNALS, Stopped
 
 __all__ = ["Noted", "at_pause", "due", "go_on", "read", "server_state", "load_server", "write"]
@@ -138,7 +138,8 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": pushes // ctx.spe, "step": pushes % ctx.spe,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
         "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
-        "metrics_bytes": os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics) else None})
+        "metrics_bytes": (os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics)
+                          else None)})
 
 
 def read(ctx) -> dict | None:
@@ -185,7 +186,12 @@ def at_pause(server) -> None:
         if server.state_sent is None:  # nonblocking: server 0 may be asking for this shard to test meanwhile
             server.state_sent = isend_bytes(server.comm, server_state(server), 0, TAG_CKPT)
         return
-    if len(server.states) < server.S - 1:
+    missing = [k for k in range(1, server.S) if k not in server.states]
+    if missing:  # a server that died meanwhile sends no state (under mpirun --enable-recovery nothing else ends it)
+        now = time.monotonic()
+        for k in missing:
+            if now - server.heard_servers[k] > server.cfg.peer_timeout:
+                raise PeerLost(f"server rank {k} sent nothing for {server.cfg.peer_timeout:g} s: presumed lost")
         return
     epochs = server.ctx.epochs_done(server.version)
     if epochs > len(server.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
@@ -212,6 +218,8 @@ def go_on(server, go: dict) -> None:
     A worker's marker for the next pause may have come before server 0's go
     for this one: it stays."""
     server.paused = {w: p for w, p in server.paused.items() if p[0] > go["pushes"]}
+    if server.state_sent is not None:  # server 0 had it before it said go: done at once
+        server.state_sent[0].Wait()
     server.states, server.state_sent = {}, None
     if go["stop"]:
         server.go, server.stopped = go, True

@@ -67,6 +67,7 @@ class Server:
         self.t_epoch = self.heard0 = time.monotonic()
         self.t0 = self.t_epoch - self.wall0  # a resumed run's wall time goes on
         self.heard[:] = self.t_epoch
+        self.heard_servers = dict.fromkeys(range(self.S), self.t_epoch)
         while not self.stopped:
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))
@@ -134,6 +135,8 @@ class Server:
             self._heartbeat(now)  # the others must not take this wait for a dead server
             time.sleep(IDLE_S)
         hdr = self.inbuf[:HDR].view(np.float64)
+        if src < self.S:  # server 0 waits on the others' states at a pause: it must notice one that died
+            self.heard_servers[src] = time.monotonic()
         if src == 0 and self.k:
             self.heard0 = time.monotonic()
         if tag == TAG_ALIVE:  # a server's, or a waiting worker's

@@ -93,8 +93,9 @@ def test_a_run_whose_workers_are_lost_at_an_epochs_end_has_the_audit_in_its_metr
 def test_checkpoints_go_on_without_a_lost_worker_and_a_resumed_run_audits_it(tmp_path):
     """With --checkpoint the workers pause at each epoch's end: one killed at its 5th push must not hold the
     others' pause for good (it is lost after 6 s, and the checkpoint written without it). Resumed for a third
-    epoch with every worker alive, the one lost goes on from its own count, 5, not the others'; the audit
-    counts each worker's pushes since the resume (from a single count for all, it failed: 'lost update')."""
+    epoch with every worker alive, every worker goes on from the live workers' count, the lost one too (from
+    its own, 5, a staleness bound held the others at their next pause for good); the audit counts each
+    worker's pushes since the resume (against the counts of the whole run it failed: 'lost update')."""
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "c.pt"
     common = [*SMALL, "--staleness-bound", "2", "--peer-timeout", "6", "--metrics", str(metrics), "--checkpoint",
               str(ckpt)]
