@@ -242,22 +242,25 @@ def _environment_refused(problem: str | None, settings: dict, prog: str, comm) -
     return True
 
 
-def _meet(comm, seconds: float = 10.0) -> bool:
+def _meet(comm, seconds: float = 10.0):
     """Wait, at most ``seconds``, until every rank of ``comm`` has come here:
     a refusal every rank makes alike ends no rank before rank 0 has printed
     it (srun's --kill-on-bad-exit ends the others when one exits 2). Bounded,
     unlike a barrier: a refusal made on some ranks only must not hang the
     ones that made it; they abort the job (``_run_ranks``), and their barrier
-    left behind never meets MPI_Finalize. Whether they met."""
+    left behind never meets MPI_Finalize. None where they met, else the
+    barrier's request, still active: whoever goes on must complete it before
+    ``comm`` is freed (a pending nonblocking collective on a freed
+    communicator crashed a later progress call)."""
     import time
 
     request = comm.Ibarrier()
     end = time.monotonic() + seconds
     while not request.Test():
         if time.monotonic() > end:
-            return False  # the request is left behind: this rank is about to exit
+            return request
         time.sleep(0.001)
-    return True
+    return None
 
 
 def _shared_settings(args) -> dict:
@@ -312,7 +315,7 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
         rank = MPI.COMM_WORLD.Get_rank()
         if rank == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        if not _meet(meeting):  # refused on some ranks only: the others went on, and would wait for these
+        if _meet(meeting) is not None:  # refused on some ranks only: the others went on, and would wait for these
             print(f"hpcjobs: rank {rank}: {prog}: error: {e}" + ("" if rank else " (said above)")
                   + "; some ranks did not refuse it: aborting the job", file=sys.stderr, flush=True)
             MPI.COMM_WORLD.Abort(2)

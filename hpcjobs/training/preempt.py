@@ -39,6 +39,9 @@ from ..slurm import STOP_FILE_ENV, stop_point
 __all__ = ["SIGNALS", "Stopped", "StopSignals", "write_stop_file"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The communicator and poll of a run that ended in an error, kept for the process's life: an active
+# nonblocking collective freed with its communicator crashed a later call's progress.
+_ABANDONED: list = []
 
 
 class Stopped(Exception):
@@ -124,6 +127,8 @@ class StopSignals:
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
         self._previous = {}
+        if self._comm is not None:  # not closed (an error): its poll may be in flight, and neither may be freed
+            _ABANDONED.append((self._comm, self._request))
 
 
 def write_stop_file(stopped: Stopped) -> str | None:
