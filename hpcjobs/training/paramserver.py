@@ -250,7 +250,8 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
         from .ps_server import Server as role
     else:
         from .ps_worker import Worker as role
-    from .ps_checkpoint import Noted, read
+    from .preempt import Noted
+    from .ps_checkpoint import read
 
     noted = Noted(bool(cfg.checkpoint))  # SIGTERM, SIGUSR1: a checkpoint at the next pause, and stop
     try:

@@ -36,7 +36,7 @@ from mpi4py import MPI
 from .._files import atomic_write
 from ..slurm import STOP_FILE_ENV, stop_point
 
-__all__ = ["SIGNALS", "Stopped", "StopSignals", "write_stop_file"]
+__all__ = ["SIGNALS", "Noted", "Stopped", "StopSignals", "write_stop_file"]
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The communicator and poll of a run that ended in an error, kept for the process's life: an active
@@ -60,6 +60,25 @@ class Stopped(Exception):
                          f"{path} not written (--resume continues from the last one, if any)")
 
 
+class Noted:
+    """SIGTERM and SIGUSR1 noted on this rank (``signum``: the first, 0:
+    none), where ``on`` and this is the main thread (where Python runs signal
+    handlers); :meth:`restore` gives the previous handlers back."""
+
+    def __init__(self, on: bool):
+        self.signum = 0
+        on = on and threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
+
+    def _note(self, signum: int, frame) -> None:
+        self.signum = self.signum or signum
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
+        self._previous = {}
+
+
 class StopSignals:
     """The signals noted on this rank and agreed across ``comm`` (collective
     to make and to :meth:`close`). Off (never stops, takes no signal) when
@@ -67,16 +86,17 @@ class StopSignals:
     signal handlers)."""
 
     def __init__(self, comm: MPI.Intracomm, enabled: bool):
-        self.noted = 0  # the first signal this rank got, 0: none
         on = enabled and threading.current_thread() is threading.main_thread()
         on = comm.allreduce(int(on), op=MPI.MIN) == 1  # a rank off would never join the ranks' polls
         self._comm = comm.Dup() if on else None
         self._mine, self._any = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self._request: MPI.Request | None = None
-        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
+        self._signals = Noted(on)
 
-    def _note(self, signum: int, frame) -> None:
-        self.noted = self.noted or signum
+    @property
+    def noted(self) -> int:
+        """The first signal this rank got, 0: none."""
+        return self._signals.signum
 
     def _finish(self) -> int:
         """The answer of the poll in flight (0 when none is)."""
@@ -124,9 +144,7 @@ class StopSignals:
         A signal after this goes to the previous handler and is not noted;
         polls, still collective until :meth:`close`, report what was noted
         before."""
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)  # None: set outside Python
-        self._previous = {}
+        self._signals.restore()
         if self._comm is not None:  # not closed (an error): its poll may be in flight, and neither may be freed
             _ABANDONED.append((self._comm, self._request))
 

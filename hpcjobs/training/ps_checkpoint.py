@@ -29,8 +29,6 @@ yet.
 from __future__ import annotations
 
 import pickle
-import signal
-import threading
 import time
 
 import numpy as np
@@ -39,28 +37,9 @@ from mpi4py import MPI
 
 from . import checkpoint
 from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
-from .preempt import SIGNALS, Stopped
+from .preempt import Stopped
 
-__all__ = ["Noted", "at_pause", "due", "go_on", "read", "server_state", "load_server", "write"]
-
-
-class Noted:
-    """SIGTERM and SIGUSR1 noted on this rank (with a checkpoint to write, in
-    the main thread): acted on at the next pause. :meth:`restore` gives the
-    previous handlers back."""
-
-    def __init__(self, on: bool):
-        self.signum = 0
-        on = on and threading.current_thread() is threading.main_thread()
-        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
-
-    def _note(self, signum: int, frame) -> None:
-        self.signum = self.signum or signum
-
-    def restore(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        self._previous = {}
+__all__ = ["at_pause", "due", "go_on", "read", "server_state", "load_server", "write"]
 
 
 def due(cfg, spe: int, pushes: int) -> bool:

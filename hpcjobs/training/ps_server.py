@@ -17,6 +17,7 @@ from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_C
                           TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost,
                           ShardUpdate, _await, _Ctx, _die_if_told, _recv_object)
 from . import ps_checkpoint
+from .preempt import Noted
 from .stepping import amend_report, evaluate_local, finish_record, report
 
 __all__ = ["Server"]
@@ -56,7 +57,7 @@ class Server:
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
         # checkpoints (ps_checkpoint.py): the workers paused (count, signal), the other servers' states (server 0)
         self.paused, self.states, self.state_sent, self.go, self.wall0 = {}, {}, None, None, 0.0
-        self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
+        self.noted = Noted(False)  # run_async gives the rank's own
         if mine is not None:
             ps_checkpoint.load_server(self, mine)
             self.history = list(mine.get("history", []))

@@ -13,6 +13,7 @@ from mpi4py import MPI
 from . import schedule as sched
 from .data import rank_batches
 from . import ps_checkpoint
+from .preempt import Noted
 from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, Beats, _await,
                           _Ctx, _die_if_told, _recv_object)
 from .stepping import Straggler, compute_step, grad_vector
@@ -33,7 +34,7 @@ class Worker:
         self.pushed_sum = np.zeros(ctx.flat.numel(), np.float64)
         self.pushed_count = mine["pushes"] if mine is not None else 0  # resumed: after that push
         self.start = self.pushed_count  # the audit's sums start here
-        self.noted = ps_checkpoint.Noted(False)  # run_async gives the rank's own
+        self.noted = Noted(False)  # run_async gives the rank's own
         self.heard = {}
         # While it waits (on one server's held pull, say) it tells every server it lives: the others, which
         # answered, would otherwise count the wait as its silence and find it lost
