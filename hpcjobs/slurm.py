@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["TEMPLATES", "template_path", "render", "RenderOptions", "job_commands", "launch_command",
-           "master_address", "STOP_FILE", "STOP_FILE_ENV", "TEMPLATE_CHECKPOINT_ENV", "requeue_decision", "stop_point"]
+           "master_address", "STOP_FILE", "STOP_FILE_ENV", "requeue_decision", "stop_point"]
 
 TEMPLATES = ("allreduce", "train", "tune", "horovod", "nccl")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")  # fullmatch: no trailing newline gets through
@@ -310,9 +310,6 @@ STOP_FILE = "stopped.json"  # in the job's results directory: where a run a sign
 # The variable that names it to the ranks (hpcjobs.training.preempt.write_stop_file): launch reads the file when
 # srun ends, since srun's exit status does not tell a stop from a failure (it read 138 or 143 for the same stop).
 STOP_FILE_ENV = "HPCJOBS_STOP_FILE"
-# train.sbatch's switch (exported to the ranks): 1, the default, passes train --checkpoint and --resume; 0 runs the
-# mode that takes no checkpoint (easgd's async form). train's refusal of a checkpoint names it.
-TEMPLATE_CHECKPOINT_ENV = "HPCJOBS_CHECKPOINT"
 
 
 def stop_point(epoch: int, step: int) -> str:

@@ -21,7 +21,6 @@ from ..convergence import LOSS_MODELS
 from ..training.config import (AMP, EASGD_FORMS, GPT_MODELS, IMAGE_MODELS, MODELS, MODES, NONFINITE, OPTIMIZERS,
                                OVERLAPS, TrainConfig, parse_straggler)
 from ..runtime import DEVICES
-from ..slurm import TEMPLATE_CHECKPOINT_ENV
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_amp, check_outputs, dataclass_values, nonnegative_float, nonnegative_int,
@@ -211,8 +210,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "gradients before and after averaging: noise_scale (samples), grad_sq, grad_var (2+ ranks)")
     g.add_argument("--checkpoint", metavar="PATH",
                    help="write a checkpoint here after every epoch (atomic), and at the next step after a SIGTERM "
-                        "or SIGUSR1 (then stop: exit status 128 + the signal's number; mode async at its next "
-                        "pause); not easgd --easgd-form async")
+                        "or SIGUSR1 (then stop: exit status 128 + the signal's number; modes async and easgd "
+                        "--easgd-form async at their workers' next pause)")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
                    help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",
@@ -246,15 +245,9 @@ def config_from_args(args, size: int) -> TrainConfig:
         raise UsageError(f"--local-steps is for --mode local and easgd, not mode {mode}")
     if getattr(args, "noise_scale", False) and size < 2:
         raise UsageError("--noise-scale compares one rank's gradient with the average over ranks: run 2 or more")
-    try:
-        with usage():
-            cfg = TrainConfig(**values)
-            cfg.validate()
-    except UsageError as e:
-        if values.get("checkpoint") and served and os.environ.get(TEMPLATE_CHECKPOINT_ENV) == "1":
-            raise UsageError(f"{e}. slurm/train.sbatch passes --checkpoint and --resume: submit this mode with "
-                             f"{TEMPLATE_CHECKPOINT_ENV}=0 (no checkpoint, no requeue)") from None
-        raise
+    with usage():
+        cfg = TrainConfig(**values)
+        cfg.validate()
     return cfg
 
 

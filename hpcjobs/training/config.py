@@ -256,9 +256,6 @@ class TrainConfig:
                                  f"one pass per step, on CPUs, without target-loss predictions or nonfinite checks: "
                                  f"{name} is for mode sync")
         served = self.mode == "async" or self.easgd_form == "async"
-        if self.checkpoint and served and self.mode == "easgd":
-            raise ValueError("checkpoint: mode easgd (async form) takes none (its workers' own parameters are not "
-                             "checkpointed yet); modes sync, async, local, easgd (sync form) and hogwild do")
         self._refuse_ignored(served)
         if self.straggler is not None and served and parse_straggler(self.straggler)[0] < self.servers:
             raise ValueError(f"straggler {self.straggler}: rank {parse_straggler(self.straggler)[0]} is a server in "

@@ -22,8 +22,16 @@ last k versions: in fixed-delay mode it is the run never stopped (the tests
 hold it to the single-process reference). The audit's sums start again at
 the resume (its counts cover the run). The checkpoint must be written within
 ``--peer-timeout``: the ranks waiting for it take longer for server 0's
-death. Asynchronous EASGD (workers with parameters of their own) takes none
-yet.
+death.
+
+Asynchronous EASGD (``--mode easgd --easgd-form async``) counts its pauses
+in each worker's own steps: a worker pauses after the push whose H local
+steps reached an epoch's end or a multiple of ``checkpoint_every``. Its
+workers have parameters of their own: before its marker each sends server 0
+its parameters, optimizer state and the schedule's clock (TAG_CKPT, the
+same order rule), which the checkpoint keeps beside the center. A resumed
+worker goes on from them after its step c x H; one lost before resumes
+from the center with a fresh optimizer.
 """
 
 from __future__ import annotations
@@ -39,19 +47,28 @@ from . import checkpoint
 from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import Stopped
 
-__all__ = ["at_pause", "due", "go_on", "read", "server_state", "load_server", "write"]
+__all__ = ["at_pause", "due", "go_on", "position", "read", "server_state", "load_server", "write", "worker_state"]
 
 
-def due(cfg, spe: int, pushes: int) -> bool:
-    """Whether a worker pauses after its push number ``pushes``."""
-    every = cfg.checkpoint_every
-    return bool(cfg.checkpoint) and pushes > 0 and (pushes % spe == 0 or bool(every) and pushes % every == 0)
+def due(ctx, pushes: int) -> bool:
+    """Whether a worker pauses after its push number ``pushes``: its last
+    push's steps (one in Downpour, H in EASGD) reached an epoch's end or a
+    multiple of ``checkpoint_every``."""
+    cfg, h = ctx.cfg, ctx.steps_per_push
+    if not cfg.checkpoint or pushes <= 0:
+        return False
+    return any(every and pushes * h // every > (pushes - 1) * h // every for every in (ctx.spe, cfg.checkpoint_every))
 
 
-def stopped(cfg, spe: int, go: dict) -> Stopped:
+def position(ctx, pushes: int) -> tuple[int, int]:
+    """(epochs, step) of each worker's own steps after its push number ``pushes``."""
+    return divmod(pushes * ctx.steps_per_push, ctx.spe)
+
+
+def stopped(ctx, go: dict) -> Stopped:
     """The Stopped every rank raises on a TAG_GO that says stop; ``lost``: a
     worker was lost, and the ranks cannot meet once more (``hpcjobs train``)."""
-    e = Stopped(go["stop"], go["pushes"] // spe, go["pushes"] % spe, cfg.checkpoint, True)
+    e = Stopped(go["stop"], *position(ctx, go["pushes"]), ctx.cfg.checkpoint, True)
     e.lost = go["lost"]
     return e
 
@@ -83,6 +100,11 @@ def server_state(server) -> dict:
     return state
 
 
+def worker_state(worker) -> dict:
+    """What an EASGD worker resumes from: its own parameters, optimizer state and the schedule's clock."""
+    return {"params": worker.ctx.flat.clone(), "optimizer": worker.opt.state_dict(), "clock": worker.clock}
+
+
 def load_server(server, state: dict) -> None:
     server.shard[:] = state["shard"].numpy()
     server.update.state[:] = state["update"].numpy()
@@ -100,21 +122,28 @@ def load_server(server, state: dict) -> None:
         server.wall0 = state["wall"]
 
 
-def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True) -> None:
+def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True,
+          workers: dict | None = None) -> None:
     """Server 0: the checkpoint of a pause after each live worker's push
     ``pushes``, from every server's ``states`` (in server order); the model
     is every shard. Every worker resumes after push ``pushes``, one lost
     before too (its count behind the others' would hold them at every
-    pause, with a staleness bound for good). ``trim``: a resumed run cuts
-    the metrics file back to where it ends now."""
+    pause, with a staleness bound for good). ``workers``: EASGD's, each
+    worker's own state by its number; one lost resumes from the center.
+    ``trim``: a resumed run cuts the metrics file back to where it ends now."""
     import os
 
     for k, state in enumerate(states):
         ctx.flat[ctx.shard(k)] = state["shard"]
     cfg = ctx.cfg
     ranks = states + [{"pushes": pushes} for _ in range(ctx.workers)]
+    if workers is not None:
+        center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
+        for w in range(ctx.workers):
+            ranks[ctx.servers + w].update(workers.get(w, center))
+    epoch, step = position(ctx, pushes)
     checkpoint.save_checkpoint(cfg.checkpoint, {
-        "version": checkpoint.CHECKPOINT_VERSION, "epoch": pushes // ctx.spe, "step": pushes % ctx.spe,
+        "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
         "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
         "metrics_bytes": (os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics)
@@ -133,8 +162,10 @@ def read(ctx) -> dict | None:
         try:
             state = checkpoint.load_checkpoint(cfg.checkpoint)
             checkpoint.check_same_experiment(cfg, state, comm.Get_size())
-            if state.get("servers") != ctx.servers or "version" not in state["ranks"][0]:
-                raise checkpoint.CheckpointError(f"{cfg.checkpoint} is not a checkpoint of mode async with "
+            if (state.get("servers") != ctx.servers or "version" not in state["ranks"][0]
+                    or ctx.elastic != ("params" in state["ranks"][-1])):
+                raise checkpoint.CheckpointError(f"{cfg.checkpoint} is not a checkpoint of mode "
+                                                 f"{'easgd (async form)' if ctx.elastic else 'async'} with "
                                                  f"{ctx.servers} server(s)")
             states = state["ranks"]
             states[0] = dict(states[0], history=state["history"])
@@ -144,7 +175,8 @@ def read(ctx) -> dict | None:
             if not cfg.quiet:
                 where = f", step {state['step']} of epoch {state['epoch'] + 1}" if state["step"] else ""
                 print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where} of each "
-                      f"worker's pushes (version {state['ranks'][0]['version']})", flush=True)
+                      f"worker's {'steps' if ctx.elastic else 'pushes'} (version {state['ranks'][0]['version']})",
+                      flush=True)
         except FileNotFoundError:
             states = None
         except Exception as e:
@@ -172,14 +204,17 @@ def at_pause(server) -> None:
             if now - server.heard_servers[k] > server.cfg.peer_timeout:
                 raise PeerLost(f"server rank {k} sent nothing for {server.cfg.peer_timeout:g} s: presumed lost")
         return
+    # EASGD: each paused worker's own state came before its marker (one sender's messages arrive in order)
+    workers = {w: server.states[server.S + w] for w in server.paused if server.S + w in server.states} \
+        if server.ctx.elastic else None
     epochs = server.ctx.epochs_done(server.version)
     if epochs > len(server.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
         server._record(epochs)
-    states = [server_state(server)] + [server.states[k] for k in range(1, server.S)]
+    states = [server_state(server)] + [server.states[k] for k in range(1, server.S)]  # servers 1..: by rank
     pushes = max(count for count, _ in server.paused.values())
     signals = [server.noted.signum, *(s for _, s in server.paused.values()), *(st["signum"] for st in states)]
     # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
-    write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total)
+    write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total, workers=workers)
     go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "lost": bool(server.lost)}
     for k in range(1, server.S):
         send_bytes(server.comm, go, k, TAG_GO)

@@ -97,7 +97,7 @@ class Server:
                 raise PeerLost(f"server rank 0 sent nothing for {self.cfg.peer_timeout:g} s: presumed lost")
             time.sleep(IDLE_S)
         if self.go is not None:  # a signal's stop, after the checkpoint
-            raise ps_checkpoint.stopped(self.cfg, self.ctx.spe, self.go)
+            raise ps_checkpoint.stopped(self.ctx, self.go)
         return self._final_history()
 
     def _all_paused(self) -> bool:
@@ -154,7 +154,7 @@ class Server:
         if tag == TAG_STOP:  # the audit waits for the DONEs of the workers server 0 counted (_stop_ready)
             self.stop_mask = self.inbuf[:count].copy()
             return
-        if tag == TAG_CKPT:  # server 0: a server's state at a pause
+        if tag == TAG_CKPT:  # server 0: a server's state at a pause, or an EASGD worker's (by rank)
             self.states[src] = pickle.loads(self.inbuf[:count].tobytes())
             return
         if tag == TAG_GO:  # server k: the checkpoint is written

@@ -14,8 +14,8 @@ from . import schedule as sched
 from .data import rank_batches
 from . import ps_checkpoint
 from .preempt import Noted
-from .paramserver import (HDR, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, Beats, _await,
-                          _Ctx, _die_if_told, _recv_object)
+from .paramserver import (HDR, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH,
+                          Beats, _await, _Ctx, _die_if_told, _recv_object)
 from .stepping import Straggler, compute_step, grad_vector
 
 __all__ = ["Worker"]
@@ -40,10 +40,16 @@ class Worker:
         # answered, would otherwise count the wait as its silence and find it lost
         self.beat = Beats(ctx.comm, ctx.cfg.peer_timeout / 4, lambda: range(self.S))
         self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
+        self.clock = 0  # EASGD: the schedule's step this worker's next local step takes (_run_elastic)
         if ctx.elastic:  # this worker's own SGD between elastic moves
             from .loop import _make_optimizer
 
             self.opt = _make_optimizer(ctx.cfg, ctx.model)
+            if mine is not None:  # its own parameters (the center's where it was lost before), momentum, clock
+                ctx.flat.copy_(mine["params"])
+                if mine["optimizer"] is not None:
+                    self.opt.load_state_dict(mine["optimizer"])
+                self.clock = int(mine["clock"])
 
     def run(self) -> list[dict]:
         _die_if_told(self.comm.Get_rank(), 0)  # the fault tests: a worker lost before its first push
@@ -74,7 +80,7 @@ class Worker:
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
                 self._push(heads, epoch, index, (loss, correct, samples), grad_vector(ctx.model, self.grad))
-                if ps_checkpoint.due(cfg, ctx.spe, self.pushed_count):
+                if ps_checkpoint.due(ctx, self.pushed_count):
                     self._pause()
             epoch, start = epoch + 1, 0
 
@@ -91,23 +97,24 @@ class Worker:
         off (docs/results/async.md, "EASGD's asynchronous form")."""
         ctx, cfg, opt = self.ctx, self.cfg, self.opt
         flat = ctx.flat.numpy()
-        step, clock, epoch, sums = 0, 0, 0, np.zeros(3)
+        step, sums = self.pushed_count * cfg.local_steps, np.zeros(3)  # resumed: after its step c x H
+        epoch, start = divmod(step, ctx.spe)
         while True:
             batches = rank_batches(len(ctx.ds.train), cfg.batch_per_rank, self.w, self.W, epoch, cfg.seed)
-            for t in range(ctx.spe):
+            for t in range(start, ctx.spe):
                 loss, correct, samples, secs = compute_step(ctx.model, ctx.ds, batches[t])
                 self.straggler(secs)
-                sched.set_lr(opt, sched.lr_at(clock, ctx.spe, ctx.schedule),
+                sched.set_lr(opt, sched.lr_at(self.clock, ctx.spe, ctx.schedule),
                              momentum_correction=cfg.momentum_correction)
                 opt.step()
-                step, clock, sums = step + 1, clock + 1, sums + (loss, correct, samples)
+                step, self.clock, sums = step + 1, self.clock + 1, sums + (loss, correct, samples)
                 if step % cfg.local_steps:
                     self._between_steps()
                     continue
                 heads = self._pull(self.pushed_count, -1)
                 if heads is None:
                     return
-                clock = ctx.elastic_step(int(heads[0][0]) + 1)  # the moves applied, and this one
+                self.clock = ctx.elastic_step(int(heads[0][0]) + 1)  # the moves applied, and this one
                 for k in range(self.S):
                     sl = ctx.shard(k)
                     np.subtract(flat[sl], self.inbuf[k][HDR:].view(np.float32), out=self.grad[sl])
@@ -115,7 +122,9 @@ class Worker:
                 flat -= self.grad
                 self._push(heads, epoch, self.pushed_count * self.W + self.w, sums, self.grad)
                 sums = np.zeros(3)
-            epoch += 1
+                if ps_checkpoint.due(ctx, self.pushed_count):
+                    self._pause()
+            epoch, start = epoch + 1, 0
 
     def _pause(self) -> None:
         """A checkpoint's pause (ps_checkpoint.py): tell every server, after
@@ -123,13 +132,17 @@ class Worker:
         Stopped where it says stop."""
         comm, cfg = self.comm, self.cfg
         _await(comm, self.outreq, list(range(self.S)), cfg.peer_timeout, self.heard, self.beat)
+        if self.ctx.elastic:  # its own state to server 0, before the marker (one sender's messages stay in order)
+            sent = ps_checkpoint.isend_bytes(comm, ps_checkpoint.worker_state(self), 0, TAG_CKPT)
         marker = np.zeros(8)
         marker[:2] = self.pushed_count, self.noted.signum
         for k in range(self.S):
             comm.Send(marker, dest=k, tag=TAG_PAUSE)
+        if self.ctx.elastic:
+            _await(comm, [sent[0]], [0], cfg.peer_timeout, self.heard, self.beat)
         go = _recv_object(comm, 0, TAG_GO, cfg.peer_timeout, beat=self.beat)
         if go["stop"]:
-            raise ps_checkpoint.stopped(cfg, self.ctx.spe, go)
+            raise ps_checkpoint.stopped(self.ctx, go)
 
     def _between_steps(self) -> None:
         """Between local steps: the last push moves on (a large one over TCP
@@ -178,5 +191,5 @@ class Worker:
         _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
         history = _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
         if isinstance(history, dict):  # a signal's stop at a pause of the others (this one was done)
-            raise ps_checkpoint.stopped(cfg, ctx.spe, history)
+            raise ps_checkpoint.stopped(ctx, history)
         return history

@@ -92,7 +92,6 @@ def test_flatten_makes_the_parameters_views_of_one_vector():
     (dict(mode="local", staleness_bound=0), "staleness_bound is a knob of mode async, not local"),
     (dict(mode="local", target_loss=0.3), "target_loss is for mode sync"),
     (dict(mode="hogwild", nonfinite="abort"), "nonfinite is for mode sync"),
-    (dict(mode="easgd", easgd_form="async", checkpoint="c.pt"), "checkpoint: mode easgd (async form) takes none"),
     (dict(mode="async", straggler="0:3"), "rank 0 is a server in mode async"),
     (dict(mode="easgd", easgd_form="async", servers=2, straggler="1:2"), "rank 1 is a server in mode easgd"),
     (dict(straggler="1"), "RANK:FACTOR"),
@@ -128,6 +127,7 @@ def test_bad_mode_settings_are_refused(kw, words):
     dict(mode="easgd", easgd_form="async", peer_timeout=5.0, no_decay_bn_bias=True, momentum_correction=False),
     dict(mode="local", no_decay_bn_bias=True, momentum_correction=False),  # torch's optimizer runs them
     dict(mode="local", checkpoint="c.pt", checkpoint_every=5, resume=True), dict(mode="easgd", checkpoint="c.pt"),
+    dict(mode="easgd", easgd_form="async", checkpoint="c.pt", checkpoint_every=5, resume=True),
 ])
 def test_what_a_mode_uses_it_takes(kw):
     TrainConfig(**kw).validate()

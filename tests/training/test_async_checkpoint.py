@@ -36,15 +36,16 @@ def shared_dir(tmp_path_factory, name):
     return comm.bcast(str(tmp_path_factory.mktemp(name)) if comm.rank == 0 else None)
 
 
-def counting_pushes(monkeypatch, signal_at=None):
-    """The gradients this rank computes from now on (a list of one count); with ``signal_at``, the last rank
-    sends itself SIGUSR1 while computing that one."""
+def counting_pushes(monkeypatch, signal_at=None, signaller=None):
+    """The gradients this rank computes from now on (a list of one count); with ``signal_at``, rank
+    ``signaller`` (the last by default) sends itself SIGUSR1 while computing that one."""
     calls, compute = [0], ps_worker.compute_step
     comm = MPI.COMM_WORLD
+    signaller = comm.Get_size() - 1 if signaller is None else signaller
 
     def counted(*args):
         calls[0] += 1
-        if calls[0] == signal_at and comm.rank == comm.Get_size() - 1:
+        if calls[0] == signal_at and comm.rank == signaller:
             os.kill(os.getpid(), signal.SIGUSR1)  # noted: said with the pause after this push
         return compute(*args)
 
@@ -123,3 +124,80 @@ def test_a_checkpoint_of_another_layout_is_refused_on_every_rank(tmp_path_factor
     if comm.Get_size() >= 3:
         with pytest.raises(CheckpointError, match="servers"):
             train(TrainConfig(**{**cfg, "servers": servers + 1}, resume=True), comm)
+
+
+EASGD = dict(TINY, mode="easgd", easgd_form="async", local_steps=3, epochs=2, decay="cosine")  # the clock matters
+
+
+@pytest.mark.mpi(min_size=2)
+def test_easgd_with_one_worker_stopped_by_a_signal_and_resumed_ends_where_the_run_never_stopped(
+        tmp_path_factory, monkeypatch):
+    """One worker (1 or 2 servers): nothing is stale and the run is deterministic. SIGUSR1 in its step 20; it
+    pauses after the elastic move whose 3 steps reach a multiple of 6 (step 24) and every rank stops. Resumed, it
+    makes the steps left, from its own parameters, momentum and clock, and the center and its parameters are the
+    unbroken run's. From the center, or without its momentum or its clock (the cosine's step), they are not."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "ps-easgd-one")
+    size = min(comm.Get_size(), 3)
+    group = comm.Split(0 if comm.Get_rank() < size else MPI.UNDEFINED, comm.Get_rank())
+    if group == MPI.COMM_NULL:
+        return
+    servers = size - 1
+    cfg = TrainConfig(**EASGD, servers=servers)
+    _, unbroken = run_async(cfg, private(group))
+    spe = steps_per_epoch(400, cfg.batch_per_rank)
+    stopping = TrainConfig(**{**cfg.__dict__, "checkpoint": f"{d}/c.pt", "checkpoint_every": 6})
+    counting_pushes(monkeypatch, signal_at=20, signaller=servers)
+    with pytest.raises(Stopped) as stopped:
+        run_async(stopping, private(group))
+    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, 0, 24)
+    if group.Get_rank() == 0:
+        state = load_checkpoint(stopping.checkpoint)
+        assert (state["epoch"], state["step"]) == (0, 24) and state["ranks"][0]["version"] == 8
+        mine = state["ranks"][servers]
+        assert mine["pushes"] == 8 and mine["optimizer"]["state"] and not torch.equal(
+            mine["params"], torch.cat([v.reshape(-1) for v in state["model"].values()]))
+    steps = counting_pushes(monkeypatch)
+    history, resumed = run_async(TrainConfig(**{**stopping.__dict__, "resume": True}), private(group))
+    total = 2 * spe // 3  # the run's elastic moves; the worker steps 3 more before the pull told to stop
+    assert steps[0] == (0 if group.Get_rank() < servers else (total + 1) * 3 - 24)
+    assert [h["epoch"] for h in history] == [1, 2] and history[-1]["pushes_applied"] == total
+    assert history[-1]["audit_max_diff"] <= 1e-12
+    if group.Get_rank() in (0, servers):
+        np.testing.assert_allclose(resumed, unbroken, rtol=0, atol=1e-6)
+    group.Free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_easgd_workers_resume_from_their_own_parameters(tmp_path_factory, monkeypatch):
+    """Several workers: the checkpoint keeps each one's parameters (not the center, not another's), each
+    resumed worker's first step starts from its own, and the resumed run applies and audits every move."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-easgd")
+    cfg = TrainConfig(**EASGD, servers=servers, checkpoint=f"{d}/c.pt", checkpoint_every=6)
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    counting_pushes(monkeypatch, signal_at=13)  # the pause after the move of steps 16-18
+    with pytest.raises(Stopped) as stopped:
+        run_async(cfg, private(comm))
+    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, *divmod(18, spe))
+    state = load_checkpoint(cfg.checkpoint)
+    center = torch.cat([v.reshape(-1) for v in state["model"].values()])
+    own = [state["ranks"][servers + w]["params"] for w in range(workers)]
+    assert [state["ranks"][servers + w]["pushes"] for w in range(workers)] == [6] * workers
+    assert state["ranks"][0]["version"] == 6 * workers
+    assert all(not torch.equal(p, center) for p in own)
+    assert all(not torch.equal(own[0], p) for p in own[1:])
+    first, compute = [], ps_worker.compute_step
+
+    def recorded(model, *args):
+        if not first:
+            first.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        return compute(model, *args)
+
+    monkeypatch.setattr(ps_worker, "compute_step", recorded)
+    last = run_async(TrainConfig(**{**cfg.__dict__, "resume": True}), private(comm))[0][-1]
+    if comm.Get_rank() >= servers:
+        assert torch.equal(first[0], own[comm.Get_rank() - servers])
+    assert last["epoch"] == 2 and last["pushes_applied"] == last["pushes_reported"] >= 2 * spe * workers // 3
+    assert last["audit_max_diff"] <= 1e-12
