@@ -30,7 +30,8 @@ steps reached an epoch's end or a multiple of ``checkpoint_every``. Its
 workers have parameters of their own: before its marker each sends server 0
 its parameters, optimizer state and the schedule's clock (TAG_CKPT, the
 same order rule), which the checkpoint keeps beside the center. A resumed
-worker goes on from them after its step c x H; one lost before resumes
+worker goes on from them after its step c x H; one lost before, or done
+before the run's last pause (its end falls between two pauses), resumes
 from the center with a fresh optimizer.
 """
 
@@ -129,7 +130,7 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
     is every shard. Every worker resumes after push ``pushes``, one lost
     before too (its count behind the others' would hold them at every
     pause, with a staleness bound for good). ``workers``: EASGD's, each
-    worker's own state by its number; one lost resumes from the center.
+    paused worker's own state by its number; one lost or done resumes from the center.
     ``trim``: a resumed run cuts the metrics file back to where it ends now."""
     import os
 

@@ -112,6 +112,36 @@ def test_checkpoints_go_on_without_a_lost_worker_and_a_resumed_run_audits_it(tmp
     assert last["audit_max_diff"] < 1e-9
 
 
+def test_an_easgd_worker_lost_before_a_checkpoint_resumes_from_the_center(tmp_path):
+    """Asynchronous EASGD's checkpoint keeps each worker's own parameters; one killed at its 5th move (after
+    the pause at its 4th) has none to send at the next: the checkpoint written without it gives it the
+    center, and the others paused their own. Resumed with every worker alive, every move is applied and audited."""
+    import torch
+
+    from hpcjobs.training.checkpoint import load_checkpoint
+
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "c.pt"
+    common = [*SMALL, "--mode", "easgd", "--easgd-form", "async", "--local-steps", "2", "--peer-timeout", "6",
+              "--metrics", str(metrics), "--checkpoint", str(ckpt)]
+    out, _ = _train(4, *common, "--epochs", "2", fault="2:5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"worker rank 2 lost \(silent for 6 s after [45] pushes\)", out.stdout), out.stdout[-2000:]
+    state = load_checkpoint(ckpt)
+    center = torch.cat([v.reshape(-1) for v in state["model"].values()])
+    # 8 x 2 steps, an epoch's end; 12 where one worker made the last 4 moves alone (the other, done, had no
+    # state to send either: the center)
+    assert [r["pushes"] for r in state["ranks"][1:]] in ([8] * 3, [12] * 3)
+    assert torch.equal(state["ranks"][2]["params"], center) and state["ranks"][2]["optimizer"] is None
+    assert any(not torch.equal(state["ranks"][r]["params"], center) for r in (1, 3))
+    out, _ = _train(4, *common, "--epochs", "3", "--resume")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [1, 2, 3] and "lost_workers" not in records[-1], records
+    last = records[-1]
+    assert last["pushes_applied"] == last["pushes_reported"] == sum(last["pushes_by_worker"]) >= 3 * 8 * 3 // 2
+    assert last["audit_max_diff"] < 1e-9
+
+
 def test_a_worker_waiting_on_one_server_is_not_lost_to_another(tmp_path):
     """Server rank 1 holds every pull for 30 s at its 10th push (as it would
     behind a lost worker with a staleness bound); server 0 has answered. The
