@@ -44,10 +44,10 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
                 "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
                 "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha",  # local and easgd
-                "servers", "staleness_bound", "staleness_lr", "fixed_delay")  # the parameter server
+                "easgd_form", "servers", "staleness_bound", "staleness_lr", "fixed_delay")  # the parameter server
 _MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
-              "elastic_alpha": ("easgd",), "servers": ("async",), "staleness_bound": ("async",),
-              "staleness_lr": ("async",), "fixed_delay": ("async",)}  # the modes that use each
+              "elastic_alpha": ("easgd",), "easgd_form": ("easgd",), "servers": ("async",),
+              "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",)}  # the modes that use each
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
@@ -78,8 +78,10 @@ def _used(key: str, cfg: TrainConfig) -> bool:
 
 def _effective(key: str, value, size: int):
     """A setting as a run of ``size`` ranks uses it: EASGD's rate left to
-    its default (None) is TrainConfig.moving_rate's, so giving that rate on
-    resume changes nothing."""
+    its default (None) is TrainConfig.moving_rate's, and its form left to
+    its default is sync, so giving either on resume changes nothing."""
+    if key == "easgd_form":
+        return value or "sync"
     return TrainConfig(elastic_alpha=value).moving_rate(size) if key == "elastic_alpha" else value
 
 

@@ -54,7 +54,7 @@ epoch's worth of pushes it snapshots the other shards and tests the model,
 heartbeating all the while (a test longer than the timeout is not its death).
 
 Checkpoints (``checkpoint``, ``checkpoint_every``, ``resume``): the workers
-pause after each epoch's share of pushes (and every ``checkpoint_every``),
+pause at each epoch's end (and every ``checkpoint_every``) of their own steps,
 and server 0 writes the cut the servers then agree on
 (:mod:`hpcjobs.training.ps_checkpoint`); a SIGTERM or SIGUSR1 stops the run
 at the next pause.

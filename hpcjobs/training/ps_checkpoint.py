@@ -25,8 +25,9 @@ the resume (its counts cover the run). The checkpoint must be written within
 death.
 
 Asynchronous EASGD (``--mode easgd --easgd-form async``) counts its pauses
-in each worker's own steps: a worker pauses after the push whose H local
-steps reached an epoch's end or a multiple of ``checkpoint_every``. Its
+in each worker's own steps: a worker pauses after its last push (of H local
+steps each) before an epoch's end or a multiple of ``checkpoint_every``, or
+on it. Its
 workers have parameters of their own: before its marker each sends server 0
 its parameters, optimizer state and the schedule's clock (TAG_CKPT, the
 same order rule), which the checkpoint keeps beside the center. A resumed
@@ -52,24 +53,33 @@ __all__ = ["at_pause", "due", "go_on", "position", "read", "server_state", "load
 
 
 def due(ctx, pushes: int) -> bool:
-    """Whether a worker pauses after its push number ``pushes``: its last
-    push's steps (one in Downpour, H in EASGD) reached an epoch's end or a
-    multiple of ``checkpoint_every``."""
+    """Whether a worker pauses after its push number ``pushes``: an epoch's
+    end or a multiple of ``checkpoint_every`` (in its own steps) comes
+    before its next push does. In Downpour that is the push at it; in
+    EASGD, H steps per push, the last push before it or on it, so every
+    worker reaches the pause at the run's end too (after c pushes of each,
+    c x W <= the run's)."""
     cfg, h = ctx.cfg, ctx.steps_per_push
     if not cfg.checkpoint or pushes <= 0:
         return False
-    return any(every and pushes * h // every > (pushes - 1) * h // every for every in (ctx.spe, cfg.checkpoint_every))
+    # a multiple of m among its steps c*h .. (c+1)*h - 1
+    return any(m and ((pushes + 1) * h - 1) // m > (pushes * h - 1) // m for m in (ctx.spe, cfg.checkpoint_every))
 
 
-def position(ctx, pushes: int) -> tuple[int, int]:
-    """(epochs, step) of each worker's own steps after its push number ``pushes``."""
-    return divmod(pushes * ctx.steps_per_push, ctx.spe)
+def position(ctx, version: int) -> tuple[int, int]:
+    """(epochs, step) of the run after ``version`` pushes of all workers, as
+    its epoch lines count them: steps of every worker (the run's whole
+    epochs once it has made its pushes). A worker lost makes the others'
+    counts run ahead of it."""
+    if version >= ctx.total:
+        return ctx.cfg.epochs, 0
+    return divmod(version * ctx.steps_per_push // ctx.workers, ctx.spe)
 
 
 def stopped(ctx, go: dict) -> Stopped:
     """The Stopped every rank raises on a TAG_GO that says stop; ``lost``: a
     worker was lost, and the ranks cannot meet once more (``hpcjobs train``)."""
-    e = Stopped(go["stop"], *position(ctx, go["pushes"]), ctx.cfg.checkpoint, True)
+    e = Stopped(go["stop"], *position(ctx, go["version"]), ctx.cfg.checkpoint, True)
     e.lost = go["lost"]
     return e
 
@@ -142,7 +152,7 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
         for w in range(ctx.workers):
             ranks[ctx.servers + w].update(workers.get(w, center))
-    epoch, step = position(ctx, pushes)
+    epoch, step = position(ctx, states[0]["version"])
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
@@ -175,8 +185,8 @@ def read(ctx) -> dict | None:
                 checkpoint.trim_metrics(cfg.metrics, state["metrics_bytes"], len(state["history"]))
             if not cfg.quiet:
                 where = f", step {state['step']} of epoch {state['epoch'] + 1}" if state["step"] else ""
-                print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where} of each "
-                      f"worker's {'steps' if ctx.elastic else 'pushes'} (version {state['ranks'][0]['version']})",
+                print(f"# train: resumed from {cfg.checkpoint} after epoch {state['epoch']}{where} (version "
+                      f"{state['ranks'][0]['version']}, each worker after its push {state['ranks'][-1]['pushes']})",
                       flush=True)
         except FileNotFoundError:
             states = None
@@ -208,15 +218,18 @@ def at_pause(server) -> None:
     # EASGD: each paused worker's own state came before its marker (one sender's messages arrive in order)
     workers = {w: server.states[server.S + w] for w in server.paused if server.S + w in server.states} \
         if server.ctx.elastic else None
-    epochs = server.ctx.epochs_done(server.version)
-    if epochs > len(server.history):  # the run's last epoch (_apply records the others): its line in the checkpoint
+    # the run's last epoch (_apply records the others), its line in the checkpoint; at the run's end the last
+    # epoch's, as _finish counts it (EASGD: the run's pushes are its steps rounded down to a whole move)
+    epochs = server.cfg.epochs if server.version >= server.ctx.total else server.ctx.epochs_done(server.version)
+    if epochs > len(server.history):
         server._record(epochs)
     states = [server_state(server)] + [server.states[k] for k in range(1, server.S)]  # servers 1..: by rank
     pushes = max(count for count, _ in server.paused.values())
     signals = [server.noted.signum, *(s for _, s in server.paused.values()), *(st["signum"] for st in states)]
     # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
     write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total, workers=workers)
-    go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "lost": bool(server.lost)}
+    go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "version": server.version,
+          "lost": bool(server.lost)}
     for k in range(1, server.S):
         send_bytes(server.comm, go, k, TAG_GO)
     for w in server.paused:

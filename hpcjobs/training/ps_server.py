@@ -130,8 +130,9 @@ class Server:
             if now > deadline:  # the stuck receive keeps the old buffer, both held while it may still land
                 self.orphans.append((req, self.inbuf))
                 self.inbuf = np.empty_like(self.inbuf)
-                if src >= self.S:
-                    self.heard[src - self.S] = 0.0  # lost at the next look
+                if src >= self.S:  # lost now: a later message of its own must not make it heard again (the push
+                    self.heard[src - self.S] = 0.0  # or, at a pause, the state it dropped would go missing)
+                    self._find_lost(now)
                 return
             self._heartbeat(now)  # the others must not take this wait for a dead server
             time.sleep(IDLE_S)

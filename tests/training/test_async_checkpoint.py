@@ -2,6 +2,7 @@
 rank at the next pause after a checkpoint, and the resumed run is, in fixed-delay mode, the single-process
 reference of the run never stopped; at an epoch's end, every push of the run applied and audited."""
 
+import json
 import os
 import signal
 
@@ -133,9 +134,11 @@ EASGD = dict(TINY, mode="easgd", easgd_form="async", local_steps=3, epochs=2, de
 def test_easgd_with_one_worker_stopped_by_a_signal_and_resumed_ends_where_the_run_never_stopped(
         tmp_path_factory, monkeypatch):
     """One worker (1 or 2 servers): nothing is stale and the run is deterministic. SIGUSR1 in its step 20; it
-    pauses after the elastic move whose 3 steps reach a multiple of 6 (step 24) and every rank stops. Resumed, it
-    makes the steps left, from its own parameters, momentum and clock, and the center and its parameters are the
-    unbroken run's. From the center, or without its momentum or its clock (the cosine's step), they are not."""
+    pauses after its elastic move of steps 22-24 (a multiple of 6 comes before the next) and every rank stops.
+    Resumed, it makes the steps left, from its own parameters, momentum and clock, and the center and its
+    parameters are the unbroken run's. From the center, or without its momentum or its clock (the cosine's
+    step), they are not. The last pause is the run's end (steps 97-99 of 100): resumed once more, the finished
+    run adds no line (the last epoch's line was once written twice)."""
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, "ps-easgd-one")
     size = min(comm.Get_size(), 3)
@@ -146,7 +149,8 @@ def test_easgd_with_one_worker_stopped_by_a_signal_and_resumed_ends_where_the_ru
     cfg = TrainConfig(**EASGD, servers=servers)
     _, unbroken = run_async(cfg, private(group))
     spe = steps_per_epoch(400, cfg.batch_per_rank)
-    stopping = TrainConfig(**{**cfg.__dict__, "checkpoint": f"{d}/c.pt", "checkpoint_every": 6})
+    stopping = TrainConfig(**{**cfg.__dict__, "checkpoint": f"{d}/c.pt", "checkpoint_every": 6,
+                              "metrics": f"{d}/m.jsonl"})
     counting_pushes(monkeypatch, signal_at=20, signaller=servers)
     with pytest.raises(Stopped) as stopped:
         run_async(stopping, private(group))
@@ -165,27 +169,38 @@ def test_easgd_with_one_worker_stopped_by_a_signal_and_resumed_ends_where_the_ru
     assert history[-1]["audit_max_diff"] <= 1e-12
     if group.Get_rank() in (0, servers):
         np.testing.assert_allclose(resumed, unbroken, rtol=0, atol=1e-6)
+    again = run_async(TrainConfig(**{**stopping.__dict__, "resume": True}), private(group))[0]
+    assert [h["epoch"] for h in again] == [1, 2] and again[-1]["pushes_applied"] == total
+    if group.Get_rank() == 0:
+        assert load_checkpoint(stopping.checkpoint)["ranks"][servers]["pushes"] == total
+        with open(stopping.metrics) as f:
+            assert [json.loads(line)["epoch"] for line in f] == [1, 2]
     group.Free()
 
 
 @pytest.mark.mpi(min_size=3)
 def test_easgd_workers_resume_from_their_own_parameters(tmp_path_factory, monkeypatch):
     """Several workers: the checkpoint keeps each one's parameters (not the center, not another's), each
-    resumed worker's first step starts from its own, and the resumed run applies and audits every move."""
+    resumed worker's first step starts from its own, and the resumed run applies and audits every move; resumed
+    once more, the finished run's metrics hold each epoch's line once."""
     comm = MPI.COMM_WORLD
     servers, workers = _layout(comm.Get_size())
     d = shared_dir(tmp_path_factory, "ps-easgd")
-    cfg = TrainConfig(**EASGD, servers=servers, checkpoint=f"{d}/c.pt", checkpoint_every=6)
+    cfg = TrainConfig(**EASGD, servers=servers, checkpoint=f"{d}/c.pt", checkpoint_every=6, metrics=f"{d}/m.jsonl")
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
-    counting_pushes(monkeypatch, signal_at=13)  # the pause after the move of steps 16-18
+    # the signal in step 13, of move 5 (steps 13-15); the pause after the first move from there on whose next 3
+    # steps hold an epoch's end or a multiple of 6
+    ends = {k for m in (6, spe) for k in range(m, 200, m)}
+    pause = next(c for c in range(5, 60) if any(3 * c <= k < 3 * c + 3 for k in ends))
+    counting_pushes(monkeypatch, signal_at=13)
     with pytest.raises(Stopped) as stopped:
         run_async(cfg, private(comm))
-    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, *divmod(18, spe))
+    assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, *divmod(3 * pause, spe))
     state = load_checkpoint(cfg.checkpoint)
     center = torch.cat([v.reshape(-1) for v in state["model"].values()])
     own = [state["ranks"][servers + w]["params"] for w in range(workers)]
-    assert [state["ranks"][servers + w]["pushes"] for w in range(workers)] == [6] * workers
-    assert state["ranks"][0]["version"] == 6 * workers
+    assert [state["ranks"][servers + w]["pushes"] for w in range(workers)] == [pause] * workers
+    assert state["ranks"][0]["version"] == pause * workers
     assert all(not torch.equal(p, center) for p in own)
     assert all(not torch.equal(own[0], p) for p in own[1:])
     first, compute = [], ps_worker.compute_step
@@ -201,3 +216,20 @@ def test_easgd_workers_resume_from_their_own_parameters(tmp_path_factory, monkey
         assert torch.equal(first[0], own[comm.Get_rank() - servers])
     assert last["epoch"] == 2 and last["pushes_applied"] == last["pushes_reported"] >= 2 * spe * workers // 3
     assert last["audit_max_diff"] <= 1e-12
+    again = run_async(TrainConfig(**{**cfg.__dict__, "resume": True}), private(comm))[0]
+    assert [h["epoch"] for h in again] == [1, 2] and again[-1]["audit_max_diff"] <= 1e-12
+    if comm.Get_rank() == 0:
+        with open(cfg.metrics) as f:
+            assert [json.loads(line)["epoch"] for line in f] == [1, 2]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_easgds_other_form_is_refused_on_every_rank(tmp_path_factory):
+    """Both forms are mode easgd: the sync form resumed from the async form's checkpoint failed with a KeyError
+    in the optimizer's load."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "ps-easgd-form")
+    cfg = dict(EASGD, epochs=1, checkpoint=f"{d}/c.pt")
+    train(TrainConfig(**cfg), comm)
+    with pytest.raises(CheckpointError, match="another experiment: easgd_form 'async' -> None"):
+        train(TrainConfig(**{**cfg, "easgd_form": None}, resume=True), comm)
