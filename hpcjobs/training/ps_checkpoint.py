@@ -102,12 +102,11 @@ def server_state(server) -> dict:
              "version": server.version, "clocks": [int(c) for c in server.clocks],
              "applied_by": [int(n) for n in server.applied_by], "stale_all": list(server.stale_all),
              "kept": None if server.kept is None else {v: torch.from_numpy(a.copy()) for v, a in server.kept.items()},
-             "signum": server.noted.signum}
-    if server.k == 0:
-        ep = server.ep
-        state["epoch_sums"] = [float(v) for v in ep.sums] + [ep.stale_sum, ep.stale_max, ep.pushes, ep.bytes_in,
-                                                            ep.bytes_out]
-        state["wall"] = time.monotonic() - server.t0
+             "signum": server.noted.signum, "bytes": [server.ep.bytes_in, server.ep.bytes_out]}
+    if server.k == 0:  # the epoch so far: its line after the resume counts it all
+        ep, now = server.ep, time.monotonic()
+        state["epoch_sums"] = [float(v) for v in ep.sums] + [ep.stale_sum, ep.stale_max, ep.pushes]
+        state["wall"], state["epoch_s"] = now - server.t0, now - server.t_epoch
     return state
 
 
@@ -125,12 +124,15 @@ def load_server(server, state: dict) -> None:
     server.stale_all = list(state["stale_all"])
     if server.kept is not None:
         server.kept = {int(v): a.numpy().copy() for v, a in state["kept"].items()}
+    # server k's bytes since server 0's last snapshot (a checkpoint before 2026-11-30 kept server 0's alone)
+    server.ep.bytes_in, server.ep.bytes_out = state.get("bytes", [0, 0])
     if server.k == 0:
         s = state["epoch_sums"]
         server.ep.sums[:] = s[:3]
-        server.ep.stale_sum, server.ep.stale_max, server.ep.pushes, server.ep.bytes_in, server.ep.bytes_out = \
-            s[3], s[4], int(s[5]), s[6], s[7]
-        server.wall0 = state["wall"]
+        server.ep.stale_sum, server.ep.stale_max, server.ep.pushes = s[3], s[4], int(s[5])
+        if len(s) == 8:
+            server.ep.bytes_in, server.ep.bytes_out = s[6], s[7]
+        server.wall0, server.epoch0 = state["wall"], state.get("epoch_s", 0.0)
 
 
 def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True,

@@ -56,7 +56,7 @@ class Server:
         self.t0 = self.t_epoch = time.monotonic()
         self.stale_all = [0, 0, 0]  # sum, count, max over the run
         # checkpoints (ps_checkpoint.py): the workers paused (count, signal), the other servers' states (server 0)
-        self.paused, self.states, self.state_sent, self.go, self.wall0 = {}, {}, None, None, 0.0
+        self.paused, self.states, self.state_sent, self.go, self.wall0, self.epoch0 = {}, {}, None, None, 0.0, 0.0
         self.noted = Noted(False)  # run_async gives the rank's own
         if mine is not None:
             ps_checkpoint.load_server(self, mine)
@@ -65,10 +65,10 @@ class Server:
 
     def run(self) -> list[dict]:
         status = MPI.Status()
-        self.t_epoch = self.heard0 = time.monotonic()
-        self.t0 = self.t_epoch - self.wall0  # a resumed run's wall time goes on
-        self.heard[:] = self.t_epoch
-        self.heard_servers = dict.fromkeys(range(self.S), self.t_epoch)
+        self.heard0 = now = time.monotonic()
+        self.t0, self.t_epoch = now - self.wall0, now - self.epoch0  # a resumed run's wall and epoch times go on
+        self.heard[:] = now
+        self.heard_servers = dict.fromkeys(range(self.S), now)
         while not self.stopped:
             if self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 self._handle(status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE))

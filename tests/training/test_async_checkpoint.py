@@ -5,6 +5,7 @@ reference of the run never stopped; at an epoch's end, every push of the run app
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ torch.set_num_threads(1)
 
 TINY = dict(model="mlp", width=16, dataset="mnist1d", num_samples=500, batch_per_rank=8, lr=0.05, warmup="none",
             progress=False, quiet=True, mode="async")
+COMPUTE = ps_worker.compute_step
 KEEP = ("epoch", "step", "lr", "loss", "train_acc", "test_loss", "test_acc", "pushes")
 
 
@@ -37,10 +39,11 @@ def shared_dir(tmp_path_factory, name):
     return comm.bcast(str(tmp_path_factory.mktemp(name)) if comm.rank == 0 else None)
 
 
-def counting_pushes(monkeypatch, signal_at=None, signaller=None):
+def counting_pushes(monkeypatch, signal_at=None, signaller=None, slow_after=None):
     """The gradients this rank computes from now on (a list of one count); with ``signal_at``, rank
-    ``signaller`` (the last by default) sends itself SIGUSR1 while computing that one."""
-    calls, compute = [0], ps_worker.compute_step
+    ``signaller`` (the last by default) sends itself SIGUSR1 while computing that one; after ``slow_after``
+    each takes 0.3 s more."""
+    calls, compute = [0], COMPUTE  # not an earlier test's wrapper, nor this test's
     comm = MPI.COMM_WORLD
     signaller = comm.Get_size() - 1 if signaller is None else signaller
 
@@ -48,6 +51,8 @@ def counting_pushes(monkeypatch, signal_at=None, signaller=None):
         calls[0] += 1
         if calls[0] == signal_at and comm.rank == signaller:
             os.kill(os.getpid(), signal.SIGUSR1)  # noted: said with the pause after this push
+        if slow_after is not None and calls[0] > slow_after:
+            time.sleep(0.3)
         return compute(*args)
 
     monkeypatch.setattr(ps_worker, "compute_step", counted)
@@ -59,7 +64,8 @@ def test_fixed_delay_stopped_by_a_signal_and_resumed_is_the_run_never_stopped(tm
     """The last worker gets SIGUSR1 in its push spe + 1; every worker pauses after push spe + 3 (every 3
     pushes), server 0 writes the checkpoint, and every rank stops there. Resumed, each worker makes the pushes
     left, and the parameters are the single-process reference's, which has each server's last two versions
-    (gradient i on version i - 2) to come back right after the stop."""
+    (gradient i on version i - 2) to come back right after the stop. Its epoch lines count the bytes of the
+    unbroken run (every server's, the second's too), and the stopped epoch's time before the stop."""
     comm = MPI.COMM_WORLD
     servers, workers = _layout(comm.Get_size())
     d = shared_dir(tmp_path_factory, "ps-fixed-delay")
@@ -67,7 +73,8 @@ def test_fixed_delay_stopped_by_a_signal_and_resumed_is_the_run_never_stopped(tm
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
     assert spe >= 6 and spe % 3
     pause = (spe + 1 + 2) // 3 * 3  # the first multiple of 3 from push spe + 1 on
-    counting_pushes(monkeypatch, signal_at=spe + 1)
+    unbroken = run_async(TrainConfig(**{**cfg.__dict__, "checkpoint": f"{d}/u.pt"}), private(comm))[0]
+    counting_pushes(monkeypatch, signal_at=spe + 1, slow_after=spe)  # epoch 2's pushes before the stop: slow
     with pytest.raises(Stopped) as stopped:
         run_async(cfg, private(comm))
     assert (stopped.value.signum, stopped.value.epoch, stopped.value.step) == (signal.SIGUSR1, *divmod(pause, spe))
@@ -82,6 +89,9 @@ def test_fixed_delay_stopped_by_a_signal_and_resumed_is_the_run_never_stopped(tm
     assert pushes[0] == (0 if comm.rank < servers else 2 * spe - pause)
     assert [h["epoch"] for h in history] == [1, 2] and history[-1]["pushes_applied"] == 2 * spe * workers
     assert history[-1]["pushes_by_worker"] == [2 * spe] * workers and history[-1]["audit_max_diff"] <= 1e-12
+    for key in ("sent_bytes", "received_bytes"):  # which epoch a message falls in is the machine's; the sum is not
+        assert sum(h[key] for h in history) == pytest.approx(sum(h[key] for h in unbroken), rel=1e-12)
+    assert history[1]["epoch_s"] >= 0.3 * (pause - spe)
     if comm.rank == 0:
         reference = reference_fixed_delay(TrainConfig(**{**cfg.__dict__, "checkpoint": None,
                                                          "checkpoint_every": 0}), workers)
