@@ -130,9 +130,8 @@ class Server:
             if now > deadline:  # the stuck receive keeps the old buffer, both held while it may still land
                 self.orphans.append((req, self.inbuf))
                 self.inbuf = np.empty_like(self.inbuf)
-                if src >= self.S:  # lost now: a later message of its own must not make it heard again (the push
-                    self.heard[src - self.S] = 0.0  # or, at a pause, the state it dropped would go missing)
-                    self._find_lost(now)
+                if src >= self.S:  # lost now, it alone (the others' messages waited unread meanwhile): a later
+                    self._lose(src - self.S)  # message of its own would make it heard, its push or state missing
                 return
             self._heartbeat(now)  # the others must not take this wait for a dead server
             time.sleep(IDLE_S)
@@ -254,16 +253,21 @@ class Server:
     def _find_lost(self, now: float) -> None:
         waiting = {w for w, _, _ in self.deferred}  # silent because this server holds their pull
         for w in range(self.W):
-            if w in self.done or w in self.lost or w in waiting or now - self.heard[w] <= self.cfg.peer_timeout:
-                continue
-            if self.kept is not None:
-                raise PeerLost(f"worker rank {self.S + w} sent nothing for {self.cfg.peer_timeout:g} s; "
-                               "fixed-delay mode applies gradients in order and cannot go on without it")
-            self.lost.add(w)
-            if self.k == 0 and not self.cfg.quiet:
-                print(f"# train: worker rank {self.S + w} lost (silent for {self.cfg.peer_timeout:g} s after "
-                      f"{self.applied_by[w]} pushes); going on with the others", flush=True)
-            self._answer_deferred()
+            if w not in waiting and now - self.heard[w] > self.cfg.peer_timeout:
+                self._lose(w)
+
+    def _lose(self, w: int) -> None:
+        """Worker ``w`` is lost (silent for the peer timeout): go on without it."""
+        if w in self.done or w in self.lost:
+            return
+        if self.kept is not None:
+            raise PeerLost(f"worker rank {self.S + w} sent nothing for {self.cfg.peer_timeout:g} s; "
+                           "fixed-delay mode applies gradients in order and cannot go on without it")
+        self.lost.add(w)
+        if self.k == 0 and not self.cfg.quiet:
+            print(f"# train: worker rank {self.S + w} lost (silent for {self.cfg.peer_timeout:g} s after "
+                  f"{self.applied_by[w]} pushes); going on with the others", flush=True)
+        self._answer_deferred()
 
     def _snapshot(self) -> None:
         """Server 0: the other servers' shards into the model, for testing,

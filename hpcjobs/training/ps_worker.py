@@ -134,6 +134,7 @@ class Worker:
         _await(comm, self.outreq, list(range(self.S)), cfg.peer_timeout, self.heard, self.beat)
         if self.ctx.elastic:  # its own state to server 0, before the marker (one sender's messages stay in order)
             sent = ps_checkpoint.isend_bytes(comm, ps_checkpoint.worker_state(self), 0, TAG_CKPT)
+            _die_if_told(comm.Get_rank(), f"state{self.pushed_count}")  # the fault tests: dead mid-send
         marker = np.zeros(8)
         marker[:2] = self.pushed_count, self.noted.signum
         for k in range(self.S):
