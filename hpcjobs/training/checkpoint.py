@@ -46,8 +46,8 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha",  # local and easgd
                 "easgd_form", "servers", "staleness_bound", "staleness_lr", "fixed_delay")  # the parameter server
 _MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
-              "elastic_alpha": ("easgd",), "easgd_form": ("easgd",), "servers": ("async",),
-              "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",)}  # the modes that use each
+              "elastic_alpha": ("easgd",), "easgd_form": ("easgd",), "servers": ("async",),  # the modes that use each
+              "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",)}
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",

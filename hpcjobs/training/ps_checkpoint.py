@@ -27,10 +27,10 @@ death.
 Asynchronous EASGD (``--mode easgd --easgd-form async``) counts its pauses
 in each worker's own steps: a worker pauses after its last push (of H local
 steps each) before an epoch's end or a multiple of ``checkpoint_every``, or
-on it. Its
-workers have parameters of their own: before its marker each sends server 0
-its parameters, optimizer state and the schedule's clock (TAG_CKPT, the
-same order rule), which the checkpoint keeps beside the center. A resumed
+on it. Its workers have parameters of their own: before its marker each
+sends server 0 its parameters, optimizer state and the schedule's clock
+(TAG_CKPT, the same order rule), which the checkpoint keeps beside the
+center. A resumed
 worker goes on from them after its step c x H; one lost before, or done
 before the run's last pause (its end falls between two pauses), resumes
 from the center with a fresh optimizer.
