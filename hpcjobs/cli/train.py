@@ -213,7 +213,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "or SIGUSR1 (then stop: exit status 128 + the signal's number; modes async and easgd "
                         "--easgd-form async at their workers' next pause)")
     g.add_argument("--checkpoint-every", type=positive_int, metavar="STEPS",
-                   help="also write one every STEPS steps inside an epoch, so a killed job loses at most that")
+                   help="also write one after every STEPS-th step of the run (counted from its start; each epoch's "
+                        "end writes one too), so a killed job loses at most that")
     g.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint if it exists (start fresh if it does not)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

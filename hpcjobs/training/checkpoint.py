@@ -44,10 +44,12 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "compression", "error_feedback", "seq_len", "layers", "heads", "embed", "fusion_bytes",
                 "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
                 "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha",  # local and easgd
-                "easgd_form", "servers", "staleness_bound", "staleness_lr", "fixed_delay")  # the parameter server
+                "easgd_form", "servers", "staleness_bound", "staleness_lr", "fixed_delay",  # the parameter server
+                "hogwild_lock")  # its count of updates is the state of a locked run only
 _MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
               "elastic_alpha": ("easgd",), "easgd_form": ("easgd",), "servers": ("async",),  # the modes that use each
-              "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",)}
+              "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",),
+              "hogwild_lock": ("hogwild",)}
 # The learning-rate schedule may change on resume (a longer run, a lower rate to finish), but the resumed run
 # is then not the one that was saved: rank 0 says which changed. ``epochs`` only where cosine decay anneals to it.
 _SCHEDULE_KEYS = ("lr", "base_batch", "warmup", "warmup_epochs", "decay", "milestones", "gamma", "final_lr",
@@ -77,7 +79,7 @@ def _used(key: str, cfg: TrainConfig) -> bool:
 
 
 def _effective(key: str, value, size: int):
-    """A setting as a run of ``size`` ranks uses it: EASGD's rate left to
+    """A setting as a run of ``size`` workers uses it: EASGD's rate left to
     its default (None) is TrainConfig.moving_rate's, and its form left to
     its default is sync, so giving either on resume changes nothing."""
     if key == "easgd_form":
@@ -245,8 +247,9 @@ def check_same_experiment(cfg: TrainConfig, state: dict, size: int) -> None:
     stderr where only the schedule changed."""
     old, new = state["config"], config_dict(cfg)
     defaults = config_dict(TrainConfig())  # for keys older checkpoints do not have
-    changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), size)
-               != _effective(k, new.get(k), size) and _used(k, cfg)]
+    workers = size - cfg.servers if cfg.mode == "easgd" and cfg.easgd_form == "async" else size  # EASGD's default rate
+    changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), workers)
+               != _effective(k, new.get(k), workers) and _used(k, cfg)]
     # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
     # would be added unscaled, and with it unscaled ones would be taken as scaled
     if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):

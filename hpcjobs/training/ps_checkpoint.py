@@ -79,7 +79,7 @@ def position(ctx, version: int) -> tuple[int, int]:
 def stopped(ctx, go: dict) -> Stopped:
     """The Stopped every rank raises on a TAG_GO that says stop; ``lost``: a
     worker was lost, and the ranks cannot meet once more (``hpcjobs train``)."""
-    e = Stopped(go["stop"], *position(ctx, go["version"]), ctx.cfg.checkpoint, True)
+    e = Stopped(go["stop"], *position(ctx, go["version"]), ctx.cfg.checkpoint, go["written"])
     e.lost = go["lost"]
     return e
 
@@ -136,31 +136,39 @@ def load_server(server, state: dict) -> None:
 
 
 def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool = True,
-          workers: dict | None = None) -> None:
+          workers: dict | None = None) -> bool:
     """Server 0: the checkpoint of a pause after each live worker's push
     ``pushes``, from every server's ``states`` (in server order); the model
     is every shard. Every worker resumes after push ``pushes``, one lost
     before too (its count behind the others' would hold them at every
     pause, with a staleness bound for good). ``workers``: EASGD's, each
     paused worker's own state by its number; one lost or done resumes from the center.
-    ``trim``: a resumed run cuts the metrics file back to where it ends now."""
+    ``trim``: a resumed run cuts the metrics file back to where it ends now.
+    Nothing is written where a parameter is not finite (a run that
+    diverged): the last checkpoint stays, as in sync. Returns whether it was."""
     import os
+    import sys
 
     for k, state in enumerate(states):
         ctx.flat[ctx.shard(k)] = state["shard"]
     cfg = ctx.cfg
+    epoch, step = position(ctx, states[0]["version"])
+    if not all(bool(torch.isfinite(t).all()) for t in [ctx.flat, *(s["params"] for s in (workers or {}).values())]):
+        print(f"hpcjobs: warning: parameters not finite after epoch {epoch} step {step}: {cfg.checkpoint} not "
+              "written (the last one, if any, stays)", file=sys.stderr, flush=True)
+        return False
     ranks = states + [{"pushes": pushes} for _ in range(ctx.workers)]
     if workers is not None:
         center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
         for w in range(ctx.workers):
             ranks[ctx.servers + w].update(workers.get(w, center))
-    epoch, step = position(ctx, states[0]["version"])
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
         "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
         "metrics_bytes": (os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics)
                           else None)})
+    return True
 
 
 def read(ctx) -> dict | None:
@@ -229,9 +237,10 @@ def at_pause(server) -> None:
     pushes = max(count for count, _ in server.paused.values())
     signals = [server.noted.signum, *(s for _, s in server.paused.values()), *(st["signum"] for st in states)]
     # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
-    write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total, workers=workers)
+    written = write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total,
+                    workers=workers)
     go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "version": server.version,
-          "lost": bool(server.lost)}
+          "lost": bool(server.lost), "written": written}
     for k in range(1, server.S):
         send_bytes(server.comm, go, k, TAG_GO)
     for w in server.paused:

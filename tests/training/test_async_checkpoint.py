@@ -243,3 +243,49 @@ def test_easgds_other_form_is_refused_on_every_rank(tmp_path_factory):
     train(TrainConfig(**cfg), comm)
     with pytest.raises(CheckpointError, match="another experiment: easgd_form 'async' -> None"):
         train(TrainConfig(**{**cfg, "easgd_form": None}, resume=True), comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_easgds_default_rate_given_on_resume_is_the_same_experiment(tmp_path_factory):
+    """The default rate is 0.9 / workers, the servers not among them: given on resume it was refused (taken as
+    0.9 / every rank), and a checkpoint of 0.9 / every rank resumed with the default was not."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-easgd-rate")
+    cfg = dict(EASGD, servers=servers, checkpoint=f"{d}/c.pt")
+    train(TrainConfig(**{**cfg, "epochs": 1}), comm)
+    rate = 0.9 / workers
+    assert len(train(TrainConfig(**cfg, elastic_alpha=rate, resume=True), comm)) == 2
+    with pytest.raises(CheckpointError, match="elastic_alpha"):
+        train(TrainConfig(**{**cfg, "epochs": 3}, elastic_alpha=0.9 / comm.Get_size(), resume=True), comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_parameter_server_that_diverged_keeps_its_last_checkpoint(tmp_path_factory, monkeypatch):
+    """From its push spe + 1 the last worker pushes NaN, and SIGUSR1 comes with it: at the next pause the
+    parameters are not finite, so no checkpoint is written (it overwrote the last good one, and said written:
+    a requeued job resumed from NaN). Every rank stops saying so; the file holds epoch 1's end."""
+    comm = MPI.COMM_WORLD
+    servers, workers = _layout(comm.Get_size())
+    d = shared_dir(tmp_path_factory, "ps-nan")
+    cfg = TrainConfig(**TINY, servers=servers, fixed_delay=2, epochs=2, checkpoint=f"{d}/c.pt", checkpoint_every=3)
+    spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
+    assert spe % 3
+    counting_pushes(monkeypatch, signal_at=spe + 1)
+    calls, grads = [0], ps_worker.grad_vector
+
+    def poisoned(model, out):
+        calls[0] += 1
+        vec = grads(model, out)
+        if calls[0] > spe and comm.rank == comm.Get_size() - 1:
+            vec[:] = np.nan
+        return vec
+
+    monkeypatch.setattr(ps_worker, "grad_vector", poisoned)
+    with pytest.raises(Stopped) as stopped:
+        run_async(cfg, private(comm))
+    assert stopped.value.signum == signal.SIGUSR1 and not stopped.value.written
+    if comm.rank == 0:
+        state = load_checkpoint(cfg.checkpoint)
+        assert (state["epoch"], state["step"]) == (1, 0)
+        assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())

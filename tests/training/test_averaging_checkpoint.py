@@ -211,3 +211,14 @@ def test_hogwild_stopped_by_a_signal_resumes_at_that_step_with_every_update_coun
         a, b = load_checkpoint(f"{d}/a.pt"), load_checkpoint(f"{d}/b.pt")
         assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
         assert torch.equal(a["ranks"][0]["momentum"], b["ranks"][0]["momentum"])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_hogwild_lock_is_part_of_the_experiment(tmp_path_factory):
+    """A locked run's checkpoint holds its count of updates: resumed without the lock it crashed on rank 0
+    (AttributeError on the lock it did not have), and the other way the count started again at 0."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "avg-hogwild-lock")
+    train(cfg("hogwild", {"hogwild_lock": True}, checkpoint=f"{d}/c.pt", epochs=1), comm)
+    with pytest.raises(CheckpointError, match="another experiment: hogwild_lock True -> False"):
+        train(cfg("hogwild", {}, checkpoint=f"{d}/c.pt", epochs=2, resume=True), comm)
