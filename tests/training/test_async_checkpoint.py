@@ -289,3 +289,22 @@ def test_a_parameter_server_that_diverged_keeps_its_last_checkpoint(tmp_path_fac
         state = load_checkpoint(cfg.checkpoint)
         assert (state["epoch"], state["step"]) == (1, 0)
         assert all(bool(torch.isfinite(v).all()) for v in state["model"].values())
+
+
+@pytest.mark.parametrize("layout,version,where", [
+    # Downpour, 3 workers, 10 steps per epoch: version 33 is 11 steps of each; with a worker lost the others'
+    # counts run ahead (16 pushes each at version 31), and the run's epoch lines count 31 pushes, 10 steps
+    ((1, 3, 10, 3), 33, (1, 1)), ((1, 3, 10, 3), 31, (1, 0)), ((1, 3, 10, 3), 90, (3, 0)),
+    # EASGD, 2 workers of 25 steps per epoch, 3 per move, 2 epochs: the run is 33 moves; at version 32 each made
+    # 16 (48 steps), and a pause at 33 or 34 is the run's end, not "step 1 of epoch 3" (17 moves, 51 steps)
+    ((3, 2, 25, 2), 32, (1, 23)), ((3, 2, 25, 2), 33, (2, 0)), ((3, 2, 25, 2), 34, (2, 0)),
+])
+def test_the_stop_point_is_the_runs_not_a_workers_count(layout, version, where):
+    from types import SimpleNamespace
+
+    from hpcjobs.training.ps_checkpoint import position
+
+    h, workers, spe, epochs = layout
+    ctx = SimpleNamespace(cfg=SimpleNamespace(epochs=epochs), steps_per_push=h, workers=workers, spe=spe,
+                          total=epochs * spe * workers // h)
+    assert position(ctx, version) == where
