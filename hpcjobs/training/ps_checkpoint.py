@@ -183,8 +183,8 @@ def read(ctx) -> dict | None:
         try:
             state = checkpoint.load_checkpoint(cfg.checkpoint)
             checkpoint.check_same_experiment(cfg, state, comm.Get_size())
-            if (state.get("servers") != ctx.servers or "version" not in state["ranks"][0]
-                    or ctx.elastic != ("params" in state["ranks"][-1])):
+            # (the mode and EASGD's form are resume keys: check_same_experiment refused another already)
+            if state.get("servers") != ctx.servers or "version" not in state["ranks"][0]:
                 raise checkpoint.CheckpointError(f"{cfg.checkpoint} is not a checkpoint of mode "
                                                  f"{'easgd (async form)' if ctx.elastic else 'async'} with "
                                                  f"{ctx.servers} server(s)")
