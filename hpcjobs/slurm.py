@@ -326,8 +326,8 @@ def requeue_decision(record: dict | None, restarts: int, limit: int) -> tuple[bo
     it wrote none; ``restarts``: how often the job ran before
     (``SLURM_RESTART_COUNT``).
 
-    Only a SIGUSR1 stop requeues: ``sbatch --signal=USR1@SECONDS`` before
-    the time limit, or ``scancel --signal=USR1``. A SIGTERM is Slurm ending
+    Only a SIGUSR1 stop requeues: ``sbatch --signal=B:USR1@SECONDS`` before
+    the time limit, or ``scancel --batch --signal=USR1``. A SIGTERM is Slurm ending
     the job (``scancel``, the time limit, preemption, which requeues a job
     by itself where the site says so)."""
     if record is None:

@@ -9,7 +9,10 @@ With ``--requeue N`` it waits for the launcher instead of becoming it, and
 requeues the job when a SIGUSR1 stopped the run after its checkpoint
 (:func:`hpcjobs.slurm.requeue_decision`), at most N times: the run says so
 in ``{job_dir}/stopped.json`` (``HPCJOBS_STOP_FILE``), since srun's exit
-status does not tell a stop from a failure.
+status does not tell a stop from a failure. A SIGUSR1 this process gets
+(the train template execs it and asks ``sbatch --signal=B:USR1@120``)
+goes on to the launcher, which hands it to every rank: srun and mpirun
+both forward it, so the batch host's ranks under mpirun get it too.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +30,10 @@ from .args import UsageError, nonnegative_int, usage
 
 def configure(p) -> None:
     p.add_argument("--requeue", type=nonnegative_int, default=0, metavar="N",
-                   help="when a SIGUSR1 stopped the run after its checkpoint (sbatch --signal=USR1@SECONDS before "
-                        "the time limit, scancel --signal=USR1), requeue the job to resume from it; at most N "
-                        "times in all (SLURM_RESTART_COUNT). Default 0: never (the launcher replaces this process)")
+                   help="when a SIGUSR1 stopped the run after its checkpoint (sbatch --signal=B:USR1@SECONDS before "
+                        "the time limit, scancel --batch --signal=USR1; a SIGUSR1 this process gets goes on to "
+                        "the launcher), requeue the job to resume from it; at most N times in all "
+                        "(SLURM_RESTART_COUNT). Default 0: never (the launcher replaces this process)")
     p.epilog = "After --: the hpcjobs command every rank runs; {job_dir} in it becomes the job's results directory"
 
 
@@ -41,6 +46,29 @@ def _stop_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
+def _run_forwarding(cmd: list[str], env: dict, signum: int) -> int:
+    """Run the launcher and wait for it, handing it each ``signum`` this
+    process gets (also one that came before the launcher had started);
+    its return code."""
+    child: list[subprocess.Popen] = []
+    early: list[int] = []
+
+    def forward(sig, frame):
+        if child and child[0].poll() is None:
+            child[0].send_signal(sig)
+        elif not child:
+            early.append(sig)
+
+    previous = signal.signal(signum, forward)
+    try:
+        child.append(subprocess.Popen(cmd, env=env))
+        for sig in early:
+            child[0].send_signal(sig)
+        return child[0].wait()
+    finally:
+        signal.signal(signum, previous)
+
+
 def _run_and_requeue(cmd: list[str], env: dict, limit: int) -> int:
     """The launcher as a child; then, after a SIGUSR1's stop, ``scontrol requeue`` this job."""
     from ..slurm import STOP_FILE, STOP_FILE_ENV, requeue_decision  # not training.preempt: it starts MPI
@@ -48,7 +76,7 @@ def _run_and_requeue(cmd: list[str], env: dict, limit: int) -> int:
     stop_file = Path(env["HPCJOBS_JOB_DIR"]) / STOP_FILE
     stop_file.unlink(missing_ok=True)  # a run before this one's
     env[STOP_FILE_ENV] = str(stop_file)
-    rc = subprocess.call(cmd, env=env)
+    rc = _run_forwarding(cmd, env, signal.SIGUSR1)
     rc = 128 - rc if rc < 0 else rc  # the launcher ended by a signal: as a shell reports it
     job = os.environ["SLURM_JOB_ID"]
     requeue, why = requeue_decision(_stop_record(stop_file), int(os.environ.get("SLURM_RESTART_COUNT") or 0), limit)

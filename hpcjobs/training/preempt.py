@@ -2,9 +2,10 @@
 every rank at the same step.
 
 Slurm ends a job at its time limit or on preemption with SIGTERM to every
-task, and SIGKILL ``KillWait`` seconds later (30 by default); ``sbatch
---signal=USR1@120`` warns with SIGUSR1 two minutes before the limit, and
-``mpirun`` passes a SIGUSR1 it gets on to every rank. Without this, what a
+task, and SIGKILL ``KillWait`` seconds later (30 by default); the train
+template's ``sbatch --signal=B:USR1@120`` warns with SIGUSR1 two minutes
+before the limit, which ``hpcjobs slurm launch`` hands to ``srun`` or
+``mpirun``, and they pass it on to every rank. Without this, what a
 run did since its last checkpoint was lost (a whole epoch, or
 ``--checkpoint-every`` steps). Slurm's SIGTERM also reaches the launcher,
 and ``srun`` and ``mpirun`` end their tasks on it: the ranks race them

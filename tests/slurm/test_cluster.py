@@ -305,17 +305,22 @@ def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
     assert "float32" in (tmp_path / f"test-wait-{job_id}.out").read_text()
 
 
-def test_a_job_told_to_stop_with_usr1_requeues_itself_and_resumes_at_that_step(cluster, tmp_path):
-    """The train template's way past a time limit: a SIGUSR1 (here scancel
-    --signal=USR1; sbatch --signal=USR1@120, which the template sets, sends
-    it two minutes before the limit) reaches the tasks alone (not srun, which
-    would end them on a SIGTERM); they write a checkpoint at the next step
-    and stop; launch --requeue reads their stop file and requeues the job --
-    the same id, its log appended -- which resumes from that step and
-    finishes. Before, it started again from the last epoch's checkpoint, and
-    only if someone ran scontrol requeue."""
-    env = _slurm_env()
-    opts = RenderOptions(nodes=2, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True, job_name="test-requeue",
+@pytest.mark.parametrize("launcher,nodes", [("srun", 2), ("mpirun", 1)])
+def test_a_job_told_to_stop_with_usr1_requeues_itself_and_resumes_at_that_step(cluster, tmp_path, launcher, nodes):
+    """The train template's way past a time limit: a SIGUSR1 to the batch
+    step's shell (here scancel --batch --signal=USR1; sbatch
+    --signal=B:USR1@120, which the template sets, sends it there two minutes
+    before the limit), which the template has exec'd into `hpcjobs slurm
+    launch`; launch hands it to the launcher, which hands it to every rank;
+    they write a checkpoint at the next step and stop; launch --requeue
+    reads their stop file and requeues the job -- the same id, its log
+    appended -- which resumes from that step and finishes. Under mpirun on
+    one node every rank is in the batch step, which Slurm's signal to the
+    job's steps (the template's --signal=USR1@120 before 2026-11-30) never
+    reached: the run went on to the time limit and started over."""
+    env = _slurm_env() | {"HPCJOBS_LAUNCHER": launcher}
+    opts = RenderOptions(nodes=nodes, ntasks_per_node=2, cpus_per_task=1, time="10", cpu=True,
+                         job_name=f"test-requeue-{launcher}",
                          job_args=("--dataset", "synthetic", "--num-samples", "8192", "--width", "32", "-b", "8",
                                    "--epochs", "3", "--seed", "5"))
     script = tmp_path / "requeue.sbatch"
@@ -324,7 +329,7 @@ def test_a_job_told_to_stop_with_usr1_requeues_itself_and_resumes_at_that_step(c
                           cwd=tmp_path, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
-    results = tmp_path / "results" / f"test-requeue-{job_id}"
+    results = tmp_path / "results" / f"test-requeue-{launcher}-{job_id}"
 
     def until(done, what):
         deadline = time.monotonic() + 300
@@ -340,12 +345,12 @@ def test_a_job_told_to_stop_with_usr1_requeues_itself_and_resumes_at_that_step(c
         return int(re.search(r"\bRestarts=(\d+)", out)[1])
 
     until(lambda: (results / "checkpoint.pt").exists(), "epoch 1's checkpoint")  # 2 epochs of 204 steps to go
-    subprocess.run([*cluster, "scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
+    subprocess.run([*cluster, "scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=60)
     # It runs again cred_expire seconds later (30 on the emulated cluster, 120 by default). Not sooner: with
     # its StartTime set to now, Slurm killed it at once ("Job credential revoked", exit 1, nothing in its log).
     until(lambda: restarts() == 1, "the requeue")
     until(lambda: _job_state(cluster, job_id, env)[0] in DONE, "the requeued job's end")
-    out = (tmp_path / f"test-requeue-{job_id}.out").read_text()
+    out = (tmp_path / f"test-requeue-{launcher}-{job_id}.out").read_text()
     assert _job_state(cluster, job_id, env)[:2] == ("COMPLETED", "0:0") and restarts() == 1, _failure(out)
     # in epoch 2 most likely; wherever it was, the requeued job resumes there
     stopped = re.search(r"hpcjobs train: SIGUSR1: checkpoint \S+ written (at step \d+ of epoch (\d+)|after epoch "

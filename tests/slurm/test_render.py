@@ -3,8 +3,10 @@ scripts), its validation and quoting, and `launch`'s command line."""
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -314,3 +316,38 @@ def test_launch_requeue_reads_the_runs_stop_file_and_starts_no_mpi(tmp_path, rec
     said = [line for line in proc.stdout.splitlines() if line.startswith("# hpcjobs slurm launch: job 77: ")]
     assert (said == []) if says is None else (len(said) == 1 and says in said[0]), proc.stdout
     assert stop.exists() == bool(record)
+
+
+def test_launch_requeue_hands_a_sigusr1_it_gets_to_the_launcher(tmp_path):
+    """The train template execs launch, and sbatch --signal=B:USR1@120 signals
+    the batch step's shell alone: launch --requeue hands the signal to its
+    launcher (srun and mpirun hand it to every rank). Here the launcher is a
+    child that writes the stop file when the signal comes, as a rank does;
+    without the handing on, launch itself died of the signal (status -10)."""
+    child = ("import json, os, signal, sys, time\n"
+             "got = []\n"
+             "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+             f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
+             "deadline = time.monotonic() + 30\n"
+             "while not got and time.monotonic() < deadline:\n"
+             "    time.sleep(0.01)\n"
+             "open(os.environ['HPCJOBS_STOP_FILE'], 'w').write(json.dumps(dict(signal='SIGUSR1', written=False, "
+             "epoch=1, step=5, checkpoint='c.pt')))\n"
+             "sys.exit(138 if got else 3)\n")
+    code = ("import sys\nfrom hpcjobs.cli.slurm_launch import _run_and_requeue\n"
+            f"rc = _run_and_requeue([sys.executable, '-c', {child!r}], {{'HPCJOBS_JOB_DIR': {str(tmp_path)!r}}}, 3)\n"
+            "print('rc', rc)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(env, SLURM_JOB_ID="77", SLURM_RESTART_COUNT="0"))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.splitlines()[-1] == "rc 138", (proc.returncode, out, err)
+    assert ("# hpcjobs slurm launch: job 77: SIGUSR1 stopped the run at step 5 of epoch 2 with parameters that are "
+            "not finite: not requeued") in out, out
