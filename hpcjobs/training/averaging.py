@@ -54,6 +54,7 @@ from ..collectives.counting import counted_allreduce
 from .config import TrainConfig
 from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
+from .optimizers import make_optimizer
 from .preempt import Stopped, StopSignals
 from .stepping import Progress, Straggler, compute_step, evaluate, finish_record, flatten, grad_vector, report
 
@@ -151,13 +152,11 @@ def _free_if_all_ended(comm, free):
 
 class _Averaging:
     def __init__(self, cfg, comm, ds, model, flat, spe, straggler, win=None):
-        from .loop import _make_optimizer
-
         self.cfg, self.comm, self.ds, self.model, self.flat, self.spe = cfg, comm, ds, model, flat, spe
         self.straggler, self.W = straggler, comm.Get_size()
         self.hogwild, self.win = cfg.mode == "hogwild", win
         self.schedule = cfg.schedule(1 if self.hogwild else self.W)
-        self.opt = _NoOptimizer() if self.hogwild else _make_optimizer(cfg, model)
+        self.opt = _NoOptimizer() if self.hogwild else make_optimizer(cfg, model)
         self.alpha = cfg.moving_rate(self.W)
         self.center = flat.clone() if cfg.mode == "easgd" else None
         # hogwild_lock: an exclusive lock on rank 0's counter of updates, held from a fetch-and-add on it

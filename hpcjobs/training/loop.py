@@ -56,30 +56,13 @@ from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, mo
 from .config import TrainConfig
 from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
 from .distributed import DistributedOptimizer
-from .lars import LARS
 from .models import build_model
+from .optimizers import make_optimizer
 from .preempt import Stopped, StopSignals
 from .stepping import Progress, Straggler, evaluate, losses_of, report
 
 __all__ = ["TrainConfig", "train", "CHECKPOINT_VERSION", "CheckpointError", "Stopped", "save_checkpoint",
            "load_checkpoint"]
-
-
-def _make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    # the "lars_exclude" flag of a group is read by LARS and kept, unread, by the others
-    groups = sched.parameter_groups(model, cfg.weight_decay, cfg.no_decay_bn_bias)
-    lr = cfg.lr
-    if cfg.optimizer in ("sgd", "nesterov"):
-        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov")
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=lr)
-    if cfg.optimizer == "adagrad":
-        return torch.optim.Adagrad(groups, lr=lr)
-    if cfg.optimizer == "adadelta":
-        return torch.optim.Adadelta(groups, lr=lr)
-    if cfg.optimizer == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, momentum=cfg.momentum)
-    return LARS(groups, lr=lr, momentum=cfg.momentum, trust_coefficient=cfg.trust_coefficient)
 
 
 # --- the loop -----------------------------------------------------------------
@@ -192,7 +175,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Run:
     # The same model on every rank; what draws from torch's generator after it (QSGD's rounding) draws a
     # stream of each rank's own, or every rank would round alike and the average's noise would not shrink.
     torch.manual_seed(int(np.random.SeedSequence([cfg.seed, comm.Get_rank()]).generate_state(1, np.uint64)[0]))
-    return _Run(cfg, comm, ds, model, _make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
+    return _Run(cfg, comm, ds, model, make_optimizer(cfg, model), cfg.schedule(comm.Get_size()),
                 steps_per_epoch(len(ds.train), global_batch), global_batch,
                 scaler=torch.amp.GradScaler(device.type) if cfg.amp == "fp16" else None, device=device,
                 straggler=Straggler(cfg.straggler, comm.Get_rank(), comm.Get_size()))

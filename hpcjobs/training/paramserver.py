@@ -74,11 +74,7 @@ the tests of the center work as for gradients.
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import time
-from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -86,118 +82,18 @@ from mpi4py import MPI
 
 from . import schedule as sched
 from .config import TrainConfig
-from .data import Dataset, load_dataset_of, rank_batches, steps_per_epoch
+from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
+from .preempt import Noted
+from .ps_checkpoint import read
+from .ps_common import Ctx, PeerLost, ShardUpdate, shard_bounds
+from .ps_server import Server
+from .ps_worker import Worker
 from .stepping import Straggler, compute_step, flatten, grad_vector
 
 __all__ = ["train_async", "run_async", "reference_fixed_delay", "shard_bounds", "ShardUpdate", "PeerLost"]
 
-HDR = 64  # bytes of float64 header at the front of every message
-TAG_PULL, TAG_PARAMS, TAG_PUSH, TAG_DONE, TAG_SNAP, TAG_SHARD, TAG_STOP, TAG_FINAL, TAG_ALIVE = range(7101, 7110)
-TAG_PAUSE, TAG_CKPT, TAG_GO = range(7110, 7113)  # checkpoints (ps_checkpoint.py): paused, a server's state, go on
-IDLE_S = 2e-4  # a server's nap when no message waits: it leaves the cores to the workers
-FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself after COUNT pushes, 0 too (tests)
-# "RANK:VERSION:SECONDS": server RANK, at that version, answers no pull for SECONDS (it still hears and
-# heartbeats) -- the tests' stand-in for a pull held behind a slow or lost worker, on one server only
-HOLD_ENV = "HPCJOBS_FAULT_HOLD"
-SLOW_TEST_ENV = "HPCJOBS_FAULT_SLOW_TEST"  # "SECONDS": server 0 takes that much longer over each test batch (tests)
-
-
-class PeerLost(RuntimeError):
-    """A server (or, in fixed-delay mode, a worker) went silent."""
-
-
-def shard_bounds(n: int, servers: int) -> list[int]:
-    """Offsets of the S contiguous shards of an n-value vector (equal bytes, within one value)."""
-    if servers > n:
-        raise ValueError(f"{servers} servers for {n} parameters: at most one server per parameter")
-    return [n * k // servers for k in range(servers + 1)]
-
-
-class ShardUpdate:
-    """A server's optimizer on its shard, in place, in float32: SGD with
-    momentum (torch.optim.SGD's rule) or Adagrad (torch.optim.Adagrad's)."""
-
-    def __init__(self, cfg: TrainConfig, shard: np.ndarray):
-        self.p, self.adagrad = shard, cfg.optimizer == "adagrad"
-        self.mu, self.wd = np.float32(cfg.momentum), np.float32(cfg.weight_decay)
-        self.state = np.zeros_like(shard)
-
-    def apply(self, g: np.ndarray, lr: float, share: float = 1.0) -> None:
-        """One push of ``g`` at rate ``lr``; ``share``: the weight of this
-        gradient alone (staleness-aware: 1/τ, Zhang et al. 2016). With
-        momentum the gradient enters the buffer at that weight, so a stale
-        one is damped and the fresh ones already in the buffer are not."""
-        if self.wd:
-            g = g + self.wd * self.p
-        if self.adagrad:
-            self.state += g * g
-            self.p -= np.float32(lr * share) * g / (np.sqrt(self.state) + np.float32(1e-10))
-        elif self.mu:
-            self.state *= self.mu
-            self.state += g if share == 1.0 else np.float32(share) * g
-            self.p -= np.float32(lr) * self.state
-        else:
-            self.p -= np.float32(lr * share) * g
-
-
-@dataclass
-class _Ctx:
-    cfg: TrainConfig
-    comm: MPI.Intracomm
-    servers: int
-    workers: int
-    ds: Dataset
-    model: torch.nn.Module
-    flat: torch.Tensor
-    bounds: list
-    spe: int  # each worker's steps per epoch
-    schedule: sched.ScheduleConfig
-    @property
-    def elastic(self) -> bool:  # asynchronous EASGD: pushes are elastic moves e, applied as center += e
-        return self.cfg.mode == "easgd"
-
-    @property
-    def alpha(self) -> float:
-        return self.cfg.moving_rate(self.workers)
-
-    @property
-    def steps_per_push(self) -> int:  # a worker's SGD steps per push
-        return self.cfg.local_steps if self.elastic else 1
-
-    @property
-    def rank(self) -> int:
-        return self.comm.Get_rank()
-
-    def shard(self, k: int) -> slice:
-        return slice(self.bounds[k], self.bounds[k + 1])
-
-    def elastic_step(self, moves: int) -> int:
-        """The schedule's step after ``moves`` elastic moves: the run's progress in a worker's steps,
-        the clock every elastic worker steps by (ps_worker.Worker._run_elastic)."""
-        return moves * self.steps_per_push // self.workers
-
-    def lr(self, version: int) -> float:
-        if self.elastic:
-            return sched.lr_at(self.elastic_step(version), self.spe, self.schedule)
-        return sched.lr_at(version, self.spe * self.workers, self.schedule)  # an epoch is spe * W pushes
-
-    def epochs_done(self, version: int) -> int:
-        return version * self.steps_per_push // (self.spe * self.workers)
-
-    @property
-    def total(self) -> int:  # the pushes of the run: the epochs' samples, from whichever workers
-        return self.cfg.epochs * self.spe * self.workers // self.steps_per_push
-
-
-def _die_if_told(rank: int, count: int) -> None:
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec == f"{rank}:{count}":
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
+def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> Ctx:
     size, servers, elastic = comm.Get_size(), cfg.servers, cfg.mode == "easgd"
     if size <= servers:
         raise ValueError(f"mode {_name(cfg)} needs workers: {size} ranks and {servers} server(s) (the first "
@@ -211,7 +107,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> _Ctx:
     if elastic and cfg.epochs * spe * workers < cfg.local_steps:
         raise ValueError(f"mode {_name(cfg)}: {cfg.epochs} epoch(s) of {spe} steps per worker make no elastic "
                          f"move every {cfg.local_steps} steps; train longer or lower --local-steps")
-    return _Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
+    return Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
                 cfg.schedule(workers if elastic else 1))
 
 
@@ -246,17 +142,11 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
               + (f"fixed delay {cfg.fixed_delay}" if cfg.fixed_delay is not None else
                  f"staleness bound {cfg.staleness_bound if cfg.staleness_bound is not None else 'none'}")
               + (", staleness-aware rate" if cfg.staleness_lr else ""), flush=True)
-    if ctx.rank < ctx.servers:
-        from .ps_server import Server as role
-    else:
-        from .ps_worker import Worker as role
-    from .preempt import Noted
-    from .ps_checkpoint import read
-
+    role = Server if ctx.rank < ctx.servers else Worker
     noted = Noted(bool(cfg.checkpoint))  # SIGTERM, SIGUSR1: a checkpoint at the next pause, and stop
     try:
         mine = read(ctx)  # with resume (collective): this rank's state, or None
-        try:  # imports and set-up before the clock starts, with every rank ready
+        try:  # set-up before the clock starts, with every rank ready
             me, error = role(ctx, mine), None
         except ValueError as e:  # a worker's optimizer (nesterov without momentum, say): the servers build none
             me, error = None, e
@@ -275,67 +165,6 @@ def run_async(cfg: TrainConfig, comm: MPI.Intracomm) -> tuple[list[dict], np.nda
             os._exit(3)  # MPI_Finalize would wait for the lost rank
     finally:
         noted.restore()
-
-
-# --- waiting on a peer ------------------------------------------------------------------
-
-class Beats:
-    """Heartbeats (TAG_ALIVE) from a rank that waits or serves, at most one
-    to each of ``dests()`` every ``period`` seconds (asked only when due:
-    a server calls this on every turn of its loop)."""
-
-    def __init__(self, comm: MPI.Intracomm, period: float, dests: Callable[[], Iterable[int]]):
-        self.comm, self.period, self.dests = comm, period, dests
-        self.buf, self.reqs, self.next = np.zeros(8), [], 0.0
-
-    def __call__(self, now: float) -> None:
-        if now < self.next:
-            return
-        self.next = now + self.period
-        self.reqs = [r for r in self.reqs if not r.Test()]
-        self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in self.dests()]
-
-
-def _await(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict,
-           beat: Callable[[float], None] | None = None) -> None:
-    """Wait for ``reqs`` (``reqs[i]`` from ``peers[i]``), taking heartbeats
-    and, with ``beat``, sending them (a worker: a server that answered its
-    pull must not take its wait on another for its death); raise PeerLost
-    when a peer waited on has been silent for ``timeout``."""
-    status, buf = MPI.Status(), np.empty(8)
-    start = time.monotonic()
-    open_ = list(range(len(reqs)))
-    while open_:
-        open_ = [i for i in open_ if not reqs[i].Test()]
-        if not open_:
-            return
-        while comm.Iprobe(MPI.ANY_SOURCE, TAG_ALIVE, status):
-            comm.Recv(buf, source=status.Get_source(), tag=TAG_ALIVE)
-            heard[status.Get_source()] = time.monotonic()
-        now = time.monotonic()
-        if beat is not None:
-            beat(now)
-        for i in open_:
-            if now - max(start, heard.get(peers[i], start)) > timeout:
-                raise PeerLost(f"server rank {peers[i]} sent nothing for {timeout:g} s: presumed lost")
-        time.sleep(IDLE_S)
-
-
-def _recv_object(comm: MPI.Intracomm, source: int, tag: int, timeout: float,
-                 beat: Callable[[float], None] | None = None):
-    """A pickled object from ``source``, taking its heartbeats and, with ``beat``, sending ours."""
-    status, buf, heard = MPI.Status(), np.empty(8), {source: time.monotonic()}
-    while not comm.Iprobe(source, tag, status):
-        if beat is not None:
-            beat(time.monotonic())
-        if comm.Iprobe(source, TAG_ALIVE, status):
-            comm.Recv(buf, source=source, tag=TAG_ALIVE)
-            heard[source] = time.monotonic()
-        elif time.monotonic() - heard[source] > timeout:
-            raise PeerLost(f"server rank {source} sent nothing for {timeout:g} s: presumed lost")
-        else:
-            time.sleep(IDLE_S)
-    return comm.recv(source=source, tag=tag)
 
 
 # --- the single-process reference ---------------------------------------------------

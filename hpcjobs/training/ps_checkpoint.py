@@ -46,7 +46,7 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
-from .paramserver import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
+from .ps_common import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import Stopped
 
 __all__ = ["at_pause", "due", "go_on", "position", "read", "server_state", "load_server", "write", "worker_state"]

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .paramserver import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO,
+from .ps_common import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO,
                           TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost,
-                          ShardUpdate, _await, _Ctx, _die_if_told, _recv_object)
+                          ShardUpdate, await_peers, Ctx, die_if_told, recv_object)
 from . import ps_checkpoint
 from .preempt import Noted
 from .stepping import amend_report, evaluate_local, finish_record, report
@@ -30,7 +30,7 @@ class _Epoch:
 
 
 class Server:
-    def __init__(self, ctx: _Ctx, mine: dict | None = None):
+    def __init__(self, ctx: Ctx, mine: dict | None = None):
         self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
         self.k, self.S, self.W = ctx.rank, ctx.servers, ctx.workers
         self.shard = ctx.flat[ctx.shard(self.k)].numpy()
@@ -206,7 +206,7 @@ class Server:
         if self.kept is not None:
             self.kept[self.version] = self.shard.copy()
             self.kept.pop(self.version - self.cfg.fixed_delay - 1, None)
-        _die_if_told(self.comm.Get_rank(), self.version)
+        die_if_told(self.comm.Get_rank(), self.version)
         if self.hold and self.version == self.hold[0]:
             self.held_until = time.monotonic() + self.hold[1]
         epochs = self.ctx.epochs_done(self.version)
@@ -278,7 +278,7 @@ class Server:
             req = self.comm.Irecv(buf, source=k, tag=TAG_SHARD)
             self.comm.Send(self.alive_buf, dest=k, tag=TAG_SNAP)
             heard = {k: time.monotonic()}
-            _await(self.comm, [req], [k], self.cfg.peer_timeout, heard, beat=self._heartbeat)
+            await_peers(self.comm, [req], [k], self.cfg.peer_timeout, heard, beat=self._heartbeat)
             for src, at in heard.items():  # the workers' heartbeats it took meanwhile
                 self._heard_worker(src, at)
             self.ctx.flat[sl] = torch.from_numpy(buf[HDR:].view(np.float32))
@@ -337,7 +337,7 @@ class Server:
         finished[list(self.done)] = 1
         for k in range(1, self.S):
             self.comm.Send(finished, dest=k, tag=TAG_STOP)
-            audits.append(_recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout, beat=self._heartbeat))
+            audits.append(recv_object(self.comm, k, TAG_STOP, self.cfg.peer_timeout, beat=self._heartbeat))
         if not self.history:  # no push was ever applied: no epoch line to end with. Exits 3, as a lost peer
             # does (MPI_Abort's code is lost under mpirun --enable-recovery: it exited 0)
             raise PeerLost(f"every worker was lost before a push was applied (workers lost: "
@@ -373,10 +373,10 @@ class Server:
     def _final_history(self) -> list[dict]:
         if self.k == 0:
             return self.history
-        return _recv_object(self.comm, 0, TAG_FINAL, self.cfg.peer_timeout)
+        return recv_object(self.comm, 0, TAG_FINAL, self.cfg.peer_timeout)
 
 
 def _hold_of(rank: int) -> tuple[int, float] | None:
-    """(version, seconds) of :data:`~hpcjobs.training.paramserver.HOLD_ENV` for server ``rank``, or None."""
+    """(version, seconds) of :data:`~hpcjobs.training.ps_common.HOLD_ENV` for server ``rank``, or None."""
     spec = os.environ.get(HOLD_ENV, "").split(":")
     return (int(spec[1]), float(spec[2])) if len(spec) == 3 and spec[0] == str(rank) else None

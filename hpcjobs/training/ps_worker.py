@@ -13,16 +13,17 @@ from mpi4py import MPI
 from . import schedule as sched
 from .data import rank_batches
 from . import ps_checkpoint
+from .optimizers import make_optimizer
 from .preempt import Noted
-from .paramserver import (HDR, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH,
-                          Beats, _await, _Ctx, _die_if_told, _recv_object)
+from .ps_common import (HDR, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH,
+                          Beats, await_peers, Ctx, die_if_told, recv_object)
 from .stepping import Straggler, compute_step, grad_vector
 
 __all__ = ["Worker"]
 
 
 class Worker:
-    def __init__(self, ctx: _Ctx, mine: dict | None = None):
+    def __init__(self, ctx: Ctx, mine: dict | None = None):
         self.ctx, self.cfg, self.comm = ctx, ctx.cfg, ctx.comm
         self.w, self.S, self.W = ctx.rank - ctx.servers, ctx.servers, ctx.workers
         sizes = [ctx.bounds[k + 1] - ctx.bounds[k] for k in range(self.S)]
@@ -42,9 +43,7 @@ class Worker:
         self.straggler = Straggler(ctx.cfg.straggler, ctx.rank, ctx.comm.Get_size())
         self.clock = 0  # EASGD: the schedule's step this worker's next local step takes (_run_elastic)
         if ctx.elastic:  # this worker's own SGD between elastic moves
-            from .loop import _make_optimizer
-
-            self.opt = _make_optimizer(ctx.cfg, ctx.model)
+            self.opt = make_optimizer(ctx.cfg, ctx.model)
             if mine is not None:  # its own parameters (the center's where it was lost before), momentum, clock
                 ctx.flat.copy_(mine["params"])
                 if mine["optimizer"] is not None:
@@ -52,7 +51,7 @@ class Worker:
                 self.clock = int(mine["clock"])
 
     def run(self) -> list[dict]:
-        _die_if_told(self.comm.Get_rank(), 0)  # the fault tests: a worker lost before its first push
+        die_if_told(self.comm.Get_rank(), 0)  # the fault tests: a worker lost before its first push
         if self.ctx.elastic:
             self._run_elastic()
         else:
@@ -131,17 +130,17 @@ class Worker:
         this worker's last push, and wait until server 0 says go on; raise
         Stopped where it says stop."""
         comm, cfg = self.comm, self.cfg
-        _await(comm, self.outreq, list(range(self.S)), cfg.peer_timeout, self.heard, self.beat)
+        await_peers(comm, self.outreq, list(range(self.S)), cfg.peer_timeout, self.heard, self.beat)
         if self.ctx.elastic:  # its own state to server 0, before the marker (one sender's messages stay in order)
             sent = ps_checkpoint.isend_bytes(comm, ps_checkpoint.worker_state(self), 0, TAG_CKPT)
-            _die_if_told(comm.Get_rank(), f"state{self.pushed_count}")  # the fault tests: dead mid-send
+            die_if_told(comm.Get_rank(), f"state{self.pushed_count}")  # the fault tests: dead mid-send
         marker = np.zeros(8)
         marker[:2] = self.pushed_count, self.noted.signum
         for k in range(self.S):
             comm.Send(marker, dest=k, tag=TAG_PAUSE)
         if self.ctx.elastic:
-            _await(comm, [sent[0]], [0], cfg.peer_timeout, self.heard, self.beat)
-        go = _recv_object(comm, 0, TAG_GO, cfg.peer_timeout, beat=self.beat)
+            await_peers(comm, [sent[0]], [0], cfg.peer_timeout, self.heard, self.beat)
+        go = recv_object(comm, 0, TAG_GO, cfg.peer_timeout, beat=self.beat)
         if go["stop"]:
             raise ps_checkpoint.stopped(self.ctx, go)
 
@@ -159,7 +158,7 @@ class Worker:
         self.ask[:2] = clock, wanted
         for k in range(S):
             comm.Send(self.ask, dest=k, tag=TAG_PULL)
-        _await(comm, reqs, list(range(S)), self.cfg.peer_timeout, self.heard, self.beat)
+        await_peers(comm, reqs, list(range(S)), self.cfg.peer_timeout, self.heard, self.beat)
         heads = [self.inbuf[k][:HDR].view(np.float64) for k in range(S)]
         return None if any(h[1] for h in heads) else heads
 
@@ -167,19 +166,19 @@ class Worker:
         """Each server its slice of ``vec``, tagged with the version pulled."""
         comm, ctx = self.comm, self.ctx
         self.pushed_sum += vec
-        _await(comm, self.outreq, list(range(self.S)), self.cfg.peer_timeout, self.heard, self.beat)
+        await_peers(comm, self.outreq, list(range(self.S)), self.cfg.peer_timeout, self.heard, self.beat)
         for k in range(self.S):
             buf = self.outbuf[k]
             buf[:HDR].view(np.float64)[:6] = heads[k][0], epoch, index, *stats
             buf[HDR:].view(np.float32)[:] = vec[ctx.shard(k)]
             self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_PUSH)
         self.pushed_count += 1
-        _die_if_told(comm.Get_rank(), self.pushed_count)
+        die_if_told(comm.Get_rank(), self.pushed_count)
 
     def _finish(self, pushes: int) -> list[dict]:
         """The audit's sums to every server, then the run's history from server 0."""
         ctx, cfg, comm, S = self.ctx, self.cfg, self.comm, self.S
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
+        await_peers(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
         done = []
         for k in range(S):
             sl = ctx.shard(k)
@@ -189,8 +188,8 @@ class Worker:
             buf[HDR:].view(np.float64)[:] = self.pushed_sum[sl]
             done.append(buf)
             self.outreq[k] = comm.Isend(buf, dest=k, tag=TAG_DONE)
-        _await(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
-        history = _recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
+        await_peers(comm, self.outreq, list(range(S)), cfg.peer_timeout, self.heard, self.beat)
+        history = recv_object(comm, 0, TAG_FINAL, cfg.peer_timeout)
         if isinstance(history, dict):  # a signal's stop at a pause of the others (this one was done)
             raise ps_checkpoint.stopped(ctx, history)
         return history

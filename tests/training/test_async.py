@@ -191,7 +191,7 @@ def test_local_sgd_averaging_every_step_is_synchronous_sgd():
 def _simulate(cfg: TrainConfig, workers: int) -> float:
     """Every worker of local SGD or EASGD in this process; the test loss
     of what is tested (the average of the workers, or the center)."""
-    from hpcjobs.training.loop import _make_optimizer
+    from hpcjobs.training.optimizers import make_optimizer
 
     ds = load_dataset(cfg.dataset, num_samples=cfg.num_samples, seed=cfg.data_seed)
     models, flats, opts = [], [], []
@@ -199,7 +199,7 @@ def _simulate(cfg: TrainConfig, workers: int) -> float:
         torch.manual_seed(cfg.seed)
         models.append(build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width))
         flats.append(flatten(models[-1]))
-        opts.append(_make_optimizer(cfg, models[-1]))
+        opts.append(make_optimizer(cfg, models[-1]))
     center, alpha = flats[0].clone(), cfg.elastic_alpha or 0.9 / workers
     spe, schedule, step = steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers), cfg.schedule(workers), 0
     for epoch in range(cfg.epochs):
