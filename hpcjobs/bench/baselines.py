@@ -243,19 +243,32 @@ def cuda_stage(host, comm: MPI.Intracomm) -> DeviceStage:
     return DeviceStage(host, f"cuda:{index}")
 
 
+_gloo_group = None
+
+
+def gloo_group():
+    """A Gloo group of every rank of the default process group, made at the
+    first call (``bench --device cuda``'s Gloo baseline, whose default group
+    may be NCCL's); :func:`shutdown` drops it with the default group."""
+    import torch.distributed as dist
+
+    global _gloo_group
+    if _gloo_group is None:
+        _gloo_group = dist.new_group(backend="gloo")
+    return _gloo_group
+
+
 def shutdown() -> None:
     """Tear down the torch.distributed process group and Horovod, if started,
     so a long-lived process (a test session) stops paying for their threads."""
-    global _torch_dist_backend
+    global _torch_dist_backend, _gloo_group
     horovod.stop()
     doors.stop()
     if _torch_dist_backend is not None:
         import torch.distributed as dist
 
-        from .device import forget_groups  # its Gloo group goes with the default group
-
         dist.destroy_process_group()
-        forget_groups()
+        _gloo_group = None  # it went with the default group
         _torch_dist_backend = None
 
 

@@ -30,7 +30,8 @@ from mpi4py import MPI
 from ..collectives._buffers import OP_TABLE, check_op
 from ..comm import private
 from ..topology import detect_private
-from .baselines import _dist_op, ensure_process_group, gloo_supports, mpi_allreduce, mpi_supports, nccl_supports
+from .baselines import (_dist_op, ensure_process_group, gloo_group, gloo_supports, mpi_allreduce, mpi_supports,
+                        nccl_supports)
 from .baselines import tensor_allreduce
 
 __all__ = ["DEVICE_ADAPTERS", "cuda_aware_mpi", "device_unavailable", "gpu_for_rank", "no_gpu_reason", "waited"]
@@ -120,30 +121,18 @@ def mpi_device_allreduce(tensor, op: str = "sum", comm: MPI.Comm | None = None):
     return tensor
 
 
-_gloo_group = None
-
-
 def gloo_device_allreduce(tensor, op: str = "sum", comm: MPI.Comm | None = None):
     """``torch.distributed.all_reduce`` of the CUDA tensor over Gloo."""
     import torch.distributed as dist
 
-    global _gloo_group
     check_op(op)
     comm = private(comm)
     ensure_process_group(comm)
-    if _gloo_group is None:
-        _gloo_group = dist.new_group(backend="gloo")
-    dist.all_reduce(tensor, op=_dist_op(op), group=_gloo_group)
+    dist.all_reduce(tensor, op=_dist_op(op), group=gloo_group())
     size = comm.Get_size()
     if op == "avg" and size > 1:
         tensor.div_(size) if tensor.is_floating_point() else tensor.div_(size, rounding_mode="floor")
     return tensor
-
-
-def forget_groups() -> None:
-    """The Gloo group goes with the default process group (shutdown)."""
-    global _gloo_group
-    _gloo_group = None
 
 
 # name -> (fn on a CUDA tensor, supports(dtype))
