@@ -20,9 +20,9 @@ A resumed run starts every worker after its push c and every server at the
 saved version, with its shard, optimizer state, counts and (fixed delay) its
 last k versions: in fixed-delay mode it is the run never stopped (the tests
 hold it to the single-process reference). The audit's sums start again at
-the resume (its counts cover the run). The checkpoint must be written within
-``--peer-timeout``: the ranks waiting for it take longer for server 0's
-death.
+the resume (its counts cover the run). Server 0 sends its heartbeats while
+it writes the checkpoint: the ranks waiting for its go-on would take a write
+longer than ``--peer-timeout`` for its death.
 
 Asynchronous EASGD (``--mode easgd --easgd-form async``) counts its pauses
 in each worker's own steps: a worker pauses after its last push (of H local
@@ -46,7 +46,7 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
-from .ps_common import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
+from .ps_common import SLOW_CKPT_ENV, TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import Stopped
 
 __all__ = ["at_pause", "due", "go_on", "position", "read", "server_state", "load_server", "write", "worker_state"]
@@ -162,6 +162,7 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
         for w in range(ctx.workers):
             ranks[ctx.servers + w].update(workers.get(w, center))
+    time.sleep(float(os.environ.get(SLOW_CKPT_ENV) or 0))  # the tests' slow file system
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
@@ -237,8 +238,9 @@ def at_pause(server) -> None:
     pushes = max(count for count, _ in server.paused.values())
     signals = [server.noted.signum, *(s for _, s in server.paused.values()), *(st["signum"] for st in states)]
     # at the run's end the audit is yet to go into the last line: a resumed run must not cut it
-    written = write(server.ctx, server.history, states, pushes, trim=server.version < server.ctx.total,
-                    workers=workers)
+    # heartbeats meanwhile: a write longer than --peer-timeout must not make the waiting ranks presume it dead
+    written = server._heartbeat.during(lambda: write(server.ctx, server.history, states, pushes,
+                                                     trim=server.version < server.ctx.total, workers=workers))
     go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "version": server.version,
           "lost": bool(server.lost), "written": written}
     for k in range(1, server.S):

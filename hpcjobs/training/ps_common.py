@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import numpy as np
 import torch
@@ -21,6 +22,8 @@ from mpi4py import MPI
 from . import schedule as sched
 from .config import TrainConfig
 from .data import Dataset
+
+T = TypeVar("T")
 
 __all__ = ["PeerLost", "ShardUpdate", "shard_bounds", "Ctx", "Beats", "await_peers", "recv_object", "die_if_told"]
 
@@ -33,6 +36,7 @@ FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself afte
 # heartbeats) -- the tests' stand-in for a pull held behind a slow or lost worker, on one server only
 HOLD_ENV = "HPCJOBS_FAULT_HOLD"
 SLOW_TEST_ENV = "HPCJOBS_FAULT_SLOW_TEST"  # "SECONDS": server 0 takes that much longer over each test batch (tests)
+SLOW_CKPT_ENV = "HPCJOBS_FAULT_SLOW_CHECKPOINT"  # "SECONDS": server 0 takes that much longer over each checkpoint
 
 
 class PeerLost(RuntimeError):
@@ -147,9 +151,28 @@ class Beats:
         self.reqs = [r for r in self.reqs if not r.Test()]
         self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in self.dests()]
 
+    def during(self, fn: Callable[[], T]) -> T:
+        """``fn()`` while a thread sends these heartbeats, for a rank busy
+        outside its loop: server 0 writing a checkpoint, which may take
+        longer than ``--peer-timeout``, is not taken for dead by the ranks
+        waiting for its go-on. (MPI_THREAD_MULTIPLE, mpi4py's default.)"""
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(self.period / 2):
+                self(time.monotonic())
+
+        thread = threading.Thread(target=beat, name="hpcjobs-heartbeat", daemon=True)
+        thread.start()
+        try:
+            return fn()
+        finally:
+            done.set()
+            thread.join()
+
 
 def await_peers(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict,
-           beat: Callable[[float], None] | None = None) -> None:
+                beat: Callable[[float], None] | None = None) -> None:
     """Wait for ``reqs`` (``reqs[i]`` from ``peers[i]``), taking heartbeats
     and, with ``beat``, sending them (a worker: a server that answered its
     pull must not take its wait on another for its death); raise PeerLost

@@ -15,10 +15,11 @@ SMALL = ["--model", "mlp", "--width", "4", "--num-samples", "1000", "--lr", "0.0
          "--no-progress"]
 
 
-def _train(n, *args, fault=None, hold=None, slow_test=None, timeout=120):
+def _train(n, *args, fault=None, hold=None, slow_test=None, slow_checkpoint=None, timeout=120):
     exe, *rest = _mpirun_prefix(n)
     variables = {name: value for name, value in (("HPCJOBS_FAULT_KILL", fault), ("HPCJOBS_FAULT_HOLD", hold),
-                                                 ("HPCJOBS_FAULT_SLOW_TEST", slow_test)) if value}
+                                                 ("HPCJOBS_FAULT_SLOW_TEST", slow_test),
+                                                 ("HPCJOBS_FAULT_SLOW_CHECKPOINT", slow_checkpoint)) if value}
     extra = ["--enable-recovery"] if fault else []
     for name in variables:
         extra += ["-x", name]
@@ -30,6 +31,23 @@ def _train(n, *args, fault=None, hold=None, slow_test=None, timeout=120):
             pytest.fail(f"no end within {timeout} s; stdout:\n{(e.stdout or '')[-3000:]}\nstderr:\n"
                         f"{(e.stderr or '')[-3000:]}")
         return out, time.monotonic() - t0
+
+
+def test_a_checkpoint_written_for_longer_than_the_peer_timeout_loses_no_rank(tmp_path):
+    """Server 0 writes each epoch's checkpoint for 10 s (a slow file
+    system), two and a half times --peer-timeout, while the workers wait
+    for its go-on and server 1 for its word: it sends its heartbeats
+    meanwhile, so none presumes it dead and the run completes. Before, every
+    other rank gave server 0 up after 4 s and exited 3."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "c.pt"
+    out, elapsed = _train(4, *SMALL, "--servers", "2", "--epochs", "2", "--peer-timeout", "4", "--metrics",
+                          str(metrics), "--checkpoint", str(ckpt), slow_checkpoint="10")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "presumed lost" not in out.stderr + out.stdout and elapsed > 20, (elapsed, out.stderr[-3000:])
+    found = re.search(r"(\d+) pushes applied, (\d+) reported pushed", out.stdout)
+    assert found and found[1] == found[2], out.stdout[-2000:]
+    assert [json.loads(line)["epoch"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert ckpt.exists()
 
 
 def test_ten_thousand_pushes_and_none_is_lost(tmp_path):
