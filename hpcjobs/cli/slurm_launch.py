@@ -12,7 +12,9 @@ in ``{job_dir}/stopped.json`` (``HPCJOBS_STOP_FILE``), since srun's exit
 status does not tell a stop from a failure. A SIGUSR1 this process gets
 (the train template execs it and asks ``sbatch --signal=B:USR1@120``)
 goes on to the launcher, which hands it to every rank: srun and mpirun
-both forward it, so the batch host's ranks under mpirun get it too.
+both forward it, so the batch host's ranks under mpirun get it too. The
+template ignores SIGUSR1 until then: one that comes before the launcher
+runs is dropped.
 """
 
 from __future__ import annotations
@@ -48,25 +50,18 @@ def _stop_record(path: Path) -> dict | None:
 
 def _run_forwarding(cmd: list[str], env: dict, signum: int) -> int:
     """Run the launcher and wait for it, handing it each ``signum`` this
-    process gets (also one that came before the launcher had started);
-    its return code."""
-    child: list[subprocess.Popen] = []
-    early: list[int] = []
-
-    def forward(sig, frame):
-        if child and child[0].poll() is None:
-            child[0].send_signal(sig)
-        elif not child:
-            early.append(sig)
-
-    previous = signal.signal(signum, forward)
+    process gets; its return code. The launcher starts with ``signum``
+    ignored until it sets its own handler (srun and mpirun do), so one that
+    comes before it could pass it on is dropped, not its end; afterwards
+    ``signum`` stays ignored: a second one must not end this process before
+    it has requeued the job."""
+    signal.signal(signum, signal.SIG_IGN)
+    child = subprocess.Popen(cmd, env=env)
+    signal.signal(signum, lambda sig, frame: child.send_signal(sig))  # nothing once the child has ended
     try:
-        child.append(subprocess.Popen(cmd, env=env))
-        for sig in early:
-            child[0].send_signal(sig)
-        return child[0].wait()
+        return child.wait()
     finally:
-        signal.signal(signum, previous)
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _run_and_requeue(cmd: list[str], env: dict, limit: int) -> int:

@@ -9,7 +9,8 @@ before the limit, which ``hpcjobs slurm launch`` hands to ``srun`` or
 run did since its last checkpoint was lost (a whole epoch, or
 ``--checkpoint-every`` steps). Slurm's SIGTERM also reaches the launcher,
 and ``srun`` and ``mpirun`` end their tasks on it: the ranks race them
-(docs/reliability.md, "Checkpoints"); a SIGUSR1 reaches the tasks alone.
+(docs/reliability.md, "Checkpoints"); a SIGUSR1 they pass on without
+ending their tasks.
 
 A rank's handler only notes the signal. Each step, the ranks combine what
 they noted in a nonblocking ``MPI_Iallreduce`` (MAX) on a communicator of

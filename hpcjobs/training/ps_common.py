@@ -197,7 +197,7 @@ def await_peers(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: floa
 
 
 def recv_object(comm: MPI.Intracomm, source: int, tag: int, timeout: float,
-                 beat: Callable[[float], None] | None = None):
+                beat: Callable[[float], None] | None = None):
     """A pickled object from ``source``, taking its heartbeats and, with ``beat``, sending ours."""
     status, buf, heard = MPI.Status(), np.empty(8), {source: time.monotonic()}
     while not comm.Iprobe(source, tag, status):

@@ -14,8 +14,8 @@ import torch
 from mpi4py import MPI
 
 from .ps_common import (HDR, HOLD_ENV, IDLE_S, SLOW_TEST_ENV, TAG_ALIVE, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO,
-                          TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost,
-                          ShardUpdate, await_peers, Ctx, die_if_told, recv_object)
+                        TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH, TAG_SHARD, TAG_SNAP, TAG_STOP, Beats, PeerLost,
+                        ShardUpdate, await_peers, Ctx, die_if_told, recv_object)
 from . import ps_checkpoint
 from .preempt import Noted
 from .stepping import amend_report, evaluate_local, finish_record, report

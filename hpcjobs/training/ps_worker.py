@@ -16,7 +16,7 @@ from . import ps_checkpoint
 from .optimizers import make_optimizer
 from .preempt import Noted
 from .ps_common import (HDR, TAG_CKPT, TAG_DONE, TAG_FINAL, TAG_GO, TAG_PARAMS, TAG_PAUSE, TAG_PULL, TAG_PUSH,
-                          Beats, await_peers, Ctx, die_if_told, recv_object)
+                        Beats, await_peers, Ctx, die_if_told, recv_object)
 from .stepping import Straggler, compute_step, grad_vector
 
 __all__ = ["Worker"]

@@ -323,9 +323,12 @@ def test_launch_requeue_hands_a_sigusr1_it_gets_to_the_launcher(tmp_path):
     the batch step's shell alone: launch --requeue hands the signal to its
     launcher (srun and mpirun hand it to every rank). Here the launcher is a
     child that writes the stop file when the signal comes, as a rank does;
-    without the handing on, launch itself died of the signal (status -10)."""
+    without the handing on, launch itself died of the signal (status -10).
+    The launcher starts with the signal ignored until it sets its own (one
+    too early is dropped, not its end), and a second signal after it ended
+    does not end launch before it requeues."""
     child = ("import json, os, signal, sys, time\n"
-             "got = []\n"
+             "got, at_start = [], signal.getsignal(signal.SIGUSR1)\n"
              "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
              f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
              "deadline = time.monotonic() + 30\n"
@@ -333,9 +336,10 @@ def test_launch_requeue_hands_a_sigusr1_it_gets_to_the_launcher(tmp_path):
              "    time.sleep(0.01)\n"
              "open(os.environ['HPCJOBS_STOP_FILE'], 'w').write(json.dumps(dict(signal='SIGUSR1', written=False, "
              "epoch=1, step=5, checkpoint='c.pt')))\n"
-             "sys.exit(138 if got else 3)\n")
-    code = ("import sys\nfrom hpcjobs.cli.slurm_launch import _run_and_requeue\n"
+             "sys.exit((138 if got else 3) if at_start == signal.SIG_IGN else 4)\n")
+    code = ("import os, signal, sys, time\nfrom hpcjobs.cli.slurm_launch import _run_and_requeue\n"
             f"rc = _run_and_requeue([sys.executable, '-c', {child!r}], {{'HPCJOBS_JOB_DIR': {str(tmp_path)!r}}}, 3)\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\ntime.sleep(0.2)\n"
             "print('rc', rc)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
