@@ -51,7 +51,8 @@ so do workers while they wait (one server's held pull is not their silence
 to the others); a rank that hears nothing from a server it waits on for
 ``peer_timeout`` seconds exits non-zero saying so. Server 0 also evaluates: at every
 epoch's worth of pushes it snapshots the other shards and tests the model,
-heartbeating all the while (a test longer than the timeout is not its death).
+heartbeating all the while (a test longer than the timeout is not its death),
+as it does while it writes a checkpoint.
 
 Checkpoints (``checkpoint``, ``checkpoint_every``, ``resume``): the workers
 pause at each epoch's end (and every ``checkpoint_every``) of their own steps,

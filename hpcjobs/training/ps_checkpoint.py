@@ -162,7 +162,10 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
         for w in range(ctx.workers):
             ranks[ctx.servers + w].update(workers.get(w, center))
-    time.sleep(float(os.environ.get(SLOW_CKPT_ENV) or 0))  # the tests' slow file system
+    if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
+        print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s ({SLOW_CKPT_ENV})",
+              file=sys.stderr, flush=True)
+        time.sleep(float(os.environ[SLOW_CKPT_ENV]))
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
@@ -241,6 +244,9 @@ def at_pause(server) -> None:
     # heartbeats meanwhile: a write longer than --peer-timeout must not make the waiting ranks presume it dead
     written = server._heartbeat.during(lambda: write(server.ctx, server.history, states, pushes,
                                                      trim=server.version < server.ctx.total, workers=workers))
+    now = time.monotonic()
+    for w in server.paused:  # their silence meanwhile was this rank's: it heard nothing while it wrote
+        server.heard[w] = max(server.heard[w], now)
     go = {"stop": next((s for s in signals if s), 0), "pushes": pushes, "version": server.version,
           "lost": bool(server.lost), "written": written}
     for k in range(1, server.S):

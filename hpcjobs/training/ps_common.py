@@ -152,23 +152,27 @@ class Beats:
         self.reqs += [self.comm.Isend(self.buf, dest=d, tag=TAG_ALIVE) for d in self.dests()]
 
     def during(self, fn: Callable[[], T]) -> T:
-        """``fn()`` while a thread sends these heartbeats, for a rank busy
-        outside its loop: server 0 writing a checkpoint, which may take
-        longer than ``--peer-timeout``, is not taken for dead by the ranks
-        waiting for its go-on. (MPI_THREAD_MULTIPLE, mpi4py's default.)"""
-        done = threading.Event()
+        """``fn()``, in a thread, while this thread sends these heartbeats:
+        for a rank busy outside its loop (server 0 writing a checkpoint, which
+        may take longer than ``--peer-timeout``), so the ranks waiting for it
+        do not take it for dead. MPI stays on the calling thread (any thread
+        level does); ``fn`` must make no MPI call. Its exception is raised here."""
+        out: dict = {}
 
-        def beat() -> None:
-            while not done.wait(self.period / 2):
-                self(time.monotonic())
+        def run() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 -- raised on the calling thread below
+                out["error"] = e
 
-        thread = threading.Thread(target=beat, name="hpcjobs-heartbeat", daemon=True)
+        thread = threading.Thread(target=run, name="hpcjobs-busy", daemon=True)
         thread.start()
-        try:
-            return fn()
-        finally:
-            done.set()
-            thread.join()
+        while thread.is_alive():
+            self(time.monotonic())
+            thread.join(min(self.period / 4, 0.25))
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
 
 
 def await_peers(comm: MPI.Intracomm, reqs: list, peers: list[int], timeout: float, heard: dict,
