@@ -154,6 +154,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_anything_is_measured
     assert "alpha =" not in out.stdout and "wrong results" not in out.stdout  # nothing was measured
 
 
+@pytest.mark.parametrize("command,flag,directory", [
+    (["bench", "allreduce", "-e", "64"], "--json", False),
+    (["bench", "allreduce", "-e", "64"], "--out", True),
+])
+def test_an_output_in_a_directory_no_file_can_be_made_in_is_refused_before_anything_is_measured(command, flag,
+                                                                                               directory):
+    """/proc: the directory exists, and root passes every permission check,
+    but no file can be made there. The check asked os.access, which says
+    yes to root, and the run failed with a traceback at its end."""
+    out = _mpirun(2, *command, flag, "/proc/hpcjobs-out" + ("" if directory else ".json"))
+    assert out.returncode == 2, out.stderr
+    assert f"{flag} /proc/hpcjobs-out" in out.stderr and "cannot" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "size(B)" not in out.stdout
+
+
 def test_an_output_file_that_is_a_directory_is_refused(tmp_path):
     out = _mpirun(2, "tune", "-e", "64", "--out", str(tmp_path))
     assert out.returncode == 2 and "is a directory; give a file name" in out.stderr, out.stderr

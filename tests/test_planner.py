@@ -405,6 +405,10 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--params", "1M", "--throughput", "10", "--cost-model", "/nonexistent.json"], "--cost-model"),
     (["--params", "1M", "--throughput", "10", "--json", "/dev/null/plan.json"], "cannot create the directory"),
     (["--params", "1M", "--throughput", "10", "--json", "/tmp"], "is a directory"),
+    # no file can be made in /proc, even by root, whom permissions do not stop: it failed with a traceback
+    # after the plan was printed
+    (["--params", "1M", "--throughput", "10", "--json", "/proc/plan.json"],
+     "--json /proc/plan.json: cannot write a file in the directory /proc"),
     (["--params", "1M", "--throughput", "10", "--devices", "1", "--runs", "/nonexistent.jsonl"], "cannot read it"),
     (["--params", "1M", "--throughput", "10", "--amp", "bf16"], "give --model and --measure"),
     (["--model", "mlp", "--throughput", "10", "--device", "cuda"], "give --model and --measure"),

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import tempfile
 from pathlib import Path
 
 __all__ = ["UsageError", "usage", "parse_bytes", "positive_int", "nonnegative_int", "positive_float",
@@ -144,8 +145,16 @@ def _output_problem(flag: str, path: str, directory: bool) -> str | None:
         return f"{flag} {path}: cannot create the directory {folder}: {e.strerror}"
     if not directory and p.is_dir():
         return f"{flag} {path}: is a directory; give a file name"
-    if not os.access(folder, os.W_OK):
-        return f"{flag} {path}: the directory {folder} is not writable"
+    if not directory and p.exists() and not p.is_file():
+        return None  # a pipe, a device, /dev/stdout: written in place (hpcjobs._files.atomic_write)
+    # A file made and removed there, as the write will make its temporary one: permissions alone say nothing
+    # to root, nor of a directory no file can be made in (/proc, a read-only mount).
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hpcjobs-", suffix=".probe", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{flag} {path}: cannot write a file in the directory {folder}: {e.strerror}"
     return None
 
 
