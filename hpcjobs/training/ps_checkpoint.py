@@ -20,9 +20,9 @@ A resumed run starts every worker after its push c and every server at the
 saved version, with its shard, optimizer state, counts and (fixed delay) its
 last k versions: in fixed-delay mode it is the run never stopped (the tests
 hold it to the single-process reference). The audit's sums start again at
-the resume (its counts cover the run). Server 0 sends its heartbeats while
-it writes the checkpoint: the ranks waiting for its go-on would take a write
-longer than ``--peer-timeout`` for its death.
+the resume (its counts cover the run). Server 0 writes the checkpoint on a
+thread and goes on heartbeating: the ranks waiting for its go-on would take
+a write longer than ``--peer-timeout`` for its death.
 
 Asynchronous EASGD (``--mode easgd --easgd-form async``) counts its pauses
 in each worker's own steps: a worker pauses after its last push (of H local

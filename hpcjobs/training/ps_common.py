@@ -79,6 +79,11 @@ class ShardUpdate:
 
 @dataclass
 class Ctx:
+    """One run as each of its ranks sees it: the config, communicator and
+    layout (S servers, then W workers), the data, the model and its flat
+    parameter vector, the shards' bounds, a worker's steps per epoch and the
+    schedule (paramserver._setup makes it)."""
+
     cfg: TrainConfig
     comm: MPI.Intracomm
     servers: int
@@ -89,6 +94,7 @@ class Ctx:
     bounds: list
     spe: int  # each worker's steps per epoch
     schedule: sched.ScheduleConfig
+
     @property
     def elastic(self) -> bool:  # asynchronous EASGD: pushes are elastic moves e, applied as center += e
         return self.cfg.mode == "easgd"
