@@ -35,6 +35,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
+from .._early_signals import take
 from .._files import atomic_write
 from ..slurm import STOP_FILE_ENV, stop_point
 
@@ -68,9 +69,14 @@ class Noted:
     handlers); :meth:`restore` gives the previous handlers back."""
 
     def __init__(self, on: bool):
+        main = threading.current_thread() is threading.main_thread()
+        on = on and main
         self.signum = 0
-        on = on and threading.current_thread() is threading.main_thread()
         self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
+        if main:  # one that came before this run's handlers (hpcjobs._early_signals): this run's, or raised again
+            first, early = take(keep=on)
+            self.signum = first or self.signum  # the earlier one; one may have come in between
+            self._previous.update({s: signal.SIG_DFL for s in early if s in self._previous})
 
     def _note(self, signum: int, frame) -> None:
         self.signum = self.signum or signum

@@ -266,3 +266,52 @@ def test_every_mode_takes_the_train_templates_checkpoint_and_resume(mode):
     argv = ["train", *mode, "--checkpoint", "c.pt", "--resume"]
     cfg = config_from_args(_parser_for(argv)[1].parse_args(argv), 4)
     assert (cfg.checkpoint, cfg.resume) == ("c.pt", True)
+
+
+EARLY = """
+import os, signal, sys
+import hpcjobs.training.loop as loop
+from hpcjobs.cli import main
+
+load = loop.load_dataset_of
+
+
+def signalled_then_load(*args, **kwargs):  # while the rank loads its data: before the run's handlers
+    os.kill(os.getpid(), signal.SIGUSR1)
+    return load(*args, **kwargs)
+
+
+loop.load_dataset_of = signalled_then_load
+sys.exit(main(["train", "--dataset", "synthetic", "--num-samples", "4096", "--width", "16", "-b", "8",
+               "--epochs", "2", "--seed", "5", "--no-progress", "-q", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("checkpoint", [True, False])
+def test_a_sigusr1_before_the_runs_handlers_stops_a_requeueable_run_at_its_first_step(tmp_path, checkpoint):
+    """A rank of `slurm launch --requeue` (HPCJOBS_STOP_FILE set) notes a
+    SIGUSR1 from its first moment, before torch, MPI, the data or a resumed
+    checkpoint are loaded, and the run takes it over: every rank stops after
+    its first steps with a checkpoint, exit status 138, and says so in the
+    stop file, which requeues the job. Before, the signal killed the ranks
+    there (the job failed and was not requeued). A run without --checkpoint
+    takes no signals: the signal noted is raised again and ends it, as it
+    would have."""
+    import signal
+    import sys
+
+    from launch import launch_env, run
+
+    script, stop, ckpt = tmp_path / "early.py", tmp_path / "stopped.json", tmp_path / "c.pt"
+    script.write_text(EARLY)
+    args = ["--checkpoint", str(ckpt)] if checkpoint else []
+    with launch_env() as env:
+        out = run([sys.executable, str(script), *args], 120, {**env, "HPCJOBS_STOP_FILE": str(stop)})
+    if not checkpoint:
+        assert out.returncode == -signal.SIGUSR1 and not stop.exists(), (out.returncode, out.stderr[-2000:])
+        return
+    assert out.returncode == 128 + signal.SIGUSR1, (out.returncode, out.stderr[-2000:])
+    record = json.loads(stop.read_text())
+    assert record["signal"] == "SIGUSR1" and record["written"] and record["epoch"] == 0, record
+    assert 1 <= record["step"] <= 2, record  # one step after the first rank noted it
+    assert f"hpcjobs train: SIGUSR1: checkpoint {ckpt} written at step {record['step']} of epoch 1" in out.stderr
