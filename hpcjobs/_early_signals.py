@@ -1,13 +1,14 @@
 """A SIGUSR1 that reaches a rank before its run has set its handlers is
 noted, not the rank's end: the ranks of ``hpcjobs slurm launch --requeue``
-(which sets ``HPCJOBS_STOP_FILE``) start ``train`` with this handler, the
-first thing ``hpcjobs.cli.main`` does, and the run's own
-(:class:`hpcjobs.training.preempt.Noted`) takes what it noted over: a
-requeued job reading a large checkpoint, or one still loading its data,
-stops at its first step with a checkpoint where the signal had killed it.
-A run that takes no signals (no ``--checkpoint``) gets the default action
-back, and a signal noted meanwhile is raised again: it ends the run, as it
-would have. Nothing here imports MPI."""
+(which sets ``HPCJOBS_STOP_FILE``) run ``train`` with this handler from
+the moment ``hpcjobs.cli.main`` knows the command, and the run's own
+(:class:`hpcjobs.training.preempt.Noted`) takes what it noted over: a rank
+still loading torch, its data or the checkpoint it resumes from stops one
+step into the run (the parameter server: at its first pause) with a
+checkpoint, where the signal had killed it. A run that takes no signals (no
+``--checkpoint``) gets the previous action back, and a signal noted
+meanwhile is raised again where that action was the default: it ends the
+rank once its set-up is done. Nothing here imports MPI."""
 
 from __future__ import annotations
 
@@ -16,28 +17,28 @@ import signal
 __all__ = ["note", "take"]
 
 _noted: list[int] = []
-_installed: list[int] = []
+_previous: dict = {}  # signal -> the handler note() replaced
 
 
 def note(signums=(signal.SIGUSR1,)) -> None:
     """Note ``signums`` from now on, until :func:`take`."""
     for s in signums:
-        signal.signal(s, lambda sig, frame: _noted.append(sig))
-        _installed.append(s)
+        _previous.setdefault(s, signal.signal(s, lambda sig, frame: _noted.append(sig)))
 
 
-def take(keep: bool) -> tuple[int, list[int]]:
-    """The first signal noted since :func:`note` (0: none), once, and the
-    signals that were noted. ``keep``: the caller has set its own handlers
-    (whose previous one, this, is the default action); otherwise the
-    default actions come back, and a signal noted is raised again (it ends
-    the process)."""
-    first, installed = (_noted[0] if _noted else 0), list(_installed)
+def take(keep: bool) -> tuple[int, dict]:
+    """Once: the first signal noted since :func:`note` (0: none) and the
+    handlers note() replaced, by signal. ``keep``: the caller has set its
+    own handlers (and gives those back when it ends); otherwise the
+    replaced handlers come back, and a signal noted is raised again where
+    its handler was the default action (it ends the process)."""
+    previous = dict(_previous)
+    _previous.clear()
+    if not keep:  # before reading what was noted: a signal from now on meets the handler it would have
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    first = _noted[0] if _noted else 0
     _noted.clear()
-    _installed.clear()
-    if not keep:
-        for s in installed:
-            signal.signal(s, signal.SIG_DFL)
-        if first:
-            signal.raise_signal(first)
-    return first, installed
+    if not keep and first and previous.get(first, signal.SIG_DFL) in (signal.SIG_DFL, None):
+        signal.raise_signal(first)
+    return first, previous

@@ -193,10 +193,6 @@ def _check_environment(command: Command) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"] and os.environ.get("HPCJOBS_STOP_FILE"):  # a rank of `slurm launch --requeue`
-        from .._early_signals import note
-
-        note()  # a SIGUSR1 before the run sets its handlers: noted, not this rank's end
     # Everything after the first "--" is handed to the command untouched (the
     # job's arguments for `slurm render/submit/launch`), not parsed here.
     passthrough: list[str] = []
@@ -204,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     command, parser, groups = _parser_for(argv)
+    if command is not None and command.path == "train" and os.environ.get("HPCJOBS_STOP_FILE"):
+        from .._early_signals import note  # a rank of `slurm launch --requeue`
+
+        note()  # a SIGUSR1 before the run sets its handlers: noted, not this rank's end
     args = parser.parse_args(argv)
     args.passthrough = passthrough
     if getattr(args, "_command", None) is None:

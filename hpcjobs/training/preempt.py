@@ -74,9 +74,9 @@ class Noted:
         self.signum = 0
         self._previous = {s: signal.signal(s, self._note) for s in SIGNALS} if on else {}
         if main:  # one that came before this run's handlers (hpcjobs._early_signals): this run's, or raised again
-            first, early = take(keep=on)
+            first, replaced = take(keep=on)
             self.signum = first or self.signum  # the earlier one; one may have come in between
-            self._previous.update({s: signal.SIG_DFL for s in early if s in self._previous})
+            self._previous.update({s: h for s, h in replaced.items() if s in self._previous})
 
     def _note(self, signum: int, frame) -> None:
         self.signum = self.signum or signum

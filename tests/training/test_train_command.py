@@ -277,7 +277,8 @@ load = loop.load_dataset_of
 
 
 def signalled_then_load(*args, **kwargs):  # while the rank loads its data: before the run's handlers
-    os.kill(os.getpid(), signal.SIGUSR1)
+    if os.environ.get("OMPI_COMM_WORLD_RANK", "0") == os.environ["SIGNALLED_RANK"]:
+        os.kill(os.getpid(), signal.SIGUSR1)
     return load(*args, **kwargs)
 
 
@@ -287,31 +288,31 @@ sys.exit(main(["train", "--dataset", "synthetic", "--num-samples", "4096", "--wi
 """
 
 
-@pytest.mark.parametrize("checkpoint", [True, False])
-def test_a_sigusr1_before_the_runs_handlers_stops_a_requeueable_run_at_its_first_step(tmp_path, checkpoint):
+@pytest.mark.parametrize("ranks,checkpoint", [(1, True), (2, True), (1, False)])
+def test_a_sigusr1_before_the_runs_handlers_stops_a_requeueable_run_at_its_first_step(tmp_path, ranks, checkpoint):
     """A rank of `slurm launch --requeue` (HPCJOBS_STOP_FILE set) notes a
-    SIGUSR1 from its first moment, before torch, MPI, the data or a resumed
-    checkpoint are loaded, and the run takes it over: every rank stops after
-    its first steps with a checkpoint, exit status 138, and says so in the
-    stop file, which requeues the job. Before, the signal killed the ranks
-    there (the job failed and was not requeued). A run without --checkpoint
-    takes no signals: the signal noted is raised again and ends it, as it
-    would have."""
+    SIGUSR1 from the start, before torch, MPI, the data or a resumed
+    checkpoint are loaded, and the run takes it over: every rank stops two
+    steps in (the signal reaches one rank of two: the other stops there
+    too) with a checkpoint, exit status 138, and says so in the stop file,
+    which requeues the job. Before, the signal killed the rank there (the
+    job failed and was not requeued). A run without --checkpoint takes no
+    signals: the signal noted is raised again and ends it, as it had."""
     import signal
     import sys
 
-    from launch import launch_env, run
+    from launch import _mpirun_prefix, launch_env, run
 
     script, stop, ckpt = tmp_path / "early.py", tmp_path / "stopped.json", tmp_path / "c.pt"
     script.write_text(EARLY)
     args = ["--checkpoint", str(ckpt)] if checkpoint else []
+    cmd = [*_mpirun_prefix(ranks), str(script)] if ranks > 1 else [sys.executable, str(script)]
     with launch_env() as env:
-        out = run([sys.executable, str(script), *args], 120, {**env, "HPCJOBS_STOP_FILE": str(stop)})
+        out = run([*cmd, *args], 120, {**env, "HPCJOBS_STOP_FILE": str(stop), "SIGNALLED_RANK": str(ranks - 1)})
     if not checkpoint:
         assert out.returncode == -signal.SIGUSR1 and not stop.exists(), (out.returncode, out.stderr[-2000:])
         return
     assert out.returncode == 128 + signal.SIGUSR1, (out.returncode, out.stderr[-2000:])
     record = json.loads(stop.read_text())
-    assert record["signal"] == "SIGUSR1" and record["written"] and record["epoch"] == 0, record
-    assert 1 <= record["step"] <= 2, record  # one step after the first rank noted it
-    assert f"hpcjobs train: SIGUSR1: checkpoint {ckpt} written at step {record['step']} of epoch 1" in out.stderr
+    assert record == {"signal": "SIGUSR1", "epoch": 0, "step": 2, "checkpoint": str(ckpt), "written": True}, record
+    assert f"hpcjobs train: SIGUSR1: checkpoint {ckpt} written at step 2 of epoch 1" in out.stderr, out.stderr
