@@ -3,8 +3,8 @@ noted, not the rank's end: the ranks of ``hpcjobs slurm launch --requeue``
 (which sets ``HPCJOBS_STOP_FILE``) run ``train`` with this handler from
 the moment ``hpcjobs.cli.main`` knows the command, and the run's own
 (:class:`hpcjobs.training.preempt.Noted`) takes what it noted over: a rank
-still loading torch, its data or the checkpoint it resumes from stops one
-step into the run (the parameter server: at its first pause) with a
+still loading torch, its data or the checkpoint it resumes from stops after
+the run's second step (the parameter server: at its first pause) with a
 checkpoint, where the signal had killed it. A run that takes no signals (no
 ``--checkpoint``) gets the previous action back, and a signal noted
 meanwhile is raised again where that action was the default: it ends the
