@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, passthrough = argv[:cut], argv[cut + 1:]
     command, parser, groups = _parser_for(argv)
-    if command is not None and command.path == "train" and os.environ.get("HPCJOBS_STOP_FILE"):
+    from ..slurm import STOP_FILE_ENV  # no MPI
+
+    if command is not None and command.path == "train" and os.environ.get(STOP_FILE_ENV):
         from .._early_signals import note  # a rank of `slurm launch --requeue`
 
         note()  # a SIGUSR1 before the run sets its handlers: noted, not this rank's end
