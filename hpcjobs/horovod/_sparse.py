@@ -1,9 +1,14 @@
 """``hvd.sparse_allreduce_async``: a sparse tensor's reduction, as Horovod
 computes it -- an allgather of every rank's indices and one of its values
-(two requests to the controller, named ``<name>.indices`` and
-``<name>.values``), the gathered pairs making one sparse tensor whose
-duplicate indices sum (divided by the set's size for Average). It returns
-a function, not a handle: call it to wait and get the result.
+(requests to the controller named ``<name>.indices`` and ``<name>.values``),
+the gathered pairs making one sparse tensor whose duplicate indices sum
+(divided by the set's size for Average). It returns a function, not a
+handle: call it to wait and get the result.
+
+A third, small allgather (``<name>.size``) brings every rank's dense size:
+where Horovod would build a tensor whose indices lie outside one rank's
+shape, every rank here raises ValueError naming the sizes, and the result
+is built with torch's invariant checks on.
 """
 
 from __future__ import annotations
@@ -35,12 +40,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name, op, process_set=global_pr
     indices = allgather_async(t.indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
                               process_set=process_set)
     values = allgather_async(t.values().contiguous(), name=f"{name}.values", process_set=process_set)
+    sizes = allgather_async(torch.tensor([list(t.size())], dtype=torch.int64), name=f"{name}.size",
+                            process_set=process_set)
 
     def wait() -> torch.Tensor:
         v = synchronize(values)
         i = synchronize(indices)
+        shapes = [tuple(row) for row in synchronize(sizes).tolist()]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"sparse_allreduce_async '{name}': the ranks' tensors differ in size "
+                             f"({', '.join(f'rank {r}: {list(s)}' for r, s in zip(ranks_of(process_set), shapes))}); "
+                             "every rank must pass a tensor of the same dense size")
         if op == Average:
             v = v / size
-        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size()).coalesce()
+        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size(), check_invariants=True).coalesce()
 
     return wait

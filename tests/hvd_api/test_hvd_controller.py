@@ -189,6 +189,19 @@ def test_sparse_allreduce_equals_the_dense_reduction():
         hvd.sparse_allreduce_async(torch.ones(2), name="d", op=hvd.Sum)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_sparse_allreduce_of_tensors_of_different_sizes_fails_on_every_rank():
+    # rank 0's rows 4 and 5 do not exist on the others: Horovod would build a tensor out of their bounds
+    rows = 6 if hvd.rank() == 0 else 4
+    mine = torch.zeros(rows, 2)
+    mine[rows - 1, 1] = 1.0
+    wait = hvd.sparse_allreduce_async(mine.to_sparse(), name="uneven", op=hvd.Sum)
+    with pytest.raises(ValueError, match=r"differ in size \(rank 0: \[6, 2\], rank 1: \[4, 2\]"):
+        wait()
+    ok = hvd.sparse_allreduce_async(torch.eye(2).to_sparse(), name="even", op=hvd.Sum)()
+    assert torch.equal(ok.to_dense(), torch.eye(2) * hvd.size())
+
+
 class _Bag(torch.nn.Module):
     def __init__(self):
         super().__init__()
