@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from ._files import atomic_write
 from ._nnls import nonnegative_line
+from ._plots import MISSING, pyplot
 from .comm import exchange
 from .collectives._buffers import as_flat, reducer
 from .collectives.costs import COSTS, evaluate
@@ -232,11 +233,12 @@ def formula_bytes(algorithm: str, nbytes: int, size: int) -> int:
 
 
 def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine | None = None,
-          ranks_per_node: int | None = None) -> None:
+          ranks_per_node: int | None = None) -> str:
     """``out``/model.json (the machine, every row, the counted bytes) and,
     with matplotlib, ``out``/model.png: predicted against measured. Across
     nodes ``m`` is the network's machine and ``node`` the one inside a node,
-    measured with ``ranks_per_node`` (1: the network's stands in)."""
+    measured with ``ranks_per_node`` (1: the network's stands in). Returns
+    what was written, in words."""
     import json
     import os
 
@@ -248,13 +250,9 @@ def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine
         data["ranks_per_node"] = ranks_per_node
     with atomic_write(os.path.join(out, "model.json")) as f:
         json.dump(data, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
+    if plt is None:
+        return f"{out}/model.json (no model.png: {MISSING})"
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     for i, name in enumerate(sorted({r["algorithm"] for r in rows})):
         pts = sorted((r["size_bytes"], r["measured_us"], r["predicted_us"]) for r in rows if r["algorithm"] == name)
@@ -271,3 +269,4 @@ def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine
     fig.tight_layout()
     fig.savefig(os.path.join(out, "model.png"))
     plt.close(fig)
+    return f"{out}/model.json and {out}/model.png"

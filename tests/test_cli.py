@@ -2,7 +2,9 @@
 
 import hashlib
 import json
+import os
 import re
+import sys
 
 import pytest
 
@@ -286,6 +288,26 @@ def test_bench_report_with_gloo_and_bad_baselines(tmp_path):
     assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("size_bytes,count,dtype,op,impl")
     bad = _mpirun(2, "bench", "allreduce", "--baselines", "mpi,mkl")
     assert bad.returncode == 2 and "unknown baseline 'mkl'" in bad.stderr
+
+
+def test_without_matplotlib_the_reports_are_written_without_plots_and_say_so(tmp_path):
+    # matplotlib is an optional extra: a run that measured for minutes must not end in a traceback at its plots
+    stub = tmp_path / "stub" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {"PYTHONPATH": f"{tmp_path / 'stub'}:{os.environ.get('PYTHONPATH', '')}"}
+    out = _mpirun(2, "bench", "allreduce", "-b", "8", "-e", "64", "-f", "8", "--iters", "2", "--impl", "ring",
+                  "--baselines", "mpi", "--out", str(tmp_path / "rep"), env=env)
+    assert out.returncode == 0, out.stderr
+    assert "no plots: matplotlib is not installed" in out.stdout
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == ["records.csv", "records.json", "report.md"]
+    assert "No plots: matplotlib is not installed" in (tmp_path / "rep" / "report.md").read_text()
+    with launch_env(env) as e:
+        plan = run([sys.executable, "-m", "hpcjobs", "plan", "--params", "25.6M", "--throughput", "400",
+                    "--batch-per-device", "64", "--devices-per-node", "8", "--intra-bw", "100",
+                    "--devices", "1,2", "--plot", str(tmp_path / "p.png")], 60, e)
+    assert plan.returncode == 0 and "plot: matplotlib is not installed" in plan.stderr, plan.stderr
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_tune_writes_a_table_that_auto_then_reads(tmp_path):

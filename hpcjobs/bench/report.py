@@ -11,6 +11,7 @@ from typing import Iterable
 from mpi4py import MPI
 
 from .._files import atomic_write, write_text
+from .._plots import MISSING, pyplot
 from .names import BASELINES
 
 COLUMNS = ("size(B)", "count", "type", "redop", "impl", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong")
@@ -99,13 +100,9 @@ def plot(records: Iterable, path: str, metric: str, title: str) -> None:
     Raises:
         RuntimeError: matplotlib is missing (install hpcjobs[report]).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("plots need matplotlib: pip install 'hpcjobs[report]'") from None
+    plt = pyplot()
+    if plt is None:
+        raise RuntimeError(f"plots need matplotlib: {MISSING}")
     by_impl: dict[str, list] = {}
     for r in records:
         by_impl.setdefault(r.impl, []).append(r)
@@ -133,20 +130,24 @@ def plot(records: Iterable, path: str, metric: str, title: str) -> None:
 
 def write_report(out_dir: str, records: list, env: dict, title: str, command: str) -> list[str]:
     """``out_dir``/report.md (table, environment, plots), busbw.png,
-    latency.png, records.json and records.csv. Returns the paths written."""
+    latency.png, records.json and records.csv. Returns the paths written
+    (without matplotlib: no plots, and report.md says so)."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, name) for name in
-             ("report.md", "busbw.png", "latency.png", "records.json", "records.csv")}
+    plots = pyplot() is not None
+    names = ("report.md", "busbw.png", "latency.png", "records.json", "records.csv")
+    paths = {name: os.path.join(out_dir, name) for name in names if plots or not name.endswith(".png")}
     write_json(paths["records.json"], records, env)
     write_csv(paths["records.csv"], records)
-    plot(records, paths["busbw.png"], "busbw_gbps", f"allreduce bus bandwidth, {env['ranks']} ranks")
-    plot(records, paths["latency.png"], "time_us", f"allreduce time, {env['ranks']} ranks")
+    if plots:
+        plot(records, paths["busbw.png"], "busbw_gbps", f"allreduce bus bandwidth, {env['ranks']} ranks")
+        plot(records, paths["latency.png"], "time_us", f"allreduce time, {env['ranks']} ranks")
     lines = [f"# {title}", "", f"Command: `{command}`", "", "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", "## Results", "", "Time is the slowest rank's median; busbw = algbw·2(P−1)/P; "
               "`#wrong` counts elements that differ from the exact result, after every call (the inputs "
               "take turns among three variants), over all calls and ranks.", "", "```",
               header(any(getattr(r, "wire_hosts", None) for r in records)), *(row(r) for r in records), "```", "",
-              "![bus bandwidth](busbw.png)", "", "![latency](latency.png)", ""]
+              *(["![bus bandwidth](busbw.png)", "", "![latency](latency.png)"] if plots
+                else [f"No plots: {MISSING}."]), ""]
     write_text(paths["report.md"], "\n".join(lines))
     return list(paths.values())

@@ -80,6 +80,7 @@ def run(args) -> int:
     from ..bench.baselines import available, shutdown
     from ..bench.memory import check_sweep_fits
     from ..bench.report import environment, header, preamble, row, write_csv, write_json, write_report
+    from .._plots import MISSING
     from ..collectives import auto
     from ..collectives._shared import is_single_node
     from ..comm import print0, private
@@ -213,7 +214,8 @@ def run(args) -> int:
             command = " ".join(["hpcjobs", *sys.argv[1:]])
             title = f"hpcjobs bench allreduce, {comm.Get_size()} ranks"
             paths = write_report(args.out, records, env, title, command)
-            print0(f"# report written to {paths[0]}")
+            print0(f"# report written to {paths[0]}" + ("" if any(p.endswith(".png") for p in paths)
+                                                        else f"; no plots: {MISSING}"))
     return 1 if wrong else 0
 
 

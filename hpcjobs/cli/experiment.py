@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .._files import write_text
+from .._plots import MISSING
 from ..training.schedule import WARMUPS
 from .args import (UsageError, check_amp, check_outputs, comma_list, dataclass_values, nonnegative_float,
                    positive_float, positive_int, usage)
@@ -94,6 +95,6 @@ def run(args) -> int:
                    f"SGD momentum {args.momentum}, "
                    f"{args.epochs} epochs, warmup {args.warmup_epochs:g} epochs.\n\n{table}\n")
         print(table, flush=True)
-        written = plot(results, summary, out, base)
+        written = plot(results, summary, out, base) or [f"no plots: {MISSING}"]
         print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {', '.join(written)}", flush=True)
     return 0

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from .._files import write_text
+from .._plots import MISSING
 from .args import (UsageError, check_outputs, comma_list, dataclass_values, nonnegative_float, positive_float,
                    positive_int, usage)
 from .train import add_model_data_arguments, fill_experiment_samples
@@ -113,5 +114,6 @@ def run(args) -> int:
                    f"# SGD with and without lockstep on {args.dataset} (1 server + {workers} workers)\n\n"
                    f"`{' '.join(['hpcjobs', 'experiment', 'async'] + sys.argv[3:])}`\n\n{table}\n")
         print(table, flush=True)
-        print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {plot(results, out)}", flush=True)
+        print(f"# wrote {out / 'table.md'}, {out / 'runs.jsonl'}, {plot(results, out) or f'no plot: {MISSING}'}",
+              flush=True)
     return 0

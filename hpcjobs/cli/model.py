@@ -60,8 +60,7 @@ def run(args) -> int:
                           else ""))
             print0(f"{nbytes:>12}  {name:<20} {sent:>9} {received:>12}  {COSTS[name].sent} = {want} ({verdict})")
     if args.out and comm.Get_rank() == 0:
-        write(args.out, m, rows, counted, P)
-        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
+        print0(f"# written to {write(args.out, m, rows, counted, P)}")
     return 0
 
 
@@ -109,8 +108,7 @@ def _across(args, comm, topo, sizes) -> int:
            "(machine.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
     _print_rows(rows, names)
     if args.out and comm.Get_rank() == 0:
-        write(args.out, net, rows, [], P, node=node, ranks_per_node=L)
-        print0(f"# written to {args.out}/model.json and {args.out}/model.png")
+        print0(f"# written to {write(args.out, net, rows, [], P, node=node, ranks_per_node=L)}")
     return 0
 
 

@@ -19,6 +19,7 @@ import sys
 import time
 
 from .._files import atomic_write
+from .._plots import MISSING, pyplot
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
 from . import plan_runs
@@ -313,13 +314,9 @@ def table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: str, what: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("# plot: matplotlib is not installed (pip install -e '.[report]')", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
+        print(f"# plot: {MISSING}", file=sys.stderr)
         return
     P = [r["devices"] for r in rows]
     fig, axes = plt.subplots(1, 2 if "time_to_target_s" in rows[0] else 1, figsize=(10, 4), squeeze=False)

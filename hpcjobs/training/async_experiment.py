@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from .._plots import pyplot
 from .config import ASYNC_ROWS as ROWS
 from .config import TrainConfig, async_row_names as row_names
 from .loop import train
@@ -187,12 +188,12 @@ def markdown_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], out_dir: Path) -> str:
-    """Test error against wall time, one panel per straggler setting (seed 0's runs)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(results: list[dict], out_dir: Path) -> str | None:
+    """Test error against wall time, one panel per straggler setting (seed 0's runs); its path, or None
+    without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     settings = sorted({r["straggler"] for r in results})
     fig, axes = plt.subplots(1, len(settings), figsize=(6 * len(settings), 4.5), squeeze=False)

@@ -39,6 +39,7 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from .._plots import pyplot
 from .config import TrainConfig
 from .loop import train
 from .schedule import WARMUPS
@@ -157,11 +158,10 @@ def markdown_table(summary: dict, base_batch: int, lr: float) -> str:
 
 
 def plot(results: list[dict], summary: dict, out_dir: Path, base_batch: int) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """The figures' paths: none without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return []
     written = []
     warmups = [w for w in WARMUPS if any(k[1] == w for k in summary)]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -194,7 +194,7 @@ def plot(results: list[dict], summary: dict, out_dir: Path, base_batch: int) -> 
 
 
 def _curves(results, warmups, batch, base_batch, path) -> str:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for w in warmups:
