@@ -12,7 +12,7 @@ import re
 import tempfile
 from pathlib import Path
 
-__all__ = ["UsageError", "usage", "parse_bytes", "positive_int", "nonnegative_int", "positive_float",
+__all__ = ["UsageError", "usage", "parse_bytes", "positive_int", "nonnegative_int", "seed_int", "positive_float",
            "nonnegative_float", "comma_list", "add_sweep_arguments", "sweep_sizes", "apply_placement",
            "check_outputs", "dataclass_values"]
 
@@ -68,6 +68,8 @@ def _bounded(cast, kind: str, ok, rule: str):
 
 positive_int = _bounded(int, "an integer", lambda v: v > 0, "positive")
 nonnegative_int = _bounded(int, "an integer", lambda v: v >= 0, ">= 0")
+# a seed numpy's legacy generators take too (MNIST-1D's data is drawn with one)
+seed_int = _bounded(int, "an integer", lambda v: 0 <= v < 2 ** 32, "from 0 to 2**32 - 1")
 positive_float = _bounded(float, "a number", lambda v: v > 0 and v != float("inf"), "positive")
 nonnegative_float = _bounded(float, "a number", lambda v: 0 <= v < float("inf"), ">= 0")
 

@@ -14,7 +14,7 @@ from ..bench.names import TRAIN_IMPLS
 from ..runtime import DEVICES
 from ..training.config import AMP, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 from .args import (check_amp, check_outputs, comma_list, dataclass_values, parse_bytes, positive_float, positive_int,
-                   usage)
+                   seed_int, usage)
 
 
 def configure(p) -> None:
@@ -53,7 +53,7 @@ def configure(p) -> None:
     p.add_argument("--same-buckets", action="store_true",
                    help="DDP and Horovod fuse --fusion-bytes too (default: theirs, 25 MiB and 64 MiB)")
     p.add_argument("--lr", type=positive_float, default=0.01)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="the model's initial weights and the data (default 0)")
     p.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON (rank 0)")
     p.add_argument("--no-progress", dest="progress", action="store_false")

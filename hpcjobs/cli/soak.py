@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 
 from .._files import atomic_write
-from .args import check_outputs, nonnegative_float, positive_int, usage
+from .args import check_outputs, nonnegative_float, positive_int, seed_int, usage
 
 
 def configure(p) -> None:
     p.add_argument("--ops", type=positive_int, default=10_000, help="allreduces to run (default 10000)")
     p.add_argument("--max-count", type=positive_int, default=1 << 16,
                    help="largest element count, drawn log-uniformly (default 65536)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="the draw of sizes, ops and dtypes (default 0)")
     p.add_argument("--max-rss-growth", type=nonnegative_float, default=10.0,
                    help="fail when a rank's RSS grows more than this many percent (default 10)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON (rank 0)")

@@ -24,7 +24,7 @@ from ..runtime import DEVICES
 from ..training.data import DATASETS
 from ..training.schedule import DECAYS, WARMUPS
 from .args import (UsageError, check_amp, check_outputs, dataclass_values, nonnegative_float, nonnegative_int,
-                   parse_bytes, positive_float, positive_int, usage)
+                   parse_bytes, positive_float, positive_int, seed_int, usage)
 
 DEFAULTS = TrainConfig()
 
@@ -78,7 +78,7 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
                         "cifar10")
     if num_samples:
         p.set_defaults(experiment_samples=num_samples)  # given where the dataset takes it: fill_experiment_samples
-    g.add_argument("--data-seed", type=int, default=DEFAULTS.data_seed,
+    g.add_argument("--data-seed", type=seed_int, default=DEFAULTS.data_seed,
                    help="seed of the generated data (mnist1d, synthetic) or of digits' split (default: %(default)s)")
     g.add_argument("--seq-len", type=positive_int, default=DEFAULTS.seq_len,
                    help="text: tokens (bytes) per sample (default %(default)s)")
@@ -193,7 +193,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_mode_arguments(p)
     g = p.add_argument_group("run")
     g.add_argument("--epochs", type=positive_int, default=DEFAULTS.epochs, help="default: %(default)s")
-    g.add_argument("--seed", type=nonnegative_int, default=DEFAULTS.seed,
+    g.add_argument("--seed", type=seed_int, default=DEFAULTS.seed,
                    help="model init and data order (default %(default)s)")
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
     g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")

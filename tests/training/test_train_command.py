@@ -16,6 +16,7 @@ BAD_ARGS = [
     (["--checkpoint-every", "0", "--checkpoint", "/tmp/x.pt"], "must be positive"),
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
+    (["--data-seed", "-1"], "--data-seed: must be from 0 to 2**32 - 1, got -1"),  # it was MNIST-1D's traceback
     (["--target-loss", "0"], "must be positive"),
     (["--loss-model", "power"], "--loss-model picks the model that predicts --target-loss"),
     (["--loss-model", "cubic"], "invalid choice: 'cubic'"),
