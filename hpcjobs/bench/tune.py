@@ -26,6 +26,7 @@ from mpi4py import MPI
 from .._files import atomic_write
 from ..collectives import ALGORITHMS
 from ..collectives.names import SHARED_MEMORY
+from ..collectives.tuning import load_tuning
 from .sweep import Record, implementations, median_records, run
 
 __all__ = ["WrongResults", "applicable", "best_rows", "merge", "tune", "write"]
@@ -113,8 +114,13 @@ def merge_problem(flag: str, path: str) -> str | None:
             data = json.load(f)
     except (OSError, ValueError) as e:
         return f"{flag} {path} exists and is not a tuning file to add to ({e}); move it or name another"
-    if not isinstance(data, dict) or not isinstance(data.get("tables", []), list):
+    if not isinstance(data, dict) or not isinstance(data.get("tables"), list):
         return f"{flag} {path} exists and is not a tuning file to add to (no list of 'tables'); move it or name another"
+    if data["tables"]:  # its tables are kept beside the new one: checked as auto will read them
+        try:
+            load_tuning.__wrapped__(path)
+        except ValueError as e:
+            return f"{flag} {path} exists and is not a tuning file to add to ({e}); move it or name another"
     return None
 
 

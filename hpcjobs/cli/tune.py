@@ -31,7 +31,7 @@ def run(args) -> int:
     from ..comm import print0, private
     from ..topology import detect_private
 
-    sizes = sweep_sizes(args)
+    sizes = [n for n in sweep_sizes(args) if n >= 4]  # the sweep times float32: a size under one element holds none
     apply_placement(args)
     unchecked_benchmarks()
     comm = private()
@@ -68,12 +68,14 @@ def run(args) -> int:
         return 1
     if comm.Get_rank() == 0:
         tune.write(args.out, table, environment(comm))
-        print("# up to (B)   algorithm            best time(us)  runner-up (x slower)           "
-              "also timed by auto", flush=True)
+        print("# up to (B)   algorithm                 time(us)  runner-up (its time / this) "
+              "  also timed by auto", flush=True)
         for row in table["rows"]:
             last = row["measured"][-1]
             bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
-            runner_up = f"{last['runner_up']} ({last['runner_up_ratio']:.2f}x)"
+            ratio = last["runner_up_ratio"]
+            # under 1: the row's algorithm was kept, within STICKY of the size's fastest, to keep the rows few
+            runner_up = f"{last['runner_up']} ({ratio:.2f}x{'' if ratio >= 1 else ', faster; kept'})"
             print(f"{bound:>12}   {row['algorithm']:<20} {last['time_us']:>13.1f}  {runner_up:<30}  "
                   f"{', '.join(row['candidates'][1:]) or '-'}", flush=True)
         print(f"# written to {args.out}; use it with HPCJOBS_TUNING={os.path.abspath(args.out)}", flush=True)

@@ -139,8 +139,13 @@ def test_an_out_file_that_is_not_a_tuning_file_is_refused_before_measuring(tmp_p
     instead of losing the run at the end on rank 0."""
     from launch import mpirun
 
-    broken = tmp_path / "t.json"
-    broken.write_text('{"tables": [')
-    out = mpirun(2, "tune", "--out", str(broken), "--max", "4K")
-    assert out.returncode == 2 and "exists and is not a tuning file to add to" in out.stderr, out.stderr
-    assert "pass 1" not in out.stdout
+    # truncated; a table auto could not read (it had run every pass, then failed in merge); another command's JSON
+    cases = {'{"tables": [': "", '{"tables": [1]}': "each table needs integer 'ranks' and 'nodes'",
+             '{"environment": {}, "records": []}': "no list of 'tables'"}
+    for i, (text, why) in enumerate(cases.items()):
+        broken = tmp_path / f"t{i}.json"
+        broken.write_text(text)
+        out = mpirun(2, "tune", "--out", str(broken), "--max", "4K")
+        assert out.returncode == 2 and "exists and is not a tuning file to add to" in out.stderr, out.stderr
+        assert why in out.stderr and "pass 1" not in out.stdout
+        assert broken.read_text() == text
