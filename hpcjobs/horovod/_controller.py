@@ -49,7 +49,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass, field
 
 from mpi4py import MPI
@@ -155,6 +155,16 @@ class Controller:
                 if not self.cycle():
                     time.sleep(self.cycle_s)
         return future.result()
+
+    def wait_for(self, future: Future, seconds: float) -> bool:
+        """Whether ``future`` is done within ``seconds`` (driving the cycle here when there is no thread)."""
+        if self._thread is None:
+            deadline = time.monotonic() + seconds
+            while not future.done() and time.monotonic() < deadline:
+                if not self.cycle():
+                    time.sleep(self.cycle_s)
+            return future.done()
+        return bool(futures_wait([future], timeout=seconds).done)
 
     def drive(self) -> None:
         """One cycle on the calling thread (``poll`` without a thread)."""

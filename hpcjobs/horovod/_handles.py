@@ -42,7 +42,7 @@ import threading
 from collections.abc import Callable
 
 from ..collectives.agreement import MismatchError
-from ..collectives.watchdog import guard
+from ..collectives.watchdog import enter, guard, leave
 from ._controller import ControllerError, Request
 from ._process_sets import resolve, watched_comm
 from ._state import HorovodInternalError, world
@@ -153,6 +153,8 @@ def synchronize(handle: int):
     if request is None:
         return None
     try:
+        if request.kind == "join":
+            return _await_join(request)
         with guard(f"hvd.synchronize({request.key})", watched_comm(request.set_id)):
             future = request.future
             return future.result() if future.done() else world().controller.wait(future)
@@ -165,6 +167,29 @@ def synchronize(handle: int):
     finally:
         with _lock:
             _jobs.pop(handle, None)
+
+
+def _await_join(request: Request):
+    """``hvd.join``'s wait, watched by progress: the others may train for hours
+    after this rank joined (uneven data is what join is for), this rank's
+    controller running their collectives with zeros, each watched on its own.
+    The wait's clock starts again whenever one of them has run, so
+    ``HPCJOBS_TIMEOUT`` ends the job only when nothing has happened for that
+    long (a rank that neither steps nor joins), not when training outlasts it."""
+    controller, what, comm = world().controller, f"hvd.synchronize({request.key})", watched_comm(request.set_id)
+    seen, token = None, None
+    try:
+        while True:
+            ran = controller.stats["responses"]
+            if ran != seen:
+                if seen is not None:
+                    leave(token)
+                token, seen = enter(what, comm), ran
+            if controller.wait_for(request.future, 1.0):
+                return request.future.result()
+    finally:
+        if seen is not None:
+            leave(token)
 
 
 def clear() -> None:

@@ -397,6 +397,43 @@ def test_without_thread_support_the_caller_drives_the_controller():
     assert sorted(out.stdout.split("\n")[:-1]) == ["ok 0", "ok 1"], out.stdout
 
 
+_JOINED_WHILE_OTHERS_TRAIN = '''
+import sys, time
+import mpi4py
+if sys.argv[1:] == ["serialized"]:
+    mpi4py.rc.thread_level = "serialized"   # the caller drives the controller in its wait
+import torch
+import hpcjobs.horovod.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < float(sys.argv[2]):   # longer than HPCJOBS_TIMEOUT: uneven data
+        hvd.allreduce(torch.ones(4), name=f"x{n}")
+        n, _ = n + 1, time.sleep(0.05)
+    print("steps", n, flush=True)
+print("joined", hvd.rank(), hvd.join(), flush=True)
+hvd.shutdown()
+'''
+
+
+@pytest.mark.parametrize("threads", ["multiple", "serialized"])
+def test_a_joined_rank_waits_as_long_as_the_others_train_and_no_longer_than_the_timeout_after_they_stop(threads):
+    """The joined rank's wait was watched as one call: once the others had
+    trained HPCJOBS_TIMEOUT past its join, the watchdog aborted a healthy
+    job, naming the rank that was working. Now each collective the others
+    run restarts the wait's clock: 12 s of training against a 5 s timeout
+    ends well; 12 s of nothing (no collective, no join) still ends the job."""
+    script = f"import sys; sys.argv[1:] = {[threads, '12']!r}\n" + _JOINED_WHILE_OTHERS_TRAIN
+    out = mpirun_script(2, script, timeout=120, env={"HPCJOBS_TIMEOUT": "5"})
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert sorted(l for l in out.stdout.splitlines() if l.startswith("joined")) == ["joined 0 0", "joined 1 0"]
+    assert int(re.search(r"^steps (\d+)$", out.stdout, re.M).group(1)) > 20
+    idle = script.replace("hvd.allreduce(torch.ones(4), name=f\"x{n}\")", "pass")
+    out = mpirun_script(2, idle, timeout=120, env={"HPCJOBS_TIMEOUT": "5"})
+    assert out.returncode != 0 and "did not complete within 5 s" in out.stderr, out.stdout + out.stderr[-2000:]
+    assert "joined 1" not in out.stdout
+
+
 _ONE_RANK_FAILS = '''
 import torch
 import hpcjobs.horovod.torch as hvd
