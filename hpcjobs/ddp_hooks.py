@@ -30,7 +30,8 @@ How it works:
   ``hpcjobs.torch_backend``'s, else ``COMM_WORLD``); its ranks must be DDP's
   ranks in the same order, and where DDP's group has another size or gives
   a rank another number, every rank raises (a hook averaging over other
-  ranks than DDP's would train each group, or each process, apart).
+  ranks than DDP's would train each group, or each process, apart), at
+  once where the sizes differ (a subgroup's other ranks never call it).
 - The step count (random-k's and PowerSGD's shared seed) advances after the
   last bucket of each backward.
 """
@@ -175,15 +176,48 @@ def register(model, compression: str, error_feedback: bool = False, comm: "MPI.C
 
 def _check_group(group, comm: "MPI.Intracomm") -> None:
     """Raise on every rank of ``comm`` where DDP's process group ``group``
-    does not give each rank the number ``comm`` gives it, out of as many."""
+    does not give each rank the number ``comm`` gives it, out of as many.
+
+    Decided on each rank alone where it can be: where the sizes differ, and
+    where torch's ranks are MPI's and the group is torch's, by comparing the
+    two lists of ranks. Only DDP's ranks call ``register``, so a collective
+    over ``comm`` there (a subgroup's DDP, the hook on COMM_WORLD) waited for
+    ranks that never came. Otherwise an allgather over ``comm``, watched."""
+    if group is None:
+        return
     mine = None
-    if group is not None and (group.rank(), group.size()) != (comm.Get_rank(), comm.Get_size()):
+    if (group.rank(), group.size()) != (comm.Get_rank(), comm.Get_size()):
         mine = (f"rank {comm.Get_rank()} of {comm.Get_size()} here is rank {group.rank()} of {group.size()} in "
                 "DDP's process group")
-    errors = [e for e in comm.allgather(mine) if e]
+    same = False if group.size() != comm.Get_size() else _same_ranks(group, comm)
+    if same is None:
+        with guard("ddp_hooks.register", comm):
+            errors = [e for e in comm.allgather(mine) if e]
+    else:
+        errors = [] if same else [mine or f"DDP's process group holds other ranks than the communicator's "
+                                          f"{comm.Get_size()}"]
     if errors:
         raise ValueError("the hook averages over its communicator (comm=, default COMM_WORLD or an hpcjobs "
                          "group's), which must hold DDP's ranks in the same order: " + "; ".join(errors))
+
+
+def _same_ranks(group, comm: "MPI.Intracomm") -> "bool | None":
+    """Whether ``group`` (torch's) and ``comm`` list the same MPI world ranks in
+    the same order, the same answer on every rank; None where this process
+    cannot tell (torch's ranks are not MPI's, or torch does not know the group)."""
+    try:
+        if dist.get_rank() != MPI.COMM_WORLD.Get_rank():
+            return None
+        theirs = dist.get_process_group_ranks(group)
+    except Exception:  # not initialized, or a group torch did not make: ask the ranks
+        return None
+    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        ours = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)
+    finally:
+        mine.Free()
+        world.Free()
+    return list(theirs) == list(ours)
 
 
 _live = closed_at_exit("close")  # weak references to every hook's state, in the order registered

@@ -310,6 +310,46 @@ def test_a_hook_over_other_ranks_than_ddps_group_is_refused_on_every_rank():
         half.Free()
 
 
+_SUBGROUP_DDP = """
+import torch, torch.distributed as dist
+from mpi4py import MPI
+import hpcjobs.torch_backend  # noqa: F401
+from hpcjobs import ddp_hooks
+
+dist.init_process_group("hpcjobs")
+r = dist.get_rank()
+pair = dist.new_group([0, 1])
+if r < 2:  # DDP on ranks 0-1 alone, as a subgroup's DDP runs: rank 2 never calls register
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2), process_group=pair)
+    try:
+        ddp_hooks.register(ddp, "fp16", comm=MPI.COMM_WORLD)
+    except ValueError as e:
+        print("rank", r, "refused:", e, flush=True)
+    state = ddp_hooks.register(ddp, "fp16")  # the group's own communicator
+    print("rank", r, "hooked on", state.comm.Get_size(), flush=True)
+    state.close()
+dist.barrier()
+"""
+
+
+def test_a_subgroups_ddp_given_the_worlds_communicator_is_refused_at_once_on_its_ranks():
+    """Only the subgroup's ranks call register; its check had been an
+    allgather over the hook's communicator, which waited for rank 2 for
+    ever (outside the watchdog: no timeout either). Every rank of DDP's
+    group now sees the sizes differ and raises at once."""
+    from launch import mpirun_script
+
+    out = mpirun_script(3, _SUBGROUP_DDP, timeout=120, env={"HPCJOBS_TIMEOUT": "20"})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = sorted(out.stdout.splitlines())
+    assert [l for l in lines if "hooked" in l] == ["rank 0 hooked on 2", "rank 1 hooked on 2"], out.stdout
+    refused = [l for l in lines if "refused" in l]
+    assert len(refused) == 2, out.stdout
+    for r, line in enumerate(refused):
+        assert line.startswith(f"rank {r} refused: the hook averages over its communicator") and line.endswith(
+            f"rank {r} of 3 here is rank {r} of 2 in DDP's process group"), line
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype,op", [(d, o) for d in (torch.float32, torch.float64, torch.bfloat16, torch.int32,
                                                        torch.int64)
