@@ -157,7 +157,9 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
                 check()
             except (ValueError, TypeError, NotImplementedError) as e:
                 error = e
-        agree_or_raise(self._comm, what, fields, error)
+        # on the communicator hpcjobs' collectives agree on (theirs of self._comm), so that a rank here and a
+        # rank in their check (an allreduce of another op or dtype: a bitwise one here, a sum there) meet
+        agree_or_raise(private(self._comm), what, fields, error)
 
     def getBackendName(self) -> str:  # noqa: N802 -- torch's name
         return BACKEND

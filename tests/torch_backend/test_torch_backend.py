@@ -386,6 +386,14 @@ def test_a_rank_that_differs_fails_on_every_rank_and_the_group_goes_on(pg):
     with pytest.raises(MismatchError, match="op differs"):
         op = dist.ReduceOp.MAX if r == 0 else dist.ReduceOp.SUM
         pg.allreduce([torch.ones(4)], _opts("AllreduceOptions", reduceOp=op)).wait()
+    # a bitwise op or a bool tensor on rank 0, an arithmetic allreduce on the others: the two paths checked on two
+    # communicators, and the ranks waited for each other until the watchdog's timeout (small and 8 MiB alike)
+    for n in (4, 1 << 20):
+        with pytest.raises(MismatchError, match="op differs"):
+            op = dist.ReduceOp.BOR if r == 0 else dist.ReduceOp.SUM
+            pg.allreduce([torch.ones(n, dtype=torch.int64)], _opts("AllreduceOptions", reduceOp=op)).wait()
+    with pytest.raises(MismatchError, match="dtype differs"):
+        pg.allreduce([torch.ones(4, dtype=torch.bool if r == 0 else torch.uint8)]).wait()
     with pytest.raises(MismatchError):  # one output too few on the last rank
         outs = [torch.zeros(2) for _ in range(p - (r == p - 1))]
         pg.allgather([outs], [torch.ones(2)]).wait()
