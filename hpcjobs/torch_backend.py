@@ -17,8 +17,10 @@ How it works:
    here takes rank and size from ``MPI_COMM_WORLD`` and gives torch a
    process-local store (which nothing of ours reads). Where it is set,
    torch's own handler runs, so Gloo or NCCL groups beside ours keep working.
-   Without ``MASTER_ADDR`` only this backend can start (a Gloo group would
-   wait on the local store until its timeout).
+   Without ``MASTER_ADDR`` only this backend can start: ``init_process_group``
+   with another (gloo, nccl, none named) raises ValueError at once saying
+   so, where a Gloo group had waited on the local store for its timeout
+   (30 minutes) and then failed naming a store key.
 2. **One process group = one MPI communicator.** The default group is
    ``COMM_WORLD``; ``new_group(ranks)`` builds ``MPI_Comm_create_group`` over
    those world ranks (only the members call the creator, as torch does).
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -109,11 +112,29 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
     if os.environ.get("MASTER_ADDR"):
         yield from _torch_env_rendezvous(url, timeout=timeout, **kwargs)
         return
+    backend = _backend_asked()
+    if backend is not None and str(backend) != BACKEND:
+        raise ValueError(f"init_process_group(backend={str(backend)!r}) without MASTER_ADDR: with "
+                         f"hpcjobs.torch_backend imported only the {BACKEND!r} backend starts without it (rank and "
+                         "size from MPI, no store); gloo and nccl need MASTER_ADDR and MASTER_PORT (rank 0's host and "
+                         "a free port there, e.g. mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500)")
     world = MPI.COMM_WORLD
     store = dist.HashStore()
     store.set_timeout(timeout)
     yield store, world.Get_rank(), world.Get_size()
     raise RuntimeError("the hpcjobs env:// rendezvous cannot re-rendezvous")
+
+
+def _backend_asked():
+    """The backend the ``init_process_group`` this rendezvous runs for was
+    asked for (torch's ``Backend``, "undefined" where none was named), or
+    None where the rendezvous was called otherwise (``dist.rendezvous``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "init_process_group" and "backend" in frame.f_locals:
+            return frame.f_locals["backend"]
+        frame = frame.f_back
+    return None
 
 
 def _register() -> None:

@@ -18,9 +18,9 @@ from the same model and optimizer, and move Python objects.
   to create it (momentum buffers, Adam's moments): with weight decay that
   step moves the parameters, and a script gets Horovod's numbers only if
   it happens here too.
-- ``broadcast_object`` / ``allgather_object``: pickled with mpi4py's
-  object collectives (``pickle``, not Horovod's ``cloudpickle``: lambdas
-  and local classes do not travel).
+- ``broadcast_object`` / ``allgather_object``: pickled with ``cloudpickle``
+  where it is installed (the ``torch`` extra brings it), as Horovod does:
+  lambdas and local classes travel; else with ``pickle``.
 
 Each is one request to the controller (:mod:`~hpcjobs.horovod._controller`),
 matched across ranks by name like every other call: an unnamed object

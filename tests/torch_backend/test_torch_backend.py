@@ -310,6 +310,37 @@ def test_a_hook_over_other_ranks_than_ddps_group_is_refused_on_every_rank():
         half.Free()
 
 
+_GLOO_WITHOUT_MASTER_ADDR = """
+import time
+from datetime import timedelta
+import torch.distributed as dist
+import hpcjobs.torch_backend  # noqa: F401
+from mpi4py import MPI
+
+t0 = time.monotonic()
+try:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+except ValueError as e:
+    print("rank", MPI.COMM_WORLD.Get_rank(), "refused in", round(time.monotonic() - t0), "s:", e, flush=True)
+"""
+
+
+def test_gloo_without_master_addr_is_refused_at_once_saying_what_it_needs():
+    """With the backend imported, env:// without MASTER_ADDR gives torch a
+    process-local store: a Gloo group waited on it for its timeout (30
+    minutes by default), then failed naming a store key."""
+    from launch import mpirun_script
+
+    out = mpirun_script(2, _GLOO_WITHOUT_MASTER_ADDR, timeout=120, env={"MASTER_ADDR": ""})
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    lines = sorted(out.stdout.splitlines())
+    assert len(lines) == 2, out.stdout
+    for r, line in enumerate(lines):
+        took = re.match(rf"rank {r} refused in (\d+) s: init_process_group\(backend='gloo'\) without MASTER_ADDR", line)
+        assert took and int(took.group(1)) < 30, line  # not its 60 s timeout
+        assert "gloo and nccl need MASTER_ADDR and MASTER_PORT" in line
+
+
 _SUBGROUP_DDP = """
 import torch, torch.distributed as dist
 from mpi4py import MPI
