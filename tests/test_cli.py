@@ -260,6 +260,8 @@ def test_info_names_every_rank(tmp_path):
         ["rank", str(r), "of", "3"] for r in range(3)]
     # auto's tuning table, which must be the same on every rank: built in, or the file and what it holds
     assert [l.rsplit(", ", 1)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == ["tuning built in"] * 3
+    alone = _mpirun(3, "info", env={"HPCJOBS_TUNING": ""})  # without --all-ranks: rank 0's line, as its help says
+    assert [l.split()[:4] for l in alone.stdout.splitlines() if l.startswith("rank ")] == [["rank", "0", "of", "3"]]
     # the install, which every rank compares as MPI starts
     assert [l.rsplit(", ", 2)[1] for l in out.stdout.splitlines() if l.startswith("rank ")] == [
         f"hpcjobs {install()[0]}"] * 3

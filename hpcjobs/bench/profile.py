@@ -8,6 +8,7 @@ next kernels, and time a slower backward than training runs."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -92,8 +93,8 @@ def profile_step(w: Workload, steps: int = 10, warmup: int = 3, progress=None):
     finally:
         for h in handles:
             h.remove()
-    med = [float(torch.tensor(col).median()) for col in zip(*times)]
-    order = sorted(params, key=lambda p: float(torch.tensor(fractions[id(p)]).median()))
-    tensors = tuple((p.numel() * p.element_size(), float(torch.tensor(fractions[id(p)]).median()), tuple(p.shape))
-                    for p in order)
+    # statistics.median, as every benchmark here: torch's median of an even count is the lower middle value
+    med = [statistics.median(col) for col in zip(*times)]
+    order = sorted(params, key=lambda p: statistics.median(fractions[id(p)]))
+    tensors = tuple((p.numel() * p.element_size(), statistics.median(fractions[id(p)]), tuple(p.shape)) for p in order)
     return Step(w.batch_size, med[0], med[1], med[2], tensors)

@@ -44,7 +44,8 @@ def configure(p) -> None:
     p.add_argument("--batch-norm", action="store_true", help="mlp/cnn1d: BatchNorm after each hidden layer")
     p.add_argument("--input-size", type=positive_int, help="mlp/cnn1d: features per sample (MNIST-1D: 40, the "
                    "default)")
-    p.add_argument("--num-classes", type=positive_int, default=10)
+    p.add_argument("--num-classes", type=positive_int,
+                   help="classes of the MLP and ResNets (default 10; the GPTs: --vocab)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--num-warmup-batches", type=positive_int, default=5, help="default: %(default)s")
     p.add_argument("--num-batches-per-iter", type=positive_int, default=5, help="default: %(default)s")
@@ -84,9 +85,12 @@ def run(args) -> int:
         small = [f for f in ("width", "input_size", "batch_norm") if getattr(args, f)]
         if small and args.model not in MODELS:
             raise ValueError(f"--{small[0].replace('_', '-')} shapes {' and '.join(MODELS)}, not {args.model}")
+        if args.num_classes is not None and args.model in GPT_MODELS:
+            raise ValueError(f"--num-classes shapes the classifiers, not {args.model} (its outputs: --vocab)")
         if args.image_size is not None and args.model not in IMAGE_MODELS:
             raise ValueError(f"--image-size shapes the ResNets ({', '.join(IMAGE_MODELS)}), not {args.model}")
     args.width, args.input_size, args.image_size = args.width or 1024, args.input_size or 40, args.image_size or 224
+    args.num_classes = args.num_classes or 10
     check_outputs(comm, [("--json", args.json, False)])
     threads = set_threads(args.threads, comm)
     skipped = unavailable(names, comm, str(device))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def configure(p) -> None:
-    p.add_argument("--all-ranks", action="store_true", help="print a line from every rank, not only rank 0")
+    p.add_argument("--all-ranks", action="store_true", help="print a line from every rank, not only rank 0's")
 
 
 def run(args) -> int:
@@ -27,8 +27,8 @@ def run(args) -> int:
     lines = comm.gather(f"rank {comm.Get_rank()} of {comm.Get_size()} on {MPI.Get_processor_name()}, "
                         f"{cores} core{'s' if cores > 1 else ''} (the default --threads), hpcjobs {install()[0]}, "
                         f"tuning {_tuning()}", root=0)
-    if args.all_ranks and comm.Get_rank() == 0:
-        print("\n".join(lines), flush=True)
+    if comm.Get_rank() == 0:
+        print("\n".join(lines if args.all_ranks else lines[:1]), flush=True)
     return 0
 
 
