@@ -277,12 +277,12 @@ def _timing(flat: Flat, op: str, comm: MPI.Intracomm, decisions: dict, registry:
     names = list(dict.fromkeys(_placed(n, single) for n in names))
     if not same_bits(flat.dtype, op, comm.Get_size()):
         names = names[:1]
-    _agree_on(names, error, flat, comm)
+    _agree_on(names, error, flat.nbytes, comm)
     timing = decisions[(flat.nbytes, flat.dtype, op)] = _Timing(names, registry, flat.nbytes)
     return timing
 
 
-def _agree_on(names: list[str], error: str | None, flat: Flat, comm: MPI.Intracomm) -> None:
+def _agree_on(names: list[str], error: str | None, nbytes: int, comm: MPI.Intracomm) -> None:
     """Raise on every rank where a rank could not read its tuning table
     (``error``) or the ranks' tables give them different candidates at this
     size (a table on some hosts only, or another one there): each would run
@@ -292,7 +292,7 @@ def _agree_on(names: list[str], error: str | None, flat: Flat, comm: MPI.Intraco
     everyone = comm.allgather((names, error))
     if all(theirs == (names, None) for theirs in everyone):
         return
-    raise ValueError(f"auto at {flat.nbytes} bytes: the ranks' tuning tables "
+    raise ValueError(f"auto at {nbytes} bytes: the ranks' tuning tables "
                      + ("could not be read or give different algorithms" if any(e for _, e in everyone)
                         else "give different algorithms") + " -- "
                      + by_value([err or ", ".join(theirs) for theirs, err in everyone])

@@ -19,7 +19,7 @@ from mpi4py import MPI
 
 from ._buffers import Flat
 from ._frame import prepare
-from .auto import choose
+from .auto import _agree_on as agree_on, _decisions as auto_decisions, choose
 from .messages import message_passing
 from .names import MESSAGE_ALGORITHMS
 from .watchdog import guard
@@ -80,6 +80,26 @@ def message_algorithm(algorithm: str, nbytes: int, ranks: int) -> str:
     return message_passing(algorithm, also=("auto",)).name
 
 
+def agreed(nbytes: int, comm: MPI.Intracomm, choice) -> str:
+    """``choice()``, the algorithm this rank's table gives a collective of
+    ``nbytes`` that does not time its contenders (a compressed payload's,
+    :func:`hpcjobs.collectives.counting.send_counted`), checked to be every
+    rank's once per size on ``comm``: as in auto's own check, ranks whose
+    tables differ would each run their own algorithm and hang (collective
+    the first time)."""
+    decisions = auto_decisions(comm)
+    key = ("message", nbytes)
+    name = decisions.get(key)
+    if name is None:
+        try:
+            name, error = choice(), None
+        except Exception as e:  # noqa: BLE001 -- this rank's own table: every rank raises it below
+            name, error = "", f"{type(e).__name__}: {e}"
+        agree_on([name] if name else [], error, nbytes, comm)
+        decisions[key] = name
+    return name
+
+
 def counted_allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Intracomm | None = None) -> int:
     """Allreduce ``buf`` in place like :func:`hpcjobs.collectives.allreduce`
     and return the bytes this rank sent (collective).
@@ -98,5 +118,8 @@ def send_counted(flat: Flat, op: str, algorithm: str, comm: MPI.Intracomm) -> in
     if comm.Get_size() == 1 or flat.count == 0:
         return 0
     proxy = CountingComm(comm)
-    message_passing(message_algorithm(algorithm, flat.nbytes, comm.Get_size())).bound(flat, op, proxy)
+    size = comm.Get_size()
+    name = (agreed(flat.nbytes, comm, lambda: message_algorithm(algorithm, flat.nbytes, size)) if algorithm == "auto"
+            else message_algorithm(algorithm, flat.nbytes, size))
+    message_passing(name).bound(flat, op, proxy)
     return proxy.sent

@@ -195,6 +195,13 @@ def test_tuning_tables_that_differ_across_ranks_are_refused_on_every_rank(tmp_pa
                                 f"tree; {others}: ring -- give every rank the same table (HPCJOBS_TUNING or "
                                 "set_tuning; `hpcjobs info --all-ranks` names each rank's)")
         assert (buf == rank + 1).all()  # nothing was sent
+        # a compressed payload on auto (its allreduce times no contenders) is checked the same way: it hung
+        torch = pytest.importorskip("torch")
+        from hpcjobs.compression import FP16Compressor, compressed_allreduce
+
+        with pytest.raises(ValueError, match=r"^auto at 32 bytes: the ranks' tuning tables give different algorithms "
+                                             r"-- rank 0: tree; (rank|ranks) [\d,]+: ring -- give every rank"):
+            compressed_allreduce(torch.full((16,), rank + 1.0), FP16Compressor(), comm=comm, algorithm="auto")
         big = np.full(1000, rank + 1.0)
         allreduce(big, "sum", "auto", comm)
         assert (big == comm.Get_size() * (comm.Get_size() + 1) / 2).all()
