@@ -36,13 +36,13 @@ class QSGDCompressor(Compressor):
     def compress(self, tensor: torch.Tensor, name=None, step=0):
         check_float(self, tensor)
         x = tensor.detach().reshape(-1).float()
-        norm = torch.linalg.vector_norm(x).reshape(1)
+        norm = _norm(x).reshape(1)
         if norm.item() == 0.0 or not torch.isfinite(norm).item():
             # all zeros; or a NaN/Inf gradient, whose norm then turns every
             # decompressed entry into NaN rather than into a finite lie
             q = torch.zeros(x.numel(), dtype=self.wire_dtype, device=x.device)
-        else:
-            level = x.abs().mul_(self.levels / norm).add_(torch.rand_like(x)).floor_()
+        else:  # |x_i| / norm <= 1 first: levels / norm overflows float32 where the norm is below 4e-37
+            level = x.abs().div_(norm).mul_(self.levels).add_(torch.rand_like(x)).floor_()
             # an ulp over `levels` where |x_i| is the norm must not wrap around in int8
             q = level.clamp_(max=self.levels).copysign_(x).to(self.wire_dtype)
         return (norm, q), (tensor.shape, tensor.dtype)
@@ -55,3 +55,17 @@ class QSGDCompressor(Compressor):
 
     def __repr__(self) -> str:
         return f"QSGDCompressor(levels={self.levels})"
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """||x||_2 in float32, scaled by the largest |x_i| first: vector_norm squares
+    the entries as they are, so a finite gradient with an entry above ~1.8e19
+    had an infinite norm (every entry decompressed to NaN, the step skipped as
+    an overflow) and one whose entries were all below ~1e-23 a norm of 0 (sent
+    as zeros). NaN, Inf and zeros still give a norm that is NaN, Inf or 0."""
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    amax = x.abs().max()
+    if not torch.isfinite(amax).item() or amax.item() == 0.0:
+        return amax
+    return amax * torch.linalg.vector_norm(x / amax)

@@ -38,6 +38,23 @@ def test_qsgd_zero_stays_zero_and_nan_is_not_hidden():
     assert torch.isnan(c.decompress(*c.compress(torch.tensor([1.0, float("nan")])))).all()
 
 
+@pytest.mark.parametrize("scale", [1e20, 1e-24, 1e-30])
+def test_qsgd_of_finite_gradients_far_from_one_is_their_quantisation_not_nan_or_zero(scale):
+    """The norm squared the entries in float32: above ~1.8e19 it was inf (every
+    entry decompressed to NaN), below ~1e-23 it was 0 (sent as zeros). A one-hot
+    tensor is exact at any level count: its one entry is +-norm, the others 0;
+    and the three-entry vector comes back as levels of its own norm."""
+    c = QSGDCompressor(127)
+    one_hot = torch.tensor([0.0, -scale, 0.0])
+    assert c.decompress(*c.compress(one_hot)).tolist() == one_hot.tolist()
+    x = torch.tensor([4.0, -3.0, 0.0]) * scale
+    (norm, q), ctx = c.compress(x)
+    assert norm.item() == pytest.approx(5 * scale, rel=1e-6)
+    got = c.decompress((norm, q), ctx)
+    assert torch.isfinite(got).all() and (got.sign() == x.sign()).all()
+    assert ((got - x).abs() <= norm.item() / 127 * (1 + 1e-5)).all()  # one level of the norm at most
+
+
 @pytest.mark.parametrize("bad", [0, 40000, 2.5])
 def test_qsgd_bad_levels_are_refused(bad):
     with pytest.raises(ValueError, match="levels"):
