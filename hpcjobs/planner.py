@@ -83,7 +83,9 @@ class Linear:
 @dataclass(frozen=True)
 class Payload:
     """What a compressor sends for a bucket: ``nbytes(bytes, shape)`` per
-    device, through an allreduce (``summable``) or an allgather of ``parts``
+    device (a tuple of its parts' bytes where it sends several: a summable
+    one's are allreduced one after another, as PowerSGD's P and Q are), through
+    an allreduce (``summable``) or an allgather of ``parts``
     arrays a device (after a ring allgather of their sizes, as
     ``ring.allgatherv`` does); ``fusable``: buckets may hold several tensors;
     ``codec_s(bytes, shape, P)``: seconds to compress it and decode the
@@ -252,10 +254,13 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
                       net.net and _Reducing(net.net, payload.reduce_s_per_byte))
     costs, carried = [], {}
     for nbytes, _, shape in buckets:
+        sizes = payload.nbytes(nbytes, shape) if payload else nbytes
+        sizes = sizes if isinstance(sizes, tuple) else (sizes,)
         if payload is None or payload.summable:
-            t, used = allreduce_s(payload.nbytes(nbytes, shape) if payload else nbytes, P, net, algorithm)
+            each = [allreduce_s(n, P, net, algorithm) for n in sizes]
+            t, used = sum(e[0] for e in each), each[max(range(len(sizes)), key=sizes.__getitem__)][1]
         else:
-            t, used = allgather_s(payload.nbytes(nbytes, shape), P, net, payload.parts), "allgather"
+            t, used = allgather_s(sum(sizes), P, net, payload.parts), "allgather"
         if P == 1:
             used = "none"  # one device: nothing reduced or gathered
         carried[used] = carried.get(used, 0) + nbytes

@@ -150,6 +150,12 @@ def test_a_summable_compressor_reduces_its_payload_and_the_others_gather_it():
     half = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
                      payload=Payload(lambda n, shape: n // 2, True, True))
     assert half["comm_s"] == pytest.approx(ring(MB // 2, 4), rel=1e-12)
+    # parts reduced one after another (PowerSGD's P, then Q): each pays the ring's latencies; it had been costed
+    # as one allreduce of their sum
+    two = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
+                    payload=Payload(lambda n, shape: (n // 4, n // 4), True, False))
+    assert two["comm_s"] == pytest.approx(2 * ring(MB // 4, 4), rel=1e-12)
+    assert two["comm_s"] - ring(MB // 2, 4) == pytest.approx(6 * NODE.alpha, rel=1e-9)  # 2(P - 1) more
     gathered = iteration(w, 4, Network(4, NODE), "ring", overlap=False, fusion_bytes=MB,
                          payload=Payload(lambda n, shape: 1000, False, False, parts=2))
     # P - 1 rows of the size table (8 bytes a part), then P - 1 payloads (ring.allgatherv)
@@ -284,6 +290,12 @@ def test_plan_measures_one_of_our_models_here(tmp_path):
     params = 40 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     wire = 2 * (20e-6 + 2 * params / 2 * 8e-9)
     assert wire < json.loads(out.read_text())["rows"][1]["comm_s"] < wire + 1.0
+    # bfloat16's reduction is timed on its bits, as ours reduce it (numpy has no bfloat16: it was a traceback)
+    bf16 = hpcjobs("plan", "--model", "mlp", "--width", "64", "--measure", "--measure-steps", "2",
+                   "--batch-per-device", "8", "--devices", "1,2", "--threads", "1", "--inter-bw", "1",
+                   "--algorithm", "ring", "--compression", "bf16", "--json", str(out))
+    assert bf16.returncode == 0, bf16.stderr
+    assert wire < json.loads(out.read_text())["rows"][1]["comm_s"] < wire + 1.0
 
 
 def test_plan_compression_none_is_train_spelling_of_no_compression(tmp_path):
@@ -414,6 +426,15 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--model", "mlp", "--throughput", "10", "--device", "cuda"], "give --model and --measure"),
     (["--model", "mlp", "--measure", "--amp", "fp16", "--devices", "1"], "--amp fp16 is for GPUs"),
     (["--model", "mlp", "--measure", "--device", "cuda", "--compression", "fp16"], "codec on the CPU"),
+    # taken and ignored before 2026-11-30
+    (["--params", "1M", "--throughput", "10", "--width", "64"], "--width shapes one of our models"),
+    (["--model", "resnet18", "--throughput", "10", "--width", "64"], "--width shapes mlp and cnn1d, not resnet18"),
+    (["--model", "mlp", "--throughput", "10", "--image-size", "32"], "--image-size shapes the ResNets, not mlp"),
+    (["--params", "1M", "--throughput", "10", "--threads", "2", "--measure-steps", "3"],
+     "--threads, --measure-steps say how --measure times the step"),
+    # a format matplotlib cannot write failed after the plan, with a traceback; no extension wrote PATH.png
+    (["--params", "1M", "--throughput", "10", "--devices", "1", "--plot", "/tmp/plan.xyz"],
+     "--plot /tmp/plan.xyz: name a file matplotlib writes"),
 ])
 def test_plan_refuses_bad_input_with_the_rule(args, words):
     # a login-node command: main in this process, no Python of its own

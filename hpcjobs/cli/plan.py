@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -38,8 +39,8 @@ def configure(p) -> None:
     m = g.add_mutually_exclusive_group(required=True)
     m.add_argument("--model", choices=MODEL_NAMES, help="one of ours: its real tensors (and --measure)")
     m.add_argument("--params", type=params_count, metavar="N", help="parameters (25.6M, 138e6, ...)")
-    g.add_argument("--width", type=positive_int, default=1024, help="mlp/cnn1d width (default 1024)")
-    g.add_argument("--image-size", type=positive_int, default=224, help="ResNet input side (default 224)")
+    g.add_argument("--width", type=positive_int, help="mlp/cnn1d width (default 1024)")
+    g.add_argument("--image-size", type=positive_int, help="ResNet input side (default 224)")
     g.add_argument("--bytes-per-param", type=positive_int, help="gradient bytes per parameter (4; 2: fp16)")
     g = p.add_argument_group("one device")
     t = g.add_mutually_exclusive_group(required=True)
@@ -50,7 +51,7 @@ def configure(p) -> None:
     g.add_argument("--batch-per-device", type=positive_int, default=64, metavar="B", help="default %(default)s")
     g.add_argument("--backward-share", type=positive_float,
                    help="with --throughput: backward's share of the step, over which gradients arrive (2/3)")
-    g.add_argument("--measure-steps", type=positive_int, default=10, help="timed steps for --measure (10)")
+    g.add_argument("--measure-steps", type=positive_int, help="timed steps for --measure (10)")
     g.add_argument("--threads", type=positive_int,
                    help="torch threads for --measure (default: the cores this process may run on)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -161,10 +162,9 @@ def _payload(spec: str | None, measure: bool, model: str | None):
         return None
     import timeit
 
-    import numpy as np
     import torch
 
-    from ..collectives._buffers import reducer
+    from ..collectives._buffers import as_flat, reducer
     from ..compression import make_compressor
     from ..planner import Payload
 
@@ -173,11 +173,11 @@ def _payload(spec: str | None, measure: bool, model: str | None):
     def compressed(shape: tuple):
         return comp.compress(torch.randn(*shape), name="plan", step=0)
 
-    def nbytes(n: int, shape: tuple) -> int:
+    def nbytes(n: int, shape: tuple) -> tuple:  # each part's: a summable payload's are reduced one by one
         if (n, shape) not in sizes:
             payload, _ = compressed(shape)
             parts = payload if isinstance(payload, tuple) else (payload,)
-            sizes[(n, shape)] = sum(x.numel() * x.element_size() for x in parts)
+            sizes[(n, shape)] = tuple(x.numel() * x.element_size() for x in parts)
         return sizes[(n, shape)]
 
     def codec_s(n: int, shape: tuple, P: int) -> float:  # compress, decompress, add: medians of 3
@@ -196,14 +196,14 @@ def _payload(spec: str | None, measure: bool, model: str | None):
         # an allgather's payloads are each decompressed and summed on every device (compressed_allreduce)
         return c + d if comp.summable else c + P * d + (P - 1) * a
 
-    if not model and nbytes(1 << 16, (1 << 16,)) >= 4 << 16:
+    if not model and sum(nbytes(1 << 16, (1 << 16,))) >= 4 << 16:
         raise UsageError(f"--compression {spec} sends vectors as they are (it compresses matrices), and --params "
                          "plans the gradient as vectors: give --model")
     per_byte = None
     if measure and comp.summable:  # the payload's dtype reduced here, in place, as our allreduce does
         payload, _ = compressed((1 << 18,))
-        dtype = (payload[0] if isinstance(payload, tuple) else payload).numpy().dtype
-        a, b, add = np.ones(1 << 18, dtype), np.ones(1 << 18, dtype), reducer("sum", dtype.name)
+        flat = as_flat(payload[0] if isinstance(payload, tuple) else payload)  # bfloat16: its bits, as ours reduce it
+        a, b, add = flat.data.copy(), flat.data.copy(), reducer("sum", flat.dtype)
         per_byte = statistics.median(timeit.repeat(lambda: add(a, b), number=1, repeat=5)) / a.nbytes
     payload, _ = compressed((1 << 10,))
     parts = len(payload) if isinstance(payload, tuple) else 1
@@ -230,6 +230,7 @@ def predict(args) -> tuple:
     if args.loss_model != "optimus" and not args.metrics:
         raise UsageError("--loss-model picks the curve fitted to --metrics: give --metrics and --target-loss")
     check_outputs(None, [("--json", args.json, False), ("--plot", args.plot, False)])
+    _check_plot_format(args.plot)
     with usage(ValueError):
         check_flags(args)
         net = _network(args)
@@ -311,6 +312,21 @@ def table(rows: list[dict]) -> str:
     cells = [[c[1] for c in cols]] + [[cell(r, c[0], c[2]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells)
+
+
+def _check_plot_format(path: str | None) -> None:
+    """A --plot path matplotlib can write, before anything is measured: an
+    unknown extension had failed with a traceback after the plan was printed,
+    and none at all wrote PATH.png, not PATH."""
+    plt = path and pyplot()
+    if not plt:
+        return  # no --plot; or no matplotlib, which _plot says
+    kinds = plt.gcf().canvas.get_supported_filetypes()
+    plt.close("all")
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix not in kinds:
+        raise UsageError(f"--plot {path}: name a file matplotlib writes, ending in one of "
+                         f".{', .'.join(sorted(kinds))}" + (f" (not .{suffix})" if suffix else ""))
 
 
 def _plot(rows: list[dict], path: str, what: str) -> None:

@@ -71,6 +71,7 @@ def check_flags(args) -> None:
     ``--devices-per-node``, a ``--cost-model``'s ranks per node (a
     one-node model's: its ranks; else 1), and ``--devices``, up to 256 devices, or a node where no
     network is given."""
+    _shaping_flags(args)
     two_level, per_node = False, None
     if args.cost_model:
         two_level = plan_runs.cost_model(args.cost_model)[1] is not None
@@ -112,6 +113,26 @@ def check_flags(args) -> None:
         args.devices = default_counts(args.devices_per_node)
         if not two_level and args.inter_bw is None:  # no network: one node's counts
             args.devices = Counts(p for p in args.devices if p <= args.devices_per_node)
+
+
+def _shaping_flags(args) -> None:
+    """Refuses the model's and the measurement's flags where nothing reads
+    them (they had been taken and ignored), then fills in their defaults."""
+    if args.params is not None:
+        shaped = [f for f, v in (("--width", args.width), ("--image-size", args.image_size)) if v is not None]
+        if shaped:
+            raise UsageError(f"{', '.join(shaped)} shape{'s' if len(shaped) == 1 else ''} one of our models, and "
+                             f"--params plans the gradient as vectors: give --model, or leave {_them(shaped)} out")
+    elif args.width is not None and args.model not in ("mlp", "cnn1d"):
+        raise UsageError(f"--width shapes mlp and cnn1d, not {args.model}")
+    elif args.image_size is not None and not args.model.startswith("resnet"):
+        raise UsageError(f"--image-size shapes the ResNets, not {args.model}")
+    timing = [f for f, v in (("--threads", args.threads), ("--measure-steps", args.measure_steps)) if v is not None]
+    if timing and not args.measure:
+        raise UsageError(f"{', '.join(timing)} say{'s' if len(timing) == 1 else ''} how --measure times the step: "
+                         f"give --model and --measure, or leave {_them(timing)} out")
+    args.width, args.image_size = args.width or 1024, args.image_size or 224
+    args.measure_steps = args.measure_steps or 10
 
 
 def _them(flags: list) -> str:
