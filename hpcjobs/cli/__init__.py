@@ -151,12 +151,15 @@ def _parser_for(argv: list[str]) -> tuple[Command | None, argparse.ArgumentParse
     return (command, *build_parser(command))
 
 
-def parse_error(argv: list[str]) -> str | None:
+def parse_error(argv: list[str], ranks: int | None = None, cpu: bool = False) -> str | None:
     """The usage error ``hpcjobs ARGV`` would exit 2 with (argparse's
     checks: flags, types, choices), or None when it parses. For job scripts,
     to refuse a command line before a job is submitted or its ranks start;
-    starts no MPI."""
-    _, parser, _ = _parser_for(argv)
+    starts no MPI. With ``ranks`` (the job's), also what the command's
+    ``check_job(args, ranks, cpu)`` refuses before MPI starts (``train``:
+    a global batch that does not divide, a mode's flags on another mode;
+    ``cpu``: the job runs without GPUs)."""
+    command, parser, _ = _parser_for(argv)
     out = io.StringIO()
     try:
         with contextlib.redirect_stderr(out), contextlib.redirect_stdout(io.StringIO()):
@@ -168,6 +171,12 @@ def parse_error(argv: list[str]) -> str | None:
         return errors[-1] if errors else out.getvalue().strip()
     if getattr(args, "_command", None) is None:
         return f"hpcjobs {' '.join(argv)}: not a command (see hpcjobs --help)"
+    check = getattr(import_module(f"{__name__}.{command.module}"), "check_job", None)
+    if ranks is not None and check is not None:
+        try:
+            check(args, ranks, cpu)
+        except UsageError as e:
+            return f"hpcjobs {' '.join(command.words)}: error: {e} (at the job's {ranks} ranks)"
     return None
 
 

@@ -8,6 +8,7 @@ a login node: no MPI.
 
 from __future__ import annotations
 
+import re
 import sys
 
 from ..slurm import TEMPLATES, RenderOptions, job_commands, render, template_path
@@ -36,20 +37,24 @@ def configure(p) -> None:
     p.epilog = "Arguments after -- go to the job's hpcjobs command, e.g. -- --max-bytes 1G"
 
 
-def check_job_args(template: str, job_args: tuple[str, ...]) -> None:
+def check_job_args(template: str, job_args: tuple[str, ...], ranks: int | None = None, cpu: bool = False) -> None:
     """Refuse job arguments that no command of the template accepts (a
     template may run one of several, e.g. train or large-batch), before
-    anything is submitted; starts no MPI.
+    anything is submitted; starts no MPI. With the rendered job's ``ranks``
+    (and ``cpu``: no GPUs), also what the command refuses at that size
+    before its ranks start (train: ``--global-batch`` that does not divide,
+    a mode's flags on another mode, ``--amp fp16`` on CPUs), which a job
+    would otherwise say only after waiting in the queue.
 
     Raises:
-        UsageError: naming the command and argparse's complaint.
+        UsageError: naming the command and its complaint.
     """
     from . import parse_error
 
     commands = job_commands(template)
     if not job_args or not commands:
         return
-    errors = [parse_error([*cmd, *job_args]) for cmd in commands]
+    errors = [parse_error([*cmd, *job_args], ranks, cpu) for cmd in commands]
     if all(errors):
         raise UsageError(f"the job's arguments after -- would fail in the job: {errors[0]}")
 
@@ -67,7 +72,12 @@ def script(args) -> str:
         opts.validate()
     check_job_args(template, opts.job_args)
     with usage():
-        return render(template, opts)
+        text = render(template, opts)
+    sizes = dict(re.findall(r"^#SBATCH --(nodes|ntasks-per-node)=(\d+)\b", text, re.M))
+    if len(sizes) == 2:  # the job's ranks as rendered (a node range such as 2-4 is not checked)
+        check_job_args(template, opts.job_args, int(sizes["nodes"]) * int(sizes["ntasks-per-node"]),
+                       opts.cpu or opts.gpus_per_node == 0)
+    return text
 
 
 def run(args) -> int:

@@ -252,20 +252,31 @@ def config_from_args(args, size: int) -> TrainConfig:
     return cfg
 
 
-def run(args) -> int:
-    from mpi4py import MPI
-
-    from ..runtime import pick_device, set_threads
-
-    comm = MPI.COMM_WORLD
-    # What the flags alone refuse, before torch is imported (a second or more of every refusal)
+def check_job(args, size: int, cpu: bool = False) -> TrainConfig:
+    """What the flags alone refuse at ``size`` ranks, before torch is imported
+    (a second or more of every refusal), and the run's TrainConfig; ``cpu``:
+    the ranks have no GPU (``slurm render --cpu`` checks a job with it)."""
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:
         raise UsageError("--checkpoint-every needs --checkpoint PATH")
     if args.loss_model != DEFAULTS.loss_model and not args.target_loss:
         raise UsageError("--loss-model picks the model that predicts --target-loss: give --target-loss L")
-    cfg = config_from_args(args, comm.Get_size())
+    cfg = config_from_args(args, size)
+    if cpu or args.device == "cpu":
+        import types
+
+        check_amp(args.amp, types.SimpleNamespace(type="cpu"))
+    return cfg
+
+
+def run(args) -> int:
+    from mpi4py import MPI
+
+    from ..runtime import pick_device, set_threads
+
+    comm = MPI.COMM_WORLD
+    cfg = check_job(args, comm.Get_size())
     with usage():
         check_amp(args.amp, pick_device(args.device, comm))
     check_outputs(comm, [("--metrics", args.metrics, False), ("--checkpoint", args.checkpoint, False)])

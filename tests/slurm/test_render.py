@@ -183,6 +183,14 @@ def test_render_command_prints_the_script_and_refuses_bad_input():
     assert "#SBATCH --nodes=3" in out.stdout and "JOB_ARGS=(--epochs 2)" in out.stdout
     out = _hpcjobs("slurm", "render", "train", "--time", "soon")
     assert out.returncode == 2 and "not a Slurm time" in out.stderr
+    # what train refuses at the job's size, before the job waits in the queue: it was rendered, then every rank
+    # exited 2 (3 nodes x the template's 4 ranks; its 2 nodes in CPU mode x 4)
+    for flags, words in ((["-N", "3", "--gpu-type", "a100", "--", "--global-batch", "4096"],
+                          "--global-batch 4096 does not divide by 12 ranks x 1 passes (at the job's 12 ranks)"),
+                         (["--cpu", "--", "--servers", "2"], "--servers is for --mode async")):
+        out = _hpcjobs("slurm", "render", "train", *flags)
+        assert out.returncode == 2 and "would fail in the job: hpcjobs train: error: " + words in out.stderr, out.stderr
+    assert _hpcjobs("slurm", "render", "train", "--cpu", "--", "--global-batch", "64").returncode == 0
 
 
 def test_templates_and_launch_refuse_to_run_outside_slurm():
