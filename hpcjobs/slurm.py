@@ -104,6 +104,35 @@ def _time(text: str) -> str:
     return text
 
 
+def time_seconds(text: str) -> int | None:
+    """A Slurm time (:func:`_time`'s formats) in seconds; None for no limit
+    (UNLIMITED, INFINITE, or 0, which sbatch takes to mean none)."""
+    if _time(text).upper() in ("UNLIMITED", "INFINITE") or not any(int(d) for d in re.findall(r"\d+", text)):
+        return None
+    m = _TIME.fullmatch(text)
+    first, later = int(m["first"]), [int(f) for f in m["rest"].split(":")[1:]]
+    if m["days"] is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
+        minutes, seconds = (later + [0, 0])[:2]
+        return int(m["days"]) * 86400 + first * 3600 + minutes * 60 + seconds
+    if len(later) == 2:  # HH:MM:SS
+        return first * 3600 + later[0] * 60 + later[1]
+    return first * 60 + sum(later)  # MM, MM:SS
+
+
+def signal_too_early(script: str) -> str | None:
+    """Where a script's ``--signal=...@S`` comes with a ``--time`` of S + 60 s
+    or less (Slurm may send the signal up to 60 s before S), why: the train
+    template's SIGUSR1 would stop the run at its start, and requeue it."""
+    signal = re.search(r"^#SBATCH --signal=\S*@(\d+)", script, re.M)
+    limit = re.search(r"^#SBATCH --time=(\S+)", script, re.M)
+    seconds = time_seconds(limit.group(1)) if signal and limit else None
+    if seconds is None or seconds > int(signal.group(1)) + 60:
+        return None
+    return (f"--time {limit.group(1)} ({seconds} s): the script asks for a signal {signal.group(1)} s before the "
+            "limit, which Slurm may send up to 60 s earlier, so it comes as the job starts (train: a checkpoint "
+            "after the second step, a stop and a requeue, each time); give a longer --time")
+
+
 def _name(flag: str, text: str, listed: bool = False) -> str:
     """A name Slurm takes (``listed``: a comma-separated list of them, as
     partitions are)."""
@@ -301,6 +330,10 @@ def launch_command(env: dict, args: list[str]) -> tuple[list[str], dict]:
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         mapping = ["--map-by", f"ppr:{per_node}:node"] if per_node.isdigit() else []
         cmd = ["mpirun", "-n", str(ntasks), *mapping, *shlex.split(env.get("HPCJOBS_MPIRUN_FLAGS", "")), *hpcjobs]
+        # Open MPI starts its daemons on the other nodes with an srun of its own, which reads --export from
+        # SLURM_EXPORT_ENV: in a job submitted with --export=NONE (or SBATCH_EXPORT=a list) they got only SLURM_*
+        # and the list, and the job failed, as srun's ranks did before --export=ALL above
+        new["SLURM_EXPORT_ENV"] = "ALL"
     else:
         raise ValueError(f"HPCJOBS_LAUNCHER must be srun or mpirun, got {launcher!r}")
     return cmd, new

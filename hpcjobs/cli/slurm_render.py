@@ -8,10 +8,11 @@ a login node: no MPI.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
-from ..slurm import TEMPLATES, RenderOptions, job_commands, render, template_path
+from ..slurm import TEMPLATES, RenderOptions, job_commands, render, signal_too_early, template_path
 from .args import UsageError, positive_int, usage
 
 
@@ -25,7 +26,9 @@ def configure(p) -> None:
     p.add_argument("--time", "-t", help="wall-clock limit (HH:MM:SS, D-HH:MM:SS, ...)")
     p.add_argument("--job-name", "-J", help="job name (letters, digits, _ . -)")
     p.add_argument("--partition", "-p",
-                   help="partition, or several separated by commas (else sbatch's default or SBATCH_PARTITION)")
+                   help="partition, or several separated by commas (else sbatch's default or SBATCH_PARTITION; "
+                        "a script's #SBATCH line gives way to SBATCH_* variables, so render warns where one is set, "
+                        "and submit passes each flag given on sbatch's command line too)")
     p.add_argument("--account", "-A", help="account (else SBATCH_ACCOUNT)")
     p.add_argument("--qos", "-q", help="quality of service (else sbatch's default or SBATCH_QOS)")
     p.add_argument("--constraint", "-C", help="node features as Slurm takes them: joined by & or |, with "
@@ -73,6 +76,9 @@ def script(args) -> str:
     check_job_args(template, opts.job_args)
     with usage():
         text = render(template, opts)
+    early = signal_too_early(text)
+    if early:
+        print(f"hpcjobs slurm: warning: {early}", file=sys.stderr)
     sizes = dict(re.findall(r"^#SBATCH --(nodes|ntasks-per-node)=(\d+)\b", text, re.M))
     if len(sizes) == 2:  # the job's ranks as rendered (a node range such as 2-4 is not checked)
         check_job_args(template, opts.job_args, int(sizes["nodes"]) * int(sizes["ntasks-per-node"]),
@@ -80,6 +86,27 @@ def script(args) -> str:
     return text
 
 
+# render's flags and the sbatch variable that would take their #SBATCH line's place
+_VARIABLES = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "qos": "SBATCH_QOS",
+              "constraint": "SBATCH_CONSTRAINT", "mem": "SBATCH_MEM_PER_NODE", "exclusive": "SBATCH_EXCLUSIVE",
+              "time": "SBATCH_TIMELIMIT", "job_name": "SBATCH_JOB_NAME", "gpus_per_node": "SBATCH_GPUS_PER_NODE",
+              "ntasks_per_node": "SBATCH_GPUS_PER_NODE", "gpu_type": "SBATCH_GPUS_PER_NODE"}
+
+
+def overridden(args) -> list[str]:
+    """The SBATCH_* variables set here that would take the place of a flag
+    given to render, once sbatch reads the script (its environment comes
+    before a script's #SBATCH lines)."""
+    return list(dict.fromkeys(f"{var}={os.environ[var]} (--{flag.replace('_', '-')})"
+                              for flag, var in _VARIABLES.items()
+                              if getattr(args, flag, None) not in (None, False) and os.environ.get(var)))
+
+
 def run(args) -> int:
-    sys.stdout.write(script(args))
+    text = script(args)
+    for what in overridden(args):
+        print(f"hpcjobs slurm render: warning: {what}: sbatch takes its environment over the script's #SBATCH "
+              "line; unset it, or submit with `hpcjobs slurm submit`, which gives sbatch the flag itself",
+              file=sys.stderr)
+    sys.stdout.write(text)
     return 0

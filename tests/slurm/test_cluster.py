@@ -97,6 +97,10 @@ def jobs(cluster, tmp_path_factory):
     # srun would pass the ranks only SLURM_* unless told --export=ALL (MPI_Init failed: OPAL_PREFIX lost)
     plan["export-none"] = ({"SBATCH_EXPORT": "HPCJOBS_VENV,OMPI_ALLOW_RUN_AS_ROOT,OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"},
                            "allreduce")
+    # ... and under mpirun, whose daemons on the other node Open MPI starts with an srun of its own
+    plan["export-none-mpirun"] = ({"SBATCH_EXPORT": "HPCJOBS_VENV,HPCJOBS_LAUNCHER,OMPI_ALLOW_RUN_AS_ROOT,"
+                                                    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "HPCJOBS_LAUNCHER": "mpirun"},
+                                  "allreduce")
 
     def submit(label):
         extra, template = plan[label]
@@ -279,15 +283,17 @@ def test_nccl_template_in_cpu_mode_uses_gloo(jobs):
     assert rows == {"single", "ours:auto", "ddp"}
 
 
-def test_a_job_submitted_without_the_users_environment_starts_its_ranks(jobs):
-    r = jobs["export-none"]
-    _ok(r)
-    assert "--export=ALL" in r["output"]
+@pytest.mark.parametrize("label", ["export-none", "export-none-mpirun"])
+def test_a_job_submitted_without_the_users_environment_starts_its_ranks(jobs, label):
+    r = jobs[label]
+    _ok(r, **({"source": "shared-memory"} if label.endswith("mpirun") else {}))
+    assert ("# mpirun -n 4" if label.endswith("mpirun") else "--export=ALL") in r["output"]
     _exact_and_counted(_rows(r["output"]))
 
 
 def test_submit_wait_prints_the_job_id_while_the_job_runs(cluster, tmp_path):
-    env = _slurm_env()
+    # sbatch takes SBATCH_JOB_NAME over the script's --job-name: submit gives sbatch -J itself (the log's name)
+    env = _slurm_env() | {"SBATCH_JOB_NAME": "not-this-name"}
     proc = subprocess.Popen([*cluster, sys.executable, "-m", "hpcjobs", "slurm", "submit", "allreduce", "-N", "2",
                              "--ntasks-per-node", "2", "--cpus-per-task", "1", "-t", "10", "--cpu", "-J", "test-wait",
                              "--wait", "--script", str(tmp_path / "wait.sbatch"), "--", "--max-bytes", "1K",

@@ -146,6 +146,23 @@ def test_slurm_time_formats_are_accepted(time):
     assert f"#SBATCH --time={time} " in render(template_path("tune").read_text(), RenderOptions(time=time))
 
 
+def test_a_time_limit_too_short_for_the_train_templates_signal_is_warned_about():
+    """The train template asks for SIGUSR1 120 s before the limit, which Slurm
+    may send up to 60 s earlier: at --time 3 or less it comes as the job
+    starts, and the run stops at its second step and requeues, again and again."""
+    from hpcjobs.slurm import signal_too_early, time_seconds
+
+    assert [time_seconds(t) for t in ("30", "30:00", "01:30:00", "2-12", "2-12:30", "2-12:30:15", "3", "0",
+                                      "UNLIMITED")] == [1800, 1800, 5400, 216000, 217800, 217815, 180, None, None]
+    train = template_path("train").read_text()
+    assert "comes as the job starts" in signal_too_early(render(train, RenderOptions(time="3")))
+    for fine in ("4", "0:03:01", "0", "UNLIMITED"):
+        assert signal_too_early(render(train, RenderOptions(time=fine))) is None, fine
+    assert signal_too_early(render(template_path("allreduce").read_text(), RenderOptions(time="2"))) is None
+    out = _hpcjobs("slurm", "render", "train", "-t", "2")
+    assert out.returncode == 0 and "warning: --time 2 (120 s): the script asks for a signal 120 s" in out.stderr
+
+
 @pytest.mark.parametrize("template,args", [
     ("train", ("--epochs", "2")),             # hpcjobs train
     ("train", ("--min-batch", "64")),         # experiment large-batch, the template's other job
@@ -191,6 +208,36 @@ def test_render_command_prints_the_script_and_refuses_bad_input():
         out = _hpcjobs("slurm", "render", "train", *flags)
         assert out.returncode == 2 and "would fail in the job: hpcjobs train: error: " + words in out.stderr, out.stderr
     assert _hpcjobs("slurm", "render", "train", "--cpu", "--", "--global-batch", "64").returncode == 0
+
+
+def test_submit_gives_sbatch_the_flags_it_was_given_which_its_environment_would_override(tmp_path, monkeypatch):
+    """sbatch takes SBATCH_* variables over a script's #SBATCH lines: with
+    SBATCH_PARTITION=gpu exported, `submit -p debug` went to gpu. submit now
+    passes each flag given on sbatch's command line (as rendered), render
+    warns, and the default script name is one past the highest there."""
+    import argparse
+
+    from hpcjobs.cli import slurm_render, slurm_submit
+
+    p = argparse.ArgumentParser()
+    slurm_submit.configure(p)
+    p.add_argument("passthrough", nargs="*")
+    args = p.parse_args(["train", "-p", "debug", "-t", "10", "-N", "2", "--gpu-type", "a100", "--exclusive"])
+    assert slurm_submit.sbatch_command(args, slurm_render.script(args), "x.sbatch") == [
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=a100:4", "--time=10", "--partition=debug",
+        "--exclusive", "x.sbatch"]
+    cpu = p.parse_args(["allreduce", "--cpu", "--ntasks-per-node", "3", "--wait"])
+    assert slurm_submit.sbatch_command(cpu, slurm_render.script(cpu), "y") == [
+        "sbatch", "--parsable", "--wait", "--ntasks-per-node=3", "y"]  # no GPUs asked for in CPU mode
+    monkeypatch.setenv("SBATCH_PARTITION", "gpu")
+    monkeypatch.delenv("SBATCH_TIMELIMIT", raising=False)
+    assert slurm_render.overridden(args) == ["SBATCH_PARTITION=gpu (--partition)"]
+    out = _hpcjobs("slurm", "render", "train", "-p", "debug", env={"SBATCH_PARTITION": "gpu"})
+    assert out.returncode == 0 and "warning: SBATCH_PARTITION=gpu (--partition)" in out.stderr, out.stderr
+    for name in ("train-1.sbatch", "train-3.sbatch", "train-x.sbatch", "tune-7.sbatch"):
+        (tmp_path / name).write_text("")
+    assert slurm_submit.default_script("train", tmp_path) == tmp_path / "train-4.sbatch"  # was train-3: overwritten
+    assert slurm_submit.default_script("nccl", tmp_path) == tmp_path / "nccl-1.sbatch"
 
 
 def test_templates_and_launch_refuse_to_run_outside_slurm():
