@@ -63,15 +63,25 @@ summary_of() { grep -aE '^[=]* *[0-9]+ (passed|failed|error|skipped)' "$1" | tai
 # Each run goes to the background and is waited for: `timeout` puts itself in a process group of its own,
 # so Ctrl-C (or CI's SIGTERM) reached only this script and tee, and the script waited on, for the run it
 # could not stop. The trap stops the run, and as root takes down what its fixtures brought up.
-running="" fifo=""
+running="" fifo="" serial=""
+# The emulated cluster, taken down after the serial stage was stopped or timed out (its fixtures may not have):
+# only where no live session holds its lock (tests/emulated.py), so never under another session's tests, and
+# never after an mpirun stage, which does not use it (a cluster brought up by hand stays).
+cluster_down() {
+    if [ "$(id -u)" = 0 ] && [ -n "$serial" ]; then
+        flock -n /run/hpcjobs-emu.lock scripts/emulated_cluster.sh down >/dev/null 2>&1
+    else
+        return 1
+    fi
+}
 stop_run() {
     say "interrupted: stopping the run and what it started"
     if [ -n "$running" ]; then
-        kill -TERM "$running" 2>/dev/null  # timeout passes it on to pytest or mpirun
+        kill -TERM "$running" 2>/dev/null  # timeout passes it on to pytest (which tears down) or mpirun
         wait 2>/dev/null
     fi
     [ -z "$fifo" ] || rm -f "$fifo"
-    if [ "$(id -u)" = 0 ]; then scripts/emulated_cluster.sh down >/dev/null 2>&1; fi
+    cluster_down || true
     exit "$1"
 }
 trap 'stop_run 130' INT
@@ -86,7 +96,7 @@ run_logged() {
     mkfifo "$fifo" || return 1
     tee "$log" <"$fifo" &
     tee_pid=$!
-    timeout -k 15 "$limit" "$@" >"$fifo" 2>&1 &
+    timeout -k 60 "$limit" "$@" >"$fifo" 2>&1 &  # a minute for pytest's teardown (tests/conftest.py) after TERM
     running=$!
     wait "$running"
     rc=$?
@@ -97,15 +107,17 @@ run_logged() {
 }
 
 say "serial: pytest --with-mpi (1 process)"
+serial=1
 run_logged "$logs/serial.log" "$serial_timeout_s" python -m pytest --with-mpi "${pytest_args[@]}" \
     ${targets[@]+"${targets[@]}"}
 rc=$?
 if no_tests_ok "$rc" $#; then say "serial: no test selected"; rc=0; fi
 if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
     say "serial pytest timed out after ${serial_timeout_s}s (HPCJOBS_SERIAL_TIMEOUT)"
-    # killed, its fixtures did not tear down: the emulated hosts, their Slurm daemons and /etc/hosts lines
-    if [ "$(id -u)" = 0 ]; then scripts/emulated_cluster.sh down >/dev/null 2>&1 && say "emulated cluster taken down"; fi
+    # killed, its fixtures may not have torn down: the emulated hosts, their Slurm daemons and /etc/hosts lines
+    if cluster_down; then say "emulated cluster taken down"; fi
 fi
+serial=""
 [ "$rc" = 0 ] || status=1
 summaries+=("serial: $(summary_of "$logs/serial.log") (exit $rc)")
 

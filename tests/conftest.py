@@ -14,6 +14,7 @@ was P times the work, the most of a 5-rank test run on 2 cores.
 from __future__ import annotations
 
 import hashlib
+import signal
 from collections.abc import Sequence
 
 import numpy as np
@@ -194,6 +195,21 @@ def check_allreduce(out, inputs: Sequence[np.ndarray], op: str, dtype: str, comm
     if ref is not None:
         diff = np.abs(to_float64(out, dtype) - ref.astype(np.float64))
         assert (diff <= 2 * tolerance(inputs, op, dtype)).all()
+
+
+def pytest_configure(config):
+    """A SIGTERM (``scripts/test.sh`` stopped by Ctrl-C or CI, or its stage's
+    timeout) ends the session as Ctrl-C does: ``finally`` blocks and the
+    fixtures' teardown run, so what the tests started in sessions of their
+    own (``tests/launch.py``: mpirun and its ranks, jobs on the emulated
+    cluster) is killed and the cluster taken down. Python's default ended
+    pytest at once and left them running into the next stage."""
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_collection_modifyitems(config, items):
