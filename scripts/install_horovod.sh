@@ -85,7 +85,11 @@ if [ "${HOROVOD_FORCE_REBUILD:-0}" = 1 ] || ! installed || [ "$(cat "$marker" 2>
     "$py" -m pip install -q cloudpickle psutil pyyaml packaging cffi
     echo "$wheel" >"$marker"
 fi
-check=$(horovodrun --check-build 2>&1)
+if ! check=$(horovodrun --check-build 2>&1); then  # its output says why (an ImportError): shown, not swallowed
+    printf '%s\n' "$check" >&2
+    say "horovodrun --check-build failed"
+    exit 1
+fi
 echo "$check"
 for want in PyTorch MPI Gloo; do
     echo "$check" | grep -qE "\[X\] $want" || { say "horovodrun --check-build does not list $want"; exit 1; }

