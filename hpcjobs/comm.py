@@ -30,7 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
+           "ranks_in", "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
            "environment_problem", "closed_at_exit"]
 
 
@@ -316,6 +316,18 @@ def agree(values, comm: MPI.Comm) -> np.ndarray:
     are equal on every rank of ``comm``: a boolean array. Collective."""
     lo, hi = extremes(values, comm)
     return lo == hi
+
+
+def ranks_in(comm: MPI.Comm, other: MPI.Comm | None = None) -> list[int]:
+    """Each rank of ``comm``'s number in ``other`` (default COMM_WORLD), in
+    ``comm``'s order; ``MPI.UNDEFINED`` for one that is not in it. Local: no
+    communication."""
+    mine, theirs = comm.Get_group(), (other or MPI.COMM_WORLD).Get_group()
+    try:
+        return list(MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), theirs))
+    finally:
+        mine.Free()
+        theirs.Free()
 
 
 def ranks_text(rs) -> str:

@@ -178,46 +178,24 @@ def _check_group(group, comm: "MPI.Intracomm") -> None:
     """Raise on every rank of ``comm`` where DDP's process group ``group``
     does not give each rank the number ``comm`` gives it, out of as many.
 
-    Decided on each rank alone where it can be: where the sizes differ, and
-    where torch's ranks are MPI's and the group is torch's, by comparing the
-    two lists of ranks. Only DDP's ranks call ``register``, so a collective
-    over ``comm`` there (a subgroup's DDP, the hook on COMM_WORLD) waited for
-    ranks that never came. Otherwise an allgather over ``comm``, watched."""
+    Where the sizes differ every one of DDP's ranks sees it and raises, with
+    no collective: only DDP's ranks call ``register``, and one over ``comm``
+    (a subgroup's DDP, the hook on COMM_WORLD) waited for ranks that never
+    came. Otherwise an allgather over ``comm``, watched."""
     if group is None:
         return
     mine = None
     if (group.rank(), group.size()) != (comm.Get_rank(), comm.Get_size()):
         mine = (f"rank {comm.Get_rank()} of {comm.Get_size()} here is rank {group.rank()} of {group.size()} in "
                 "DDP's process group")
-    same = False if group.size() != comm.Get_size() else _same_ranks(group, comm)
-    if same is None:
+    if group.size() != comm.Get_size():  # every one of DDP's ranks sees it: no collective
+        errors = [mine]
+    else:  # as many: with COMM_WORLD (the default) every rank is DDP's and here; a comm= of others waits, watched
         with guard("ddp_hooks.register", comm):
             errors = [e for e in comm.allgather(mine) if e]
-    else:
-        errors = [] if same else [mine or f"DDP's process group holds other ranks than the communicator's "
-                                          f"{comm.Get_size()}"]
     if errors:
         raise ValueError("the hook averages over its communicator (comm=, default COMM_WORLD or an hpcjobs "
                          "group's), which must hold DDP's ranks in the same order: " + "; ".join(errors))
-
-
-def _same_ranks(group, comm: "MPI.Intracomm") -> "bool | None":
-    """Whether ``group`` (torch's) and ``comm`` list the same MPI world ranks in
-    the same order, the same answer on every rank; None where this process
-    cannot tell (torch's ranks are not MPI's, or torch does not know the group)."""
-    try:
-        if dist.get_rank() != MPI.COMM_WORLD.Get_rank():
-            return None
-        theirs = dist.get_process_group_ranks(group)
-    except Exception:  # not initialized, or a group torch did not make: ask the ranks
-        return None
-    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        ours = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), world)
-    finally:
-        mine.Free()
-        world.Free()
-    return list(theirs) == list(ours)
 
 
 _live = closed_at_exit("close")  # weak references to every hook's state, in the order registered

@@ -113,7 +113,9 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
         yield from _torch_env_rendezvous(url, timeout=timeout, **kwargs)
         return
     backend = _backend_asked()
-    if backend is not None and str(backend) != BACKEND:
+    # "hpcjobs", or a device map of it alone ("cpu:hpcjobs,cuda:hpcjobs"); "undefined" where none was named
+    named = {part.rsplit(":", 1)[-1].strip().lower() for part in str(backend).split(",")} if backend else set()
+    if backend is not None and named != {BACKEND}:
         raise ValueError(f"init_process_group(backend={str(backend)!r}) without MASTER_ADDR: with "
                          f"hpcjobs.torch_backend imported only the {BACKEND!r} backend starts without it (rank and "
                          "size from MPI, no store); gloo and nccl need MASTER_ADDR and MASTER_PORT (rank 0's host and "

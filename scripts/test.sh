@@ -167,6 +167,8 @@ for name in ["serial.log"] + [f"np{n}.log" for n in sizes]:  # np10.log too; not
             continue  # extra args left no test in this stage (pytest's exit 5)
         totals["error"] += 1  # a run that never reached its summary (crash, timeout)
         continue
+    if re.search(r"^E?\s*KeyboardInterrupt|^!+ KeyboardInterrupt", (logs / name).read_text(errors="replace"), re.M):
+        totals["error"] += 1  # stopped (a timeout's or Ctrl-C's SIGTERM, tests/conftest.py): its summary is partial
     for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", lines[-1]):
         totals["error" if word.startswith("error") else word] += int(n)
 failed = totals["failed"] + totals["error"]

@@ -97,16 +97,23 @@ def overridden(args) -> list[str]:
     """The SBATCH_* variables set here that would take the place of a flag
     given to render, once sbatch reads the script (its environment comes
     before a script's #SBATCH lines)."""
+    given = [(flag, var) for flag, var in _VARIABLES.items() if getattr(args, flag, None) is not None
+             and getattr(args, flag) is not False]  # --gpus-per-node 0 is given (0 == False)
+    if args.cpu or args.gpus_per_node == 0:  # CPU mode asks for no GPUs: a GPU variable would give it some
+        gpus = [(flag, var) for flag, var in given if var == "SBATCH_GPUS_PER_NODE"]
+        given = [g for g in given if g not in gpus]
+        given += [("cpu" if args.cpu else "gpus_per_node", v) for v in ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS",
+                                                                           "SBATCH_GRES")]
     return list(dict.fromkeys(f"{var}={os.environ[var]} (--{flag.replace('_', '-')})"
-                              for flag, var in _VARIABLES.items()
-                              if getattr(args, flag, None) not in (None, False) and os.environ.get(var)))
+                              for flag, var in given if os.environ.get(var)))
 
 
 def run(args) -> int:
     text = script(args)
     for what in overridden(args):
         print(f"hpcjobs slurm render: warning: {what}: sbatch takes its environment over the script's #SBATCH "
-              "line; unset it, or submit with `hpcjobs slurm submit`, which gives sbatch the flag itself",
+              "line; unset it, or submit with `hpcjobs slurm submit`, which overrides it (the flag on sbatch's command "
+              "line; in CPU mode, no GPU variable)",
               file=sys.stderr)
     sys.stdout.write(text)
     return 0

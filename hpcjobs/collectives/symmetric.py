@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from ..comm import extremes, private, signature
+from ..comm import extremes, private, ranks_in, signature
 from ._buffers import DTYPES, as_flat, numpy_dtype
 from ._shared import free_window, is_single_node, shared_window
 
@@ -221,10 +221,7 @@ def peer_segments(alloc: _Allocation, comm: MPI.Intracomm) -> list | None:
     if comm is alloc.comm:
         segs = alloc.segments
     else:
-        mine, theirs = comm.Get_group(), alloc.comm.Get_group()
-        ranks = MPI.Group.Translate_ranks(mine, list(range(comm.Get_size())), theirs)
-        mine.Free()
-        theirs.Free()
+        ranks = ranks_in(comm, alloc.comm)
         segs = None if MPI.UNDEFINED in ranks else [alloc.segments[r] for r in ranks]
     alloc.peers.append((comm, segs))
     return segs

@@ -57,6 +57,7 @@ import time
 from mpi4py import MPI
 
 from .. import _reaper
+from ..comm import ranks_in
 
 __all__ = ["DEFAULT_TIMEOUT", "DEFAULT_WARNING", "ANSWER_WAIT", "set_timeout", "timeout", "guard", "enter", "leave",
            "attach", "env_number"]
@@ -235,12 +236,7 @@ def _members(comm) -> list[int] | None:
     if comm is None:
         return None
     try:
-        group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-        try:
-            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-        finally:
-            group.Free()
-            world.Free()
+        ranks = ranks_in(comm)
     except Exception:  # noqa: BLE001 -- the report goes on without: the job must still end
         return None
     return None if MPI.UNDEFINED in ranks else sorted(ranks)

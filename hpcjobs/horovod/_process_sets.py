@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from ..comm import by_value, private
+from ..comm import by_value, private, ranks_in
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "setup", "clear",
            "members", "comm_of", "ranks_of", "resolve", "register_at_init"]
@@ -265,16 +265,12 @@ def register_at_init(process_sets: list) -> None:
     Split), registered in the order of the first rank that names each; a
     set listed twice keeps its first object (the others are invalidated)."""
     mine = []
-    base = _admin.Get_group()
     for ps in process_sets:
         if not isinstance(ps, ProcessSet):
             raise ValueError(f"hvd.init(process_sets=...) takes ProcessSet objects, got {ps!r}")
         if ps.ranks is None:
-            group = ps.mpi_comm.Get_group()
-            ps.ranks = sorted(MPI.Group.Translate_ranks(group, list(range(group.Get_size())), base))
-            group.Free()
+            ps.ranks = sorted(ranks_in(ps.mpi_comm, _admin))
         mine.append(tuple(ps.ranks))
-    base.Free()
     order = list(dict.fromkeys(t for theirs in _admin.allgather(mine) for t in theirs))
     ids = {}
     for ranks in order:

@@ -232,6 +232,14 @@ def test_submit_gives_sbatch_the_flags_it_was_given_which_its_environment_would_
     monkeypatch.setenv("SBATCH_PARTITION", "gpu")
     monkeypatch.delenv("SBATCH_TIMELIMIT", raising=False)
     assert slurm_render.overridden(args) == ["SBATCH_PARTITION=gpu (--partition)"]
+    # CPU mode asks for no GPUs: sbatch runs without the variables that would ask for some (0 is a count given)
+    monkeypatch.setenv("SBATCH_GPUS_PER_NODE", "4")
+    zero = p.parse_args(["allreduce", "--gpus-per-node", "0"])
+    assert "SBATCH_GPUS_PER_NODE" not in slurm_submit.sbatch_env(cpu) | slurm_submit.sbatch_env(zero)
+    assert slurm_submit.sbatch_env(args)["SBATCH_GPUS_PER_NODE"] == "4"
+    assert slurm_render.overridden(cpu) == ["SBATCH_GPUS_PER_NODE=4 (--cpu)"]
+    assert slurm_render.overridden(zero) == ["SBATCH_GPUS_PER_NODE=4 (--gpus-per-node)"]
+    monkeypatch.delenv("SBATCH_GPUS_PER_NODE")
     out = _hpcjobs("slurm", "render", "train", "-p", "debug", env={"SBATCH_PARTITION": "gpu"})
     assert out.returncode == 0 and "warning: SBATCH_PARTITION=gpu (--partition)" in out.stderr, out.stderr
     for name in ("train-1.sbatch", "train-3.sbatch", "train-x.sbatch", "tune-7.sbatch"):

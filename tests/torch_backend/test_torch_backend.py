@@ -322,6 +322,11 @@ try:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 except ValueError as e:
     print("rank", MPI.COMM_WORLD.Get_rank(), "refused in", round(time.monotonic() - t0), "s:", e, flush=True)
+import torch
+dist.init_process_group("cpu:hpcjobs")  # a device map of this backend alone needs no MASTER_ADDR either
+x = torch.ones(2)
+dist.all_reduce(x)
+print("rank", MPI.COMM_WORLD.Get_rank(), "has", x.tolist(), flush=True)
 """
 
 
@@ -333,8 +338,9 @@ def test_gloo_without_master_addr_is_refused_at_once_saying_what_it_needs():
 
     out = mpirun_script(2, _GLOO_WITHOUT_MASTER_ADDR, timeout=120, env={"MASTER_ADDR": ""})
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    lines = sorted(out.stdout.splitlines())
+    lines = sorted(l for l in out.stdout.splitlines() if "refused" in l)
     assert len(lines) == 2, out.stdout
+    assert sorted(l for l in out.stdout.splitlines() if "has" in l) == [f"rank {r} has [2.0, 2.0]" for r in range(2)]
     for r, line in enumerate(lines):
         took = re.match(rf"rank {r} refused in (\d+) s: init_process_group\(backend='gloo'\) without MASTER_ADDR", line)
         assert took and int(took.group(1)) < 30, line  # not its 60 s timeout
