@@ -43,6 +43,7 @@ lock, rank 0's count of updates) are its own state.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 import numpy as np
@@ -71,6 +72,11 @@ def train_averaging(cfg: TrainConfig, comm: MPI.Intracomm) -> list[dict]:
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * size)
     check_periods(cfg, size, spe)
+    if cfg.mode == "local" and cfg.post_local_epochs >= cfg.epochs and rank == 0 and not cfg.quiet:
+        # all of it post-local SGD's warm-up: said, not refused (a run may be resumed with more epochs)
+        print(f"# train: warning: post_local_epochs {cfg.post_local_epochs} of a run of {cfg.epochs} epoch(s): it "
+              f"averages after every step throughout, and local_steps {cfg.local_steps} applies only after epoch "
+              f"{cfg.post_local_epochs}", file=sys.stderr, flush=True)
     if cfg.mode == "hogwild":
         return _hogwild(cfg, comm, ds, model, spe, straggler)
     flat = flatten(model)

@@ -237,6 +237,9 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
         if not cfg.quiet:
             where = f", step {step} of epoch {epoch + 1}" if step else ""
             print(f"# train: resumed from {cfg.checkpoint} after epoch {epoch}{where}", flush=True)
+            if epoch >= cfg.epochs:  # nothing left: the last line printed is the checkpoint's, not a new run's
+                print(f"# train: warning: the checkpoint is at epoch {epoch} and --epochs is {cfg.epochs}: no epoch "
+                      "is left to run (give a larger --epochs to go on)", file=sys.stderr, flush=True)
     return epoch, step, history, state["ranks"] if comm.Get_rank() == 0 else []
 
 

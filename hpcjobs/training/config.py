@@ -205,6 +205,13 @@ class TrainConfig:
         if self.num_samples is not None and self.dataset not in SIZED:  # ignored there, silently
             raise ValueError(f"num_samples sizes {', '.join(SIZED)}; {self.dataset} is used as it comes: leave "
                              "num_samples out")
+        # in every mode (the modes without lockstep had fed an MLP the text's tokens: a traceback mid-run)
+        if self.model in GPT_MODELS and self.dataset != "text":
+            raise ValueError(f"{self.model} is a language model: it trains on the text dataset")
+        if self.dataset == "text" and self.model not in GPT_MODELS:
+            raise ValueError(f"the text dataset is for the GPTs ({', '.join(GPT_MODELS)}), not {self.model}")
+        if self.seq_len != defaults["seq_len"] and self.dataset != "text":  # ignored, and then refused on resume
+            raise ValueError(f"seq_len cuts the text dataset's sequences; {self.dataset} has none: leave seq_len out")
         if self.data_seed != defaults["data_seed"] and self.dataset not in SEEDED:
             raise ValueError(f"data_seed generates or splits {', '.join(SEEDED)}; {self.dataset} comes split: leave "
                              "data_seed out")

@@ -108,6 +108,10 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> Ctx:
     if elastic and cfg.epochs * spe * workers < cfg.local_steps:
         raise ValueError(f"mode {_name(cfg)}: {cfg.epochs} epoch(s) of {spe} steps per worker make no elastic "
                          f"move every {cfg.local_steps} steps; train longer or lower --local-steps")
+    if elastic and cfg.local_steps > spe * workers:  # a move past more than an epoch: its epoch lines skipped one
+        raise ValueError(f"mode {_name(cfg)}: an elastic move every {cfg.local_steps} steps is more than an epoch "
+                         f"of its {workers} worker(s) ({spe} steps each, {spe * workers} in all), whose epochs the "
+                         f"servers count by moves; give --local-steps {spe * workers} or less")
     return Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
                 cfg.schedule(workers if elastic else 1))
 

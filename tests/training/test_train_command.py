@@ -17,6 +17,12 @@ BAD_ARGS = [
     (["--dataset", "synthetic", "--num-samples", "100", "-b", "64"], "larger than the training set"),
     (["--lr", "-1"], "must be positive"),
     (["--data-seed", "-1"], "--data-seed: must be from 0 to 2**32 - 1, got -1"),  # it was MNIST-1D's traceback
+    # a traceback mid-run in the modes without lockstep; taken and ignored (then refused by --resume); an epoch
+    # line skipped (each move of the one worker covered 2.5 epochs)
+    (["--dataset", "text", "--mode", "local", "--local-steps", "1"], "the text dataset is for the GPTs"),
+    (["--dataset", "synthetic", "--seq-len", "64"], "seq_len cuts the text dataset's sequences"),
+    (["--dataset", "synthetic", "--num-samples", "100", "--epochs", "5", "--mode", "easgd", "--easgd-form", "async",
+      "--local-steps", "5"], "an elastic move every 5 steps is more than an epoch of its 1 worker(s)"),
     (["--target-loss", "0"], "must be positive"),
     (["--loss-model", "power"], "--loss-model picks the model that predicts --target-loss"),
     (["--loss-model", "cubic"], "invalid choice: 'cubic'"),
