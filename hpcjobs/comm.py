@@ -30,8 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_in", "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings", "refusals",
-           "environment_problem", "closed_at_exit"]
+           "ranks_in", "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings",
+           "refusals", "environment_problem", "closed_at_exit"]
 
 
 def _free_private(comm, keyval, attr):

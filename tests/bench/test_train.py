@@ -92,7 +92,8 @@ def test_bench_train_refuses_gpt_shapes_it_cannot_build():
              (["--model", "mlp", "--seq-len", "64"], "--seq-len shapes the GPTs (gpt-mini, gpt2-small), not mlp"),
              # flags of another kind of model: ignored before, silently
              (["--model", "gpt-mini", "--width", "64"], "--width shapes mlp and cnn1d, not gpt-mini"),
-             (["--model", "mlp", "--image-size", "64"], "--image-size shapes the ResNets (resnet18, resnet50), not mlp"),
+             (["--model", "mlp", "--image-size", "64"],
+              "--image-size shapes the ResNets (resnet18, resnet50), not mlp"),
              (["--model", "gpt-mini", "--num-classes", "3"], "--num-classes shapes the classifiers, not gpt-mini")]
     for (args, words), ranks in zip(cases, main_in_one_launch(2, [["bench", "train", *a] for a, _ in cases])):
         assert [rc for rc, _, _ in ranks] == [2, 2] and words in ranks[0][2], (args, ranks)
