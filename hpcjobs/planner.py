@@ -257,8 +257,8 @@ def iteration(workload: Workload, P: int, net: Network, algorithm: str = "auto",
         sizes = payload.nbytes(nbytes, shape) if payload else nbytes
         sizes = sizes if isinstance(sizes, tuple) else (sizes,)
         if payload is None or payload.summable:
-            each = [allreduce_s(n, P, net, algorithm) for n in sizes]
-            t, used = sum(e[0] for e in each), each[max(range(len(sizes)), key=sizes.__getitem__)][1]
+            each = [allreduce_s(n, P, net, algorithm) for n in sizes]  # (seconds, algorithm) of each part
+            t, used = sum(s for s, _ in each), each[sizes.index(max(sizes))][1]
         else:
             t, used = allgather_s(sum(sizes), P, net, payload.parts), "allgather"
         if P == 1:

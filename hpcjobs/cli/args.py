@@ -187,10 +187,10 @@ def dataclass_values(cls, args) -> dict:
 
 
 def check_amp(amp: str, device) -> None:
-    """``--amp`` on ``device`` (a ``torch.device``): fp16 is refused on the
+    """``--amp`` on ``device`` (a ``torch.device``, or its type: "cpu"): fp16 is refused on the
     CPU: float16 matrix products ran about 20x slower than float32 on this
     project's CPUs (``bench train``, gpt-mini), and its GradScaler exists
     for GPUs' narrow float16 range."""
-    if amp == "fp16" and device.type == "cpu":
+    if amp == "fp16" and getattr(device, "type", device) == "cpu":
         raise UsageError("--amp fp16 is for GPUs: on CPUs float16 matrix products run about 20x slower than "
                          "float32; use --amp bf16")

@@ -72,20 +72,24 @@ def script(args) -> str:
                          job_args=tuple(args.passthrough))
     with usage():
         template = template_path(args.template).read_text()
-        opts.validate()
-    check_job_args(template, opts.job_args)
-    with usage():
-        text = render(template, opts)
+        text = render(template, opts)  # validates opts
+    sizes = dict(re.findall(r"^#SBATCH --(nodes|ntasks-per-node)=(\d+)\b", text, re.M))
+    # at the job's ranks as rendered (a node range such as 2-4: the flags alone)
+    ranks = int(sizes["nodes"]) * int(sizes["ntasks-per-node"]) if len(sizes) == 2 else None
+    check_job_args(template, opts.job_args, ranks, opts.cpu or opts.gpus_per_node == 0)
     early = signal_too_early(text)
     if early:
         print(f"hpcjobs slurm: warning: {early}", file=sys.stderr)
-    sizes = dict(re.findall(r"^#SBATCH --(nodes|ntasks-per-node)=(\d+)\b", text, re.M))
-    if len(sizes) == 2:  # the job's ranks as rendered (a node range such as 2-4 is not checked)
-        check_job_args(template, opts.job_args, int(sizes["nodes"]) * int(sizes["ntasks-per-node"]),
-                       opts.cpu or opts.gpus_per_node == 0)
     return text
 
 
+def given(value) -> bool:
+    """Whether a render flag was given: --gpus-per-node 0 is (0 == False), --exclusive left off is not."""
+    return value is not None and value is not False
+
+
+# what asks sbatch for GPUs from the environment, which CPU mode does not want
+GPU_VARIABLES = ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_GRES")
 # render's flags and the sbatch variable that would take their #SBATCH line's place
 _VARIABLES = {"partition": "SBATCH_PARTITION", "account": "SBATCH_ACCOUNT", "qos": "SBATCH_QOS",
               "constraint": "SBATCH_CONSTRAINT", "mem": "SBATCH_MEM_PER_NODE", "exclusive": "SBATCH_EXCLUSIVE",
@@ -97,15 +101,12 @@ def overridden(args) -> list[str]:
     """The SBATCH_* variables set here that would take the place of a flag
     given to render, once sbatch reads the script (its environment comes
     before a script's #SBATCH lines)."""
-    given = [(flag, var) for flag, var in _VARIABLES.items() if getattr(args, flag, None) is not None
-             and getattr(args, flag) is not False]  # --gpus-per-node 0 is given (0 == False)
+    pairs = [(flag, var) for flag, var in _VARIABLES.items() if given(getattr(args, flag, None))]
     if args.cpu or args.gpus_per_node == 0:  # CPU mode asks for no GPUs: a GPU variable would give it some
-        gpus = [(flag, var) for flag, var in given if var == "SBATCH_GPUS_PER_NODE"]
-        given = [g for g in given if g not in gpus]
-        given += [("cpu" if args.cpu else "gpus_per_node", v) for v in ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS",
-                                                                           "SBATCH_GRES")]
+        pairs = [p for p in pairs if p[1] not in GPU_VARIABLES]
+        pairs += [("cpu" if args.cpu else "gpus_per_node", var) for var in GPU_VARIABLES]
     return list(dict.fromkeys(f"{var}={os.environ[var]} (--{flag.replace('_', '-')})"
-                              for flag, var in given if os.environ.get(var)))
+                              for flag, var in pairs if os.environ.get(var)))
 
 
 def run(args) -> int:

@@ -41,21 +41,13 @@ _SETS = {"nodes": ("nodes",), "ntasks_per_node": ("ntasks-per-node", "gpus-per-n
          "mem": ("mem",), "exclusive": ("exclusive",)}
 
 
-def _given(value) -> bool:
-    return value is not None and value is not False  # --gpus-per-node 0 is given (0 == False)
-
-
-# what asks sbatch for GPUs from the environment: a CPU-mode job's sbatch runs without them
-GPU_VARIABLES = ("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_GRES")
-
-
 def sbatch_env(args) -> dict:
-    """sbatch's environment: this one, less the GPU requests of GPU_VARIABLES
+    """sbatch's environment: this one, less the GPU requests of slurm_render.GPU_VARIABLES
     in CPU mode (``--cpu`` or ``--gpus-per-node 0``), which would otherwise
     give the job GPUs its script does not ask for."""
     env = dict(os.environ)
     if args.cpu or args.gpus_per_node == 0:
-        for var in GPU_VARIABLES:
+        for var in slurm_render.GPU_VARIABLES:
             env.pop(var, None)
     return env
 
@@ -65,7 +57,7 @@ def sbatch_command(args, text: str, script) -> list[str]:
     rendered: sbatch takes its SBATCH_* environment variables over a
     script's #SBATCH lines (SBATCH_PARTITION over --partition, SBATCH_TIMELIMIT
     over --time), and its command line over both."""
-    keys = [k for flag, ks in _SETS.items() if _given(getattr(args, flag, None)) for k in ks]
+    keys = [k for flag, ks in _SETS.items() if slurm_render.given(getattr(args, flag, None)) for k in ks]
     lines = dict(re.findall(r"^#SBATCH --([a-z-]+)(?:=(\S+))?", text, re.M))
     given = [f"--{k}" + (f"={lines[k]}" if lines[k] else "") for k in dict.fromkeys(keys) if k in lines]
     return ["sbatch", "--parsable", *(["--wait"] if args.wait else []), *given, str(script)]

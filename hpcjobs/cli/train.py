@@ -264,9 +264,7 @@ def check_job(args, size: int, cpu: bool = False) -> TrainConfig:
         raise UsageError("--loss-model picks the model that predicts --target-loss: give --target-loss L")
     cfg = config_from_args(args, size)
     if cpu or args.device == "cpu":
-        import types
-
-        check_amp(args.amp, types.SimpleNamespace(type="cpu"))
+        check_amp(args.amp, "cpu")
     return cfg
 
 
