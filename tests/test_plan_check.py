@@ -116,11 +116,12 @@ def test_bad_rows_are_refused_with_their_line(tmp_path, text, words):
 
 
 def test_csv_as_spreadsheets_write_it(tmp_path):
-    """A byte-order mark, an indented comment, a quoted field over two lines."""
+    """A byte-order mark, an indented comment, a quoted field over two lines,
+    and the rows of only commas a spreadsheet leaves below its data."""
     rows = tmp_path / "rows.csv"
     rows.write_bytes(("\ufeff" + HEADER + "  # indented comment\n"
                       f'x1,one node,8,0.95,"a source\nover two lines",{FLAGS}\n'
-                      f"x2,again,8,0.9,src,{FLAGS}\n").encode("utf-8"))
+                      f"x2,again,8,0.9,src,{FLAGS}\n,,,,,\n , ,,,,\n").encode("utf-8"))
     r = hpcjobs("plan-check", str(rows))
     assert r.returncode == 0, r.stderr
     assert "| x1 " in r.stdout and "| x2 " in r.stdout and "of 2" in r.stdout

@@ -94,7 +94,7 @@ def read_rows(path: str | None, shipped: str = "published") -> tuple[str, list[d
                 cells = next(reader)
             except StopIteration:
                 break
-            if not cells:
+            if not any(c.strip() for c in cells):  # a blank line, or a spreadsheet's row of commas
                 continue
             if header is None:
                 header = [h.strip() for h in cells]
