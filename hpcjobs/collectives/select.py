@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from . import auto, cuda_ipc, hierarchical, oneshot, shm, staged
 from ._frame import Algorithm, refuse, run
-from .device import DeviceFlat
+from .device import DeviceFlat, is_device_buffer
 from .messages import MESSAGE_PASSING
 from .names import ALGORITHMS, DEVICE_ALGORITHMS
 
@@ -113,7 +113,17 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
         found = lookup(algorithm)
     except ValueError as e:  # the others, calling a known one, wait in its check: raised there too
         refuse(buf, op, comm, f"allreduce(algorithm={algorithm!r})", e)
+    if found.name == "cuda_ipc":
+        _device_only(buf, op, comm)
     return found.run(buf, op, comm)
+
+
+def _device_only(buf, op: str, comm) -> None:
+    """cuda_ipc's refusal of a host buffer, on every rank (:func:`refuse`)
+    and on one rank too, where the step itself never runs."""
+    if not is_device_buffer(buf):
+        refuse(buf, op, comm, "cuda_ipc_allreduce",
+               ValueError("cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)"))
 
 
 # auto's step on either kind of buffer, the registries bound: a partial, so
@@ -133,6 +143,7 @@ def cuda_ipc_allreduce(buf, op: str = "sum", comm: MPI.Comm | None = None):
         ValueError: a host buffer, ranks on several nodes, or a bad buffer
             (TypeError: a dtype torch cannot reduce on CUDA, e.g. uint32).
     """
+    _device_only(buf, op, comm)
     return DEVICE_REGISTRY["cuda_ipc"].run(buf, op, comm)
 
 

@@ -246,3 +246,19 @@ def test_the_device_average_of_integers_is_the_hosts(dtype, size):
     t = torch.from_numpy(values.copy())
     divide(t, dtype, size)
     assert t.tolist() == host.tolist()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("call", ["cuda_ipc_allreduce", "allreduce(algorithm='cuda_ipc')"])
+@pytest.mark.parametrize("buf", ["numpy", "cpu tensor"])
+def test_cuda_ipc_refuses_a_host_buffer_on_every_rank_and_on_one(call, buf):
+    """The documented ValueError, on one rank too (where the step never runs:
+    the call returned the buffer untouched)."""
+    from hpcjobs.collectives import allreduce, cuda_ipc_allreduce
+
+    b = np.ones(4) if buf == "numpy" else torch.ones(4)
+    with pytest.raises(ValueError, match="host memory"):
+        if call == "cuda_ipc_allreduce":
+            cuda_ipc_allreduce(b, "sum", MPI.COMM_WORLD)
+        else:
+            allreduce(b, "sum", "cuda_ipc", MPI.COMM_WORLD)
