@@ -70,7 +70,7 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
     g.add_argument("--dataset", choices=DATASETS, default=DEFAULTS.dataset, help="default: %(default)s")
     g.add_argument("--data-dir", metavar="DIR",
                    help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
-                        "the files to read (default: hpcjobs' own source)")
+                        "the files to read (default: hpcjobs' own source); not for digits, synthetic")
     g.add_argument("--num-samples", type=positive_int,
                    help=(f"mnist1d samples to generate, synthetic size, text sequences (default {num_samples}); "
                          if num_samples else "mnist1d samples to generate (default 5000, 80%% train), synthetic size "

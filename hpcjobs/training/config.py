@@ -212,6 +212,9 @@ class TrainConfig:
             raise ValueError(f"the text dataset is for the GPTs ({', '.join(GPT_MODELS)}), not {self.model}")
         if self.seq_len != defaults["seq_len"] and self.dataset != "text":  # ignored, and then refused on resume
             raise ValueError(f"seq_len cuts the text dataset's sequences; {self.dataset} has none: leave seq_len out")
+        if self.data_dir is not None and self.dataset in ("digits", "synthetic"):  # ignored
+            raise ValueError(f"data_dir is where a dataset's files are; {self.dataset} is made in memory: leave "
+                             "data_dir out")
         if self.data_seed != defaults["data_seed"] and self.dataset not in SEEDED:
             raise ValueError(f"data_seed generates or splits {', '.join(SEEDED)}; {self.dataset} comes split: leave "
                              "data_seed out")

@@ -27,6 +27,7 @@ BAD_ARGS = [
     (["--loss-model", "power"], "--loss-model picks the model that predicts --target-loss"),
     (["--loss-model", "cubic"], "invalid choice: 'cubic'"),
     (["--dataset", "mnist"], "give data_dir"),
+    (["--dataset", "digits", "--data-dir", "/tmp"], "digits is made in memory: leave data_dir out"),
     (["--compression", "zip"], "unknown compression 'zip'"),
     (["--compression", "topk:2"], "ratio must be a number in (0, 1]"),
     (["--compression", "sign:3"], "takes no parameter"),
