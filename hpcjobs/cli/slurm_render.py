@@ -60,6 +60,15 @@ def check_job_args(template: str, job_args: tuple[str, ...], ranks: int | None =
     errors = [parse_error([*cmd, *job_args], ranks, cpu) for cmd in commands]
     if all(errors):
         raise UsageError(f"the job's arguments after -- would fail in the job: {errors[0]}")
+    chooser = re.search(r'case "\$(\w+)" in', template)  # the variable that picks the command (train's)
+    picked = os.environ.get(chooser.group(1), "") if chooser else ""
+    runs = next((i for i, cmd in enumerate(commands) if cmd[-1] == picked), 0)
+    if errors[runs]:  # taken by another command than the one the job runs as things stand
+        takes = next(" ".join(cmd) for cmd, e in zip(commands, errors) if not e)
+        how = f" ({chooser.group(1)}={takes.split()[-1]} when it is submitted)" if chooser else ""
+        print(f"hpcjobs slurm: warning: the job's arguments after -- are for {takes}; the job runs "
+              f"{' '.join(commands[runs])} unless the template is told otherwise{how}, and that fails: "
+              f"{errors[runs]}", file=sys.stderr)
 
 
 def script(args) -> str:

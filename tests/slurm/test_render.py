@@ -174,6 +174,28 @@ def test_job_arguments_that_a_templates_command_takes_are_accepted(template, arg
                                                          RenderOptions(job_args=args))
 
 
+@pytest.mark.parametrize("job_args,chosen,warned", [
+    (("--min-batch", "64"), None, "are for experiment large-batch; the job runs train unless the template is told "
+                                  "otherwise (HPCJOBS_TRAIN_JOB=large-batch when it is submitted)"),
+    (("--min-batch", "64"), "large-batch", None),
+    (("--min-batch", "64"), "train", "the job runs train"),
+    (("--epochs", "2"), None, None),
+    (("--epochs", "2"), "large-batch", None),  # both take it
+    (("--amp", "fp16"), None, "--amp fp16 is for GPUs"),  # on CPUs train refuses it, large-batch takes it
+])
+def test_job_arguments_only_the_templates_other_command_takes_are_warned_about(job_args, chosen, warned,
+                                                                                 monkeypatch, capsys):
+    """train.sbatch runs train unless HPCJOBS_TRAIN_JOB picks large-batch as
+    the job is submitted: arguments only large-batch takes rendered without
+    a word and the job failed once it started."""
+    monkeypatch.delenv("HPCJOBS_TRAIN_JOB", raising=False)
+    if chosen:
+        monkeypatch.setenv("HPCJOBS_TRAIN_JOB", chosen)
+    check_job_args(template_path("train").read_text(), job_args, ranks=2, cpu=True)
+    err = capsys.readouterr().err
+    assert (warned in err) if warned else err == "", err
+
+
 def test_each_template_runs_a_command_with_the_job_arguments():
     from hpcjobs.slurm import job_commands
 
