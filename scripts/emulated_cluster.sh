@@ -84,7 +84,7 @@ in_host() {
 
 rate_bits() {  # rate_bits RATE: its bits per second
     local rate=$1 num
-    [[ "$rate" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || die "rate '$rate': use e.g. 200mbit, 1gbit, 5gbit, or none"
+    [[ "$rate" =~ ^0*([1-9][0-9]*)(kbit|mbit|gbit)$ ]] || die "rate '$rate': use e.g. 200mbit, 1gbit, 5gbit, or none"
     num=${BASH_REMATCH[1]}
     case ${BASH_REMATCH[2]} in
         kbit) echo $((num * 1000)) ;; mbit) echo $((num * 1000000)) ;; gbit) echo $((num * 1000000000)) ;;
@@ -110,8 +110,9 @@ burst_of() {
 # wire would have it. But every packet costs the cores the hosts share: at
 # 1 Gbit/s, one segment per packet made a step across 3-4 hosts 1.5x
 # longer on 2 cores. auto gives a packet one segment per 200 Mbit/s of the
-# rate: a host sends at most ~17,000 packets a second, each at most 60 us
-# of its link from 200 Mbit/s up (one frame is 240 us at 50 Mbit/s).
+# rate, rounded up: a host sends at most ~17,000 packets a second, each 60 us
+# of its link at a multiple of 200 Mbit/s and up to twice that between
+# (one frame is 240 us at 50 Mbit/s).
 shape() {  # shape NETNS DEV RATE GSO_SEGS
     local netns=$1 dev=$2 rate=$3 segs=${4:-auto}
     tc -n "$netns" qdisc del dev "$dev" root 2>/dev/null || true
@@ -178,6 +179,7 @@ cmd_up() {
     done
     check_tcp_cc "$cc"
     cmd_down quiet
+    trap 'say "up failed: taking down what it had made"; cmd_down quiet' EXIT
     mkdir -p "$STATE"
     ip netns add "$SW"
     ip -n "$SW" link set lo up
@@ -205,6 +207,7 @@ cmd_up() {
     echo "$segs" >"$STATE/gso_segs"
     echo "$cc" >"$STATE/tcp_cc"
     write_hosts_block "$n"
+    trap - EXIT
     cmd_status
 }
 
@@ -214,7 +217,7 @@ cmd_status() {
     [ "$n" -gt 0 ] || { say "no emulated cluster (up --hosts N)"; return 1; }
     for i in $(seq 1 "$n"); do
         h=h$i
-        state=$(ip -n "$SW" -br link show "$h" 2>/dev/null | awk '{print $2}')
+        state=$(ip -n "$SW" -br link show "$h" 2>/dev/null | awk '{print $2}' || true)
         [ "$state" = DOWN ] && state="cut" || state="up"
         printf '%s %s netns %s link %s rate %s\n' "$h" "$NET.$i" "$(ns "$h")" "$state" "$(cat "$STATE/$h.rate")"
     done
@@ -236,6 +239,8 @@ cmd_exec() {
     [ "${1:-}" = -- ] && shift
     [ $# -ge 1 ] || die "usage: exec HOST -- CMD..."
     check_host "$h"
+    # Slurm's clients find the cluster's Slurm (slurm up) without SLURM_CONF set by hand
+    if [ -z "${SLURM_CONF:-}" ] && [ -e "$STATE/slurm/slurm.conf" ]; then export SLURM_CONF=$STATE/slurm/slurm.conf; fi
     in_host "$h" "$@"
 }
 
@@ -354,7 +359,10 @@ slurm_up() {
     slurm_down quiet
     install_slurm
     fix_pmix
-    start_munge
+    if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then  # none running: this one is ours
+        start_munge
+        cp /run/munge/munged.pid "$STATE/munged.pid" 2>/dev/null || true
+    fi
     local dir=$STATE/slurm
     mkdir -p "$dir/state"
     {
@@ -377,6 +385,15 @@ slurm_up() {
     say "slurm up: $n nodes; clients run inside a host, e.g. $0 exec h1 -- sbatch -N 2 job.sbatch (SLURM_CONF=$SLURM_CONF)"
 }
 
+descendants() {  # descendants PID...: the pids and every process below them
+    local p
+    for p in "$@"; do
+        echo "$p"
+        # shellcheck disable=SC2046
+        descendants $(pgrep -P "$p" || true)
+    done
+}
+
 slurm_down() {
     # The pids are read once: a daemon removes its pid file as it exits.
     local dir=$STATE/slurm f pids="" p
@@ -386,15 +403,43 @@ slurm_down() {
         # a pid file a killed daemon left: its pid may be another process's by now
         case "$(cat "/proc/$p/comm" 2>/dev/null)" in slurmd|slurmctld) pids="$pids $p" ;; esac
     done
+    # a job's steps (slurmstepd and its tasks) outlive slurmd; the munged slurm up started (if it did)
+    local i steps=""
+    for i in $(seq 1 "$(hosts)"); do
+        for p in $(ip netns pids "$(ns "h$i")" 2>/dev/null); do
+            [ "$(cat "/proc/$p/comm" 2>/dev/null)" != slurmstepd ] || steps="$steps $p"
+        done
+    done
+    p=$(cat "$STATE/munged.pid" 2>/dev/null || true)
+    [ -z "$p" ] || [ "$(cat "/proc/$p/comm" 2>/dev/null)" != munged ] || pids="$pids $p"
+    [ -z "$steps" ] || kill -9 $(descendants $steps) 2>/dev/null || true
     for p in $pids; do kill "$p" 2>/dev/null || true; done
     for p in $pids; do
         for _ in $(seq 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
         kill -9 "$p" 2>/dev/null || true
     done
-    rm -rf "$dir"
+    rm -rf "$dir" "$STATE/munged.pid"
     [ -n "${1:-}" ] || say "slurm down"
 }
 
+# up, down, cut, heal and slurm change the cluster: one at a time, and never under a test session, which
+# holds the lock from its `up` to its `down` (tests/emulated.py) and says so with HPCJOBS_EMU_LOCKED=1.
+# flock -o: the lock is flock's own, so the daemons `up` and `slurm up` start do not keep it.
+LOCK=/run/hpcjobs-emu.lock
+case "${1:-}" in
+    up|down|cut|heal|slurm)
+        if [ "$(id -u)" = 0 ] && [ -z "${HPCJOBS_EMU_LOCKED:-}" ]; then
+            rc=0
+            HPCJOBS_EMU_LOCKED=$$ flock -n -o -E 75 "$LOCK" "${BASH_SOURCE[0]}" "$@" || rc=$?
+            holder=$(head -c 32 "$LOCK" 2>/dev/null | tr -dc 0-9)  # (its last holder's pid: said if alive)
+            [ -n "$holder" ] && kill -0 "$holder" 2>/dev/null && holder=" (pid $holder)" || holder=""
+            [ "$rc" != 75 ] || refuse "another session$holder is changing or using the emulated cluster ($LOCK):" \
+                "wait for it to end"
+            exit "$rc"
+        fi
+        # held for this command (not a test session's 1): its pid, for the refusal above
+        [ "${HPCJOBS_EMU_LOCKED:-1}" = 1 ] || printf '%s\n' "$HPCJOBS_EMU_LOCKED" >"$LOCK" ;;
+esac
 case "${1:-}" in
     up) shift; need_root; cmd_up "$@" ;;
     down) need_root; cmd_down ;;

@@ -30,7 +30,8 @@ LOCK = Path("/run/hpcjobs-emu.lock")
 
 
 def _env(extra=None):
-    return clean_env() | {"HPCJOBS_VENV": sys.prefix} | (extra or {})
+    # HPCJOBS_EMU_LOCKED: this session holds the script's lock (start() takes it before anything runs)
+    return clean_env() | {"HPCJOBS_VENV": sys.prefix, "HPCJOBS_EMU_LOCKED": "1"} | (extra or {})
 
 
 class Cluster:
