@@ -237,3 +237,18 @@ def test_a_rank_killed_on_a_remote_host_ends_the_job(emulated_cluster, tmp_path)
     for host in ("h1", "h2", "h3"):
         assert emulated_cluster.wait_no_processes(host, "loop.py", 10) == [], host
         assert emulated_cluster.wait_no_processes(host, "_reaper.py", 30) == [], host
+
+
+def test_a_hand_run_down_is_refused_while_the_session_holds_the_cluster(emulated_cluster):
+    """The script's changing commands take the session's lock; run by hand
+    (without HPCJOBS_EMU_LOCKED) during the tests they are refused, and the
+    session's hosts stay."""
+    from emulated import SCRIPT, _env
+
+    env = {k: v for k, v in _env().items() if k != "HPCJOBS_EMU_LOCKED"}
+    for args in (["down"], ["cut", "h2"], ["up", "--hosts", "2"]):
+        proc = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 2 and "is changing or using the emulated cluster" in proc.stderr, proc.stderr
+        assert f"pid {os.getpid()}" in proc.stderr  # the session's, which wrote it
+    status = emulated_cluster.script("status").stdout
+    assert status.count("link up") == emulated_cluster.hosts, status
