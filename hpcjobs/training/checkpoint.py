@@ -34,7 +34,8 @@ from .._files import atomic_write
 from .config import TrainConfig
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read",
-           "finite_everywhere", "gather_and_save", "check_same_experiment", "config_dict", "trim_metrics"]
+           "finite_everywhere", "gather_and_save", "check_same_experiment", "config_dict", "trim_metrics",
+           "metrics_size"]
 
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
 # A resumed run must be the same experiment: these fields may not change. The optimizer's own settings
@@ -197,9 +198,20 @@ def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: l
             "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": config_dict(cfg),
             "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            # where the metrics file ended: lines after it are written again on resume (trim_metrics)
-            "metrics_bytes": os.path.getsize(cfg.metrics) if cfg.metrics and os.path.isfile(cfg.metrics) else None,
+            "metrics_bytes": metrics_size(cfg),
         })
+
+
+def metrics_size(cfg: TrainConfig) -> int | None:
+    """Where the metrics file ends as a checkpoint is written (lines after
+    it are written again on resume: :func:`trim_metrics`): 0 where it is not
+    written yet (a checkpoint in the first epoch); None without one, or where
+    it is not a file (a pipe)."""
+    if not cfg.metrics:
+        return None
+    if not os.path.lexists(cfg.metrics):
+        return 0
+    return os.path.getsize(cfg.metrics) if os.path.isfile(cfg.metrics) else None
 
 
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:

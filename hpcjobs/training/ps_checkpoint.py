@@ -170,8 +170,7 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
         "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
-        "metrics_bytes": (os.path.getsize(cfg.metrics) if trim and cfg.metrics and os.path.isfile(cfg.metrics)
-                          else None)})
+        "metrics_bytes": checkpoint.metrics_size(cfg) if trim else None})
     return True
 
 

@@ -267,6 +267,35 @@ def test_a_run_killed_after_its_metrics_line_does_not_write_that_epoch_twice(tmp
         assert "dropped 1 line(s) after epoch 2" in capsys.readouterr().err
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_run_killed_before_its_first_epochs_checkpoint_does_not_write_that_epoch_twice(tmp_path_factory,
+                                                                                         monkeypatch):
+    """A checkpoint in the first epoch, before the metrics file existed,
+    recorded no size, and the resumed run kept epoch 1's line and wrote it
+    again."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "first")
+    saved = []
+    original = checkpoint.save_checkpoint
+
+    def keep_the_first(path, state):
+        original(path, state)
+        if not saved:
+            saved.append(open(path, "rb").read())
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", keep_the_first)
+    run = dict(checkpoint=f"{d}/c.pt", metrics=f"{d}/m.jsonl", checkpoint_every=5)
+    train(cfg(epochs=1, **run), comm)
+    if comm.rank == 0:  # the kill: epoch 1's line is in, its checkpoint is not (the one at step 5 is)
+        assert load_checkpoint(f"{d}/c.pt")["epoch"] == 1
+        open(f"{d}/c.pt", "wb").write(saved[0])
+        assert load_checkpoint(f"{d}/c.pt")["step"] == 5
+    comm.Barrier()
+    history = train(cfg(epochs=2, resume=True, **run), comm)
+    if comm.rank == 0:
+        assert [json.loads(x)["epoch"] for x in open(f"{d}/m.jsonl")] == [h["epoch"] for h in history] == [1, 2]
+
+
 def test_only_the_lines_written_after_the_checkpoint_are_dropped_and_only_if_they_are_later_epochs(tmp_path, capsys):
     """The file is cut back to where it ended when the checkpoint was
     written, never by epoch numbers alone: a checkpoint in a run's first
