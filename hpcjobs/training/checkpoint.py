@@ -79,13 +79,31 @@ def _used(key: str, cfg: TrainConfig) -> bool:
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
-def _effective(key: str, value, size: int):
-    """A setting as a run of ``size`` workers uses it: EASGD's rate left to
-    its default (None) is TrainConfig.moving_rate's, and its form left to
-    its default is sync, so giving either on resume changes nothing."""
+def _effective(key: str, value, size: int, cfg: TrainConfig):
+    """A setting as a run of ``size`` workers of ``cfg``'s model and data
+    uses it: one left to its default (None) is the value it stands for, so
+    giving that value on resume changes nothing -- EASGD's rate
+    (TrainConfig.moving_rate) and form (sync), the model's width, the
+    dataset's size, a GPT preset's shape."""
+    if value is not None:
+        return value
     if key == "easgd_form":
-        return value or "sync"
-    return TrainConfig(elastic_alpha=value).moving_rate(size) if key == "elastic_alpha" else value
+        return "sync"
+    if key == "elastic_alpha":
+        return TrainConfig().moving_rate(size)
+    if key == "width":
+        from .models import DEFAULT_WIDTH
+
+        return DEFAULT_WIDTH.get(cfg.model)
+    if key == "num_samples":
+        from .data import DEFAULT_SAMPLES
+
+        return DEFAULT_SAMPLES.get(cfg.dataset)
+    if key in ("layers", "heads", "embed"):
+        from .gpt import PRESETS
+
+        return getattr(PRESETS[cfg.model], key) if cfg.model in PRESETS else None
+    return None
 
 
 def moved(obj, device: torch.device):
@@ -263,8 +281,11 @@ def check_same_experiment(cfg: TrainConfig, state: dict, size: int) -> None:
     old, new = state["config"], config_dict(cfg)
     defaults = config_dict(TrainConfig())  # for keys older checkpoints do not have
     workers = size - cfg.servers if cfg.mode == "easgd" and cfg.easgd_form == "async" else size  # EASGD's default rate
-    changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), workers)
-               != _effective(k, new.get(k), workers) and _used(k, cfg)]
+    if len(state["ranks"]) != size:  # first: a per-rank batch it changes is not what the user changed
+        raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
+                              f"this run has {size}")
+    changed = [k for k in _RESUME_KEYS if _effective(k, old.get(k, defaults[k]), workers, cfg)
+               != _effective(k, new.get(k), workers, cfg) and _used(k, cfg)]
     # fp16 keeps error feedback's residuals in loss-scale units (2**16 and more): resumed without it they
     # would be added unscaled, and with it unscaled ones would be taken as scaled
     if cfg.error_feedback and (old.get("amp", "none") == "fp16") != (cfg.amp == "fp16"):
@@ -272,18 +293,19 @@ def check_same_experiment(cfg: TrainConfig, state: dict, size: int) -> None:
     if changed:
         raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                               + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
-    if len(state["ranks"]) != size:
-        raise CheckpointError(f"{cfg.checkpoint} holds the state of {len(state['ranks'])} ranks; "
-                              f"this run has {size}")
-    _warn_schedule_changes(cfg, old, defaults)
+    _warn_schedule_changes(cfg, old, defaults, size)
 
 
-def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict) -> None:
+def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict, size: int) -> None:
     """Say on stderr which of :data:`_SCHEDULE_KEYS` the resumed run changed
     (those either run's schedule uses: ``gamma`` and ``milestones`` with step
     decay, ``final_lr`` and ``epochs`` with cosine, ``warmup_epochs`` with a
-    warmup)."""
+    warmup; ``base_batch`` left out is the global batch, the same in both)."""
     new = config_dict(cfg)
+    old = dict(old)
+    for d in (old, new):
+        if d.get("base_batch") is None:
+            d["base_batch"] = cfg.global_batch(size)
     decays = {old.get("decay", defaults["decay"]), cfg.decay}
     unused = {"gamma": "step" not in decays, "milestones": "step" not in decays, "final_lr": "cosine" not in decays,
               "epochs": "cosine" not in decays,

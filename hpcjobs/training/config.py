@@ -156,6 +156,17 @@ class TrainConfig:
                                     epochs=self.epochs, milestones=self.milestones or (), gamma=self.gamma,
                                     final_lr=self.final_lr)
 
+    def __post_init__(self) -> None:
+        # numpy scalars (a rate from np.linspace) as Python numbers: the history, the optimizer's groups and the
+        # checkpoint take them from here, and a checkpoint read with weights_only refused them
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if hasattr(value, "item") and type(value).__module__ == "numpy":
+                setattr(self, f.name, value.item())
+        if isinstance(self.milestones, (list, tuple)):
+            self.milestones = type(self.milestones)(m.item() if type(m).__module__ == "numpy" else m
+                                                    for m in self.milestones)
+
     def validate(self) -> None:
         if self.model not in MODELS + IMAGE_MODELS + GPT_MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose from "

@@ -45,6 +45,7 @@ __all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_data
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
 SIZED, SEEDED = ("mnist1d", "synthetic", "text"), ("mnist1d", "synthetic", "digits")  # what num_samples, seed take
+DEFAULT_SAMPLES = {"mnist1d": 5000, "synthetic": 8192}  # num_samples left out (text: the whole corpus)
 
 
 class Rows:
@@ -340,7 +341,7 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
     if name == "digits":
         return _digits(seed)
     if name == "synthetic":
-        return _synthetic(num_samples or 8192, seed)
+        return _synthetic(num_samples or DEFAULT_SAMPLES["synthetic"], seed)
     if name == "text":
         return _text(data_dir, seq_len, num_samples)
     if name in ("mnist", "cifar10"):
@@ -348,7 +349,7 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
             raise ValueError(f"dataset {name!r} reads local files: give data_dir (--data-dir)")
         return _mnist(Path(data_dir)) if name == "mnist" else _cifar10(Path(data_dir))
     cache = Path(data_dir) if data_dir is not None else default_cache_dir()
-    n = num_samples or 5000
+    n = num_samples or DEFAULT_SAMPLES["mnist1d"]
     target = _mnist1d_dir(cache, n, seed)
     error = None
     if comm is None or comm.Get_rank() == 0:

@@ -17,7 +17,9 @@ from torch import nn
 
 from .config import GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 
-__all__ = ["MODELS", "MLP", "CNN1D", "build_model"]
+__all__ = ["MODELS", "MLP", "CNN1D", "build_model", "DEFAULT_WIDTH"]
+
+DEFAULT_WIDTH = {"mlp": 256, "cnn1d": 32}  # hidden units, channels: width left out
 
 
 class MLP(nn.Module):
@@ -97,13 +99,14 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, *, wi
 
         return getattr(resnet, name)(num_classes=num_classes)
     if name == "mlp":
-        return MLP(math.prod(input_shape), num_classes, hidden=(width or 256,) * 2, batch_norm=batch_norm)
+        return MLP(math.prod(input_shape), num_classes, hidden=(width or DEFAULT_WIDTH["mlp"],) * 2,
+                   batch_norm=batch_norm)
     if name == "cnn1d":
         if len(input_shape) == 1:
             channels, length = 1, input_shape[0]
         else:
             channels, length = input_shape[0], math.prod(input_shape[1:])
-        return _Reshape(CNN1D(length, num_classes, in_channels=channels, channels=width or 32,
+        return _Reshape(CNN1D(length, num_classes, in_channels=channels, channels=width or DEFAULT_WIDTH["cnn1d"],
                               batch_norm=batch_norm), (channels, length))
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS + IMAGE_MODELS + GPT_MODELS)}")
 

@@ -332,6 +332,39 @@ def test_resuming_with_another_schedule_says_so(tmp_path_factory, capsys):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_a_default_given_as_its_value_on_resume_is_the_same_run(tmp_path_factory, capsys):
+    """width and num_samples left out, then given as the values they stand
+    for (the MLP's 256, synthetic's 8192), and base_batch as the global batch:
+    the same run (they were refused as another experiment, and a schedule
+    change was warned about). A rate given as a numpy scalar is saved as a
+    number (the checkpoint could not be read back)."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "defaults")
+    run = dict(checkpoint=f"{d}/c.pt", width=None, num_samples=None, batch_per_rank=64)
+    train(cfg(epochs=1, lr=np.linspace(0.01, 0.05, 5)[4], **run), comm)
+    capsys.readouterr()
+    history = train(cfg(epochs=2, resume=True, **{**run, "width": 256, "num_samples": 8192},
+                        base_batch=64 * comm.size), comm)
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert "another schedule" not in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="another experiment: width 256 -> 128"):
+        train(cfg(epochs=3, resume=True, **{**run, "width": 128}), comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_resuming_on_other_ranks_says_so_before_the_batch_it_changes(tmp_path_factory):
+    """A global batch kept on fewer ranks is another per-rank batch: the
+    ranks are what changed, and what is said."""
+    comm = MPI.COMM_WORLD
+    d = shared_dir(tmp_path_factory, "ranks")
+    train(cfg(checkpoint=f"{d}/c.pt", epochs=1), comm)
+    if comm.rank == 0:
+        with pytest.raises(CheckpointError, match=f"holds the state of {comm.size} ranks; this run has 1"):
+            train(cfg(checkpoint=f"{d}/c.pt", epochs=2, resume=True, batch_per_rank=8 * comm.size), MPI.COMM_SELF)
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=1)
 def test_resume_without_a_checkpoint_file_starts_fresh(tmp_path_factory):
     comm = MPI.COMM_WORLD
     d = shared_dir(tmp_path_factory, "fresh")
