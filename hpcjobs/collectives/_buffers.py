@@ -117,6 +117,10 @@ def _is_torch_tensor(buf) -> bool:
     return torch is not None and isinstance(buf, torch.Tensor)
 
 
+_UNALIGNED = ("buffer is not aligned to its element size (a view at an odd byte offset); MPI cannot send it: "
+              "pass a copy (np.require(buf, requirements='A'), or t.clone()) and copy the result back")
+
+
 def as_flat(buf) -> Flat:
     """View ``buf`` as a :class:`Flat` without copying it.
 
@@ -125,13 +129,17 @@ def as_flat(buf) -> Flat:
 
     Raises:
         TypeError: not a numpy array / torch tensor, or an unsupported dtype.
-        ValueError: non-contiguous, read-only, sparse, or not on the CPU.
+        ValueError: non-contiguous, read-only, unaligned (np.frombuffer at
+            an odd offset: mpi4py maps no MPI type to its memory), sparse,
+            or not on the CPU.
     """
     if isinstance(buf, np.ndarray):
         arr = buf if type(buf) is np.ndarray else buf.view(np.ndarray)  # np.matrix stays 2-D when reshaped
         flags = arr.flags
         if not flags.writeable:
             raise ValueError("buffer is read-only: collectives work in place and need a writable array")
+        if not flags.aligned:
+            raise ValueError(_UNALIGNED)
         if flags.c_contiguous:
             data = arr if arr.ndim == 1 else arr.reshape(-1)
         elif flags.f_contiguous:
@@ -165,6 +173,8 @@ def _flat_from_torch(t) -> Flat:
     t = t.detach()
     if t.dtype == torch.bfloat16:
         data = t.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+        if not data.flags.aligned:
+            raise ValueError(_UNALIGNED)
         return Flat(data, data, "bfloat16")
     name = str(t.dtype).removeprefix("torch.")
     if name not in _NUMPY_DTYPES:
@@ -174,6 +184,8 @@ def _flat_from_torch(t) -> Flat:
     except RuntimeError as e:  # a negative or conjugate view, a wrapped tensor: this rank's own, said on every rank
         raise ValueError(f"the tensor does not give its memory to numpy ({e}); pass t.resolve_neg() or "
                          "t.resolve_conj(), or a plain copy") from None
+    if not data.flags.aligned:
+        raise ValueError(_UNALIGNED)
     return Flat(data, None, name)
 
 

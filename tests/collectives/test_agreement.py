@@ -73,6 +73,10 @@ def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
     # torch refuses numpy() on a negative view (RuntimeError): raised on rank 1 alone, the others waited
     arg = t.reshape(-1)._neg_view() if comm.Get_rank() == 1 else t.reshape(-1)
     _raises_everywhere(lambda: ring_allreduce(arg, comm=comm), comm, "rank 1: ValueError", "resolve_neg")
+    # unaligned on rank 0 (mpi4py's KeyError in its first send, the others waiting in theirs)
+    raw = np.frombuffer(bytearray(8 * 6 + 1), dtype=np.float64, offset=1, count=6)
+    _raises_everywhere(lambda: ring_allreduce(raw if comm.Get_rank() == 0 else np.ones(6), comm=comm), comm,
+                       "rank 0: ValueError", "not aligned")
 
 
 @pytest.mark.mpi(min_size=2)

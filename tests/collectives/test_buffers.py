@@ -93,6 +93,22 @@ def test_bad_buffers_are_refused_with_a_clear_error(bad, exc, words):
         ring_allreduce(bad)
 
 
+def _unaligned(count: int) -> np.ndarray:
+    return np.frombuffer(bytearray(4 * count + 1), dtype=np.float32, offset=1, count=count)
+
+
+def test_an_unaligned_buffer_is_refused():
+    """np.frombuffer at an odd offset (a file's header, a memmap): mpi4py
+    maps no MPI type to its memory, and ring's first send raised KeyError on
+    that rank while the others waited."""
+    torch = pytest.importorskip("torch")
+    for bad in (_unaligned(5), torch.frombuffer(bytearray(21), dtype=torch.float32, offset=1),
+                torch.frombuffer(bytearray(11), dtype=torch.bfloat16, offset=1)):
+        with pytest.raises(ValueError, match="not aligned to its element size"):
+            ring_allreduce(bad)
+    ring_allreduce(np.require(_unaligned(5), requirements="A"))  # the copy the message names
+
+
 def test_read_only_buffer_is_refused():
     a = np.zeros(4)
     a.flags.writeable = False
