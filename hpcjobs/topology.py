@@ -75,6 +75,8 @@ def check_ranks_per_node(value) -> int | None:
         if value is None:
             return None
     try:
+        if isinstance(value, bool):  # int(True) == 1: one rank per node, silently
+            raise TypeError
         n = int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a positive integer, got {value!r}") from None

@@ -69,10 +69,12 @@ def test_override_wins_over_slurm_from_argument_and_environment(fresh_comm, monk
     assert topo.source == "override" and topo.num_nodes == fresh_comm.Get_size()
 
 
-@pytest.mark.parametrize("bad", [0, -2, "two", 1.5])
+@pytest.mark.parametrize("bad", [0, -2, "two", 1.5, True])  # True: int(True) == 1, one rank per node
 def test_bad_ranks_per_node_is_refused(bad, monkeypatch):
     with pytest.raises(ValueError, match="ranks_per_node must be a positive integer"):
         detect(ranks_per_node=bad)
+    if bad is True:
+        return  # (as a variable it is the string "True", refused as before)
     monkeypatch.setenv("HPCJOBS_RANKS_PER_NODE", str(bad))
     with pytest.raises(ValueError, match="HPCJOBS_RANKS_PER_NODE must be a positive integer"):
         detect()

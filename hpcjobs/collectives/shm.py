@@ -35,8 +35,9 @@ about 3x but were 1.4-1.9x slower in calm spells, and still trailed the
 ring in slow ones (where ``auto`` picks the ring): ordinary stores it is.
 
 Cost per rank for N bytes over L ranks: 2⌈N/block_bytes⌉ barriers, no
-messages. Each rank reads N from its own buffer and (L-1)/L·N from peers'
-stages, and writes N into its stage and N into its own buffer. (One
+messages. Each rank reads N from its own buffer and 2(L-1)/L·N from peers'
+stages (their copies of its piece, then the other pieces' results), and
+writes N into its stage and N into its own buffer. (One
 barrier per block, staging block k's result with block k+1's pieces,
 measured no faster: the barriers are not what costs.)
 
