@@ -67,6 +67,7 @@ LOSS_MODELS = ("optimus", "power")
 MIN_POINTS = 4  # epochs before a fit of three parameters says anything (one to spare for the jackknife)
 _POWER_B = np.linspace(0.0, 20.0, 401)  # the power law's offsets b tried, in epochs
 _GRID = 64  # asymptote values tried in [0, min loss), then again around the best
+_HUGE = 1e30  # a loss above this has diverged (float32's largest is 3.4e38): the fit's gap**4 weights overflow
 _FLAT = 1e-9  # beta0 below this fraction of 1/(target - beta2) per epoch: a billion epochs or more, never
 
 
@@ -85,9 +86,13 @@ class Fit:
 
     def epochs_to(self, target: float) -> float:
         """Epochs (from the start) until the loss reaches ``target``;
-        ``inf`` if the fit's asymptote is at or above it."""
-        if target <= self.beta2 or self.beta0 <= _FLAT * (1.0 / (target - self.beta2)):
-            return math.inf  # a flat fit (beta0 ~ 0 by round-off) never gets there
+        ``inf`` if the fit's asymptote is at or above it. A flat fit
+        (beta0 ~ 0 by round-off) is at its level 1/beta1 + beta2 throughout:
+        0 where the target is at or above it, as PowerFit's."""
+        if target <= self.beta2:
+            return math.inf
+        if self.beta0 <= _FLAT * (1.0 / (target - self.beta2)):
+            return 0.0 if target >= self.loss(0) else math.inf
         return max(0.0, (1.0 / (target - self.beta2) - self.beta1) / self.beta0)
 
 
@@ -181,6 +186,9 @@ def _checked(epochs, losses) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"the loss model has three parameters: it needs at least 3 points, got {len(k)}")
     if not np.all(np.isfinite(loss)) or np.any(loss <= 0):
         raise ValueError("losses must be positive finite numbers")
+    if np.any(loss > _HUGE):
+        raise ValueError(f"a loss of {loss.max():.3g} is a diverged run's: there is no curve to fit (losses up to "
+                         f"{_HUGE:g})")
     if not np.all(np.isfinite(k)) or np.any(k <= 0):
         raise ValueError("epochs must be positive finite numbers")
     return k, loss
@@ -278,7 +286,7 @@ def prediction_fields(history: list[dict], target: float, key: str = "loss", mod
     epoch records so far), and its interval; None where the fit never
     reaches it."""
     losses = [r[key] for r in history]
-    if not all(math.isfinite(v) and v > 0 for v in losses):  # a diverged (or exact) run: no fit, no abort
+    if not all(math.isfinite(v) and 0 < v <= _HUGE for v in losses):  # a diverged (or exact) run: no fit, no abort
         return {"predicted_epoch": None, "predicted_epoch_low": None, "predicted_epoch_high": None}
     p = predict_epochs([r["epoch"] for r in history], losses, target, model)
 

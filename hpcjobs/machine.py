@@ -123,7 +123,8 @@ def predict_across(algorithm: str, nbytes: int, size: int, local_size: int, node
 
     Between nodes a message of n bytes costs the smallest message's one-way
     time plus n times the largest's one-way time per byte (``linear``: the
-    fitted one-way α + n·β), and an exchange what one direction does:
+    exchange fit's α + n times the ping-pong fit's β, :meth:`Machine.oneway`),
+    and an exchange what one direction does:
 
     - a host's uplink and downlink are separate, so the algorithms' flows in
       the two directions do not slow each other. What ``measure`` calls an

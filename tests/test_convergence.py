@@ -153,9 +153,16 @@ def test_train_predicts_the_target_epoch_once_the_model_has_its_points(tmp_path,
 def test_a_flat_or_diverged_history_predicts_never_without_raising():
     flat = [{"epoch": k, "loss": 0.7} for k in range(1, 7)]
     assert prediction_fields(flat, 0.5)["predicted_epoch"] is None
+    # above the level it stays at: reached, as the power law says (it said never)
+    assert predict_epochs(range(1, 7), [0.7] * 6, 0.9).epochs == 0.0
+    assert predict_epochs(range(1, 7), [0.7] * 6, 0.9, "power").epochs == 0.0
     diverged = flat[:4] + [{"epoch": 5, "loss": float("nan")}]
     assert prediction_fields(diverged, 0.5) == {"predicted_epoch": None, "predicted_epoch_low": None,
                                                 "predicted_epoch_high": None}
+    huge = flat[:4] + [{"epoch": 5, "loss": 3e77}]  # finite, but its weight overflowed: LinAlgError
+    assert prediction_fields(huge, 0.5)["predicted_epoch"] is None
+    with pytest.raises(ValueError, match="a loss of 3e.77 is a diverged run's"):
+        predict_epochs(range(1, 6), [h["loss"] for h in huge], 0.5)
 
 
 def test_train_reports_the_noise_scale_each_epoch_and_refuses_it_alone(tmp_path):

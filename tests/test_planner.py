@@ -517,6 +517,17 @@ def test_a_target_the_fit_never_reaches_or_the_run_had_passed_is_refused(tmp_pat
     assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_flat_run_is_said_to_level_off_where_it_is(tmp_path):
+    """A run stuck at chance (ln 10): a flat fit fits any beta2, and the
+    refusal named one (0.29) below the target it said was never reached."""
+    metrics = tmp_path / "run.jsonl"
+    metrics.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "global_batch": 64, "loss": 2.302585})
+                               + "\n" for k in range(1, 6)))
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "640", "--devices", "1", "--metrics", str(metrics),
+                "--target-loss", "1.0")
+    assert r.returncode == 2 and "never reaches it (its loss levels off at 2.303)" in r.stderr, r.stderr
+
+
 def test_a_fit_that_puts_the_target_before_the_first_epoch_is_refused(tmp_path):
     """The power law leaves epoch 1 out: here its curve, 10 (k + 5)^-1 from
     epoch 2, reaches 3 before epoch 1, where the run was at 5. It planned a

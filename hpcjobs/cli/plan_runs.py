@@ -139,7 +139,8 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
                          "its run reached the target within its first epoch; give a lower target")
     p = predict_epochs(epochs, losses, loss, model)
     if math.isinf(p.epochs):
-        floor = getattr(p.fit, "beta2", None)
+        # where the fit levels off: beta2, or a flat fit's own level (beta2 alone is any value there)
+        floor = p.fit.loss(1e12) if hasattr(p.fit, "beta2") else None
         why = f"its loss levels off at {floor:.4g}" if floor is not None else "it is flat"
         raise ValueError(f"--target-loss {loss}: the {FITS[model]} fit of {path} never reaches it ({why}); give a "
                          "higher target" + (", or try --loss-model power" if model == "optimus" else ""))
