@@ -6,6 +6,7 @@ lockstep, with and without a straggler (:mod:`hpcjobs.training.async_experiment`
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -37,15 +38,22 @@ def configure(p) -> None:
     g.add_argument("--momentum", type=nonnegative_float, default=0.9, help="default: %(default)s")
     g.add_argument("--warmup-epochs", type=nonnegative_float, default=2.0, help="gradual (default %(default)s)")
     g.add_argument("--decay", choices=("none", "cosine"), default="cosine", help="default: %(default)s")
-    g.add_argument("--straggler-factor", type=positive_float, default=3.0, metavar="F",
+    g.add_argument("--straggler-factor", type=at_least_one, default=3.0, metavar="F",
                    help="the second half of the runs: worker 0's steps F times as long (1: none; default 3)")
-    g.add_argument("--algorithm", default="ring", choices=("auto",) + MESSAGE_ALGORITHMS,
-                   help="allreduce of sync, local and easgd, a message-passing one (default ring, whose bytes are "
-                        "counted)")
+    g.add_argument("--algorithm", default="ring", choices=MESSAGE_ALGORITHMS,
+                   help="allreduce of sync, local and easgd, a message-passing one, whose bytes are counted "
+                        "(default ring)")
     g.add_argument("--peer-timeout", type=positive_float, default=60.0, help="async (default %(default)s s)")
     g.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank (default 1)")
     g.add_argument("--out", "-O", default="results/async", metavar="DIR",
                    help="runs.jsonl, table.md and error_vs_time.png go here (default: %(default)s)")
+
+
+def at_least_one(text: str) -> float:
+    value = positive_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a straggler's steps take F times as long: F >= 1 (1: none), got {text}")
+    return value
 
 
 def run(args) -> int:
@@ -74,6 +82,9 @@ def run(args) -> int:
     if not one_node and any(r.startswith("hogwild") for r in rows):
         rows = [r for r in rows if not r.startswith("hogwild")]
         print0("# experiment async: the workers span nodes: the hogwild rows (one node) are left out")
+        if not rows:
+            raise UsageError("the workers span nodes and every row asked for is a hogwild row (one node): run on "
+                             "one node, or ask for other rows (--rows)")
     with usage():
         template = TrainConfig(**{**dataclass_values(TrainConfig, args), "warmup": "gradual", "optimizer": "sgd"})
         checked = []
@@ -81,7 +92,10 @@ def run(args) -> int:
             if name not in rows:
                 continue
             cfg = row_config(template, mode, over)
-            cfg.validate()
+            try:
+                cfg.validate()
+            except ValueError as e:  # a setting of the row's own (its momentum averaging), or the flags for it
+                raise UsageError(f"row {name!r}: {e}; leave the row out (--rows) or change the flags") from None
             if over.get("post_local_epochs") == "quarter" and not cfg.post_local_epochs:  # plain local SGD
                 raise UsageError(f"row {name!r} averages every step for a quarter of the epochs, and --epochs "
                                  f"{template.epochs} has none: train 4 epochs or more, or leave the row out (--rows)")
@@ -90,10 +104,17 @@ def run(args) -> int:
         # the workers alone: one refusing there would leave rank 0 waiting)
         from ..training.averaging import PeriodError, check_periods
         from ..training.data import load_dataset_of, steps_per_epoch
+        from ..training.paramserver import elastic_problem
 
         ds = load_dataset_of(template, comm)
         for name, cfg in checked:
-            if cfg.mode != "async" and cfg.easgd_form != "async":
+            if cfg.mode == "easgd" and cfg.easgd_form == "async":  # on the row's workers, as its servers count
+                served = comm.Get_size() - cfg.servers
+                problem = elastic_problem(cfg, served, steps_per_epoch(len(ds.train), cfg.batch_per_rank * served))
+                if problem:
+                    raise UsageError(f"row {name!r}: {problem[0]}; give more samples, smaller batches or more "
+                                     "epochs (--num-samples, -b, --epochs), or leave the row out (--rows)")
+            elif cfg.mode != "async":
                 try:
                     check_periods(cfg, workers, steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers))
                 except PeriodError as e:  # (a row's own rate is not a flag here: the remedy is the row's)

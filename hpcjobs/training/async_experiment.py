@@ -152,7 +152,9 @@ def summarize(results: list[dict]) -> dict:
                 "error": _mean_sd(errors), "wall_s": statistics.fmean(r["history"][-1]["wall_s"] for r in rs),
                 "target": target, "sync_wall_s": sync_wall, "reached": len(reached), "seeds": len(rs),
                 "time_to_target_s": statistics.fmean(reached) if reached else None,
-                "sent_bytes": statistics.fmean(h.get("sent_bytes", 0) for h in hist),
+                # (None where a run counted none, not 0: every ratio to it would read 0)
+                "sent_bytes": (statistics.fmean(h["sent_bytes"] for h in hist)
+                               if all("sent_bytes" in h for h in hist) else None),
                 "staleness_mean": (statistics.fmean(h["staleness_mean"] for h in hist)
                                    if "staleness_mean" in hist[0] else None),
                 "staleness_max": max((h["staleness_max"] for h in hist), default=None)
@@ -177,12 +179,13 @@ def markdown_table(summary: dict) -> str:
             tt = v["time_to_target_s"]
             reach = "" if v["reached"] == v["seeds"] else f" ({v['reached']}/{v['seeds']} seeds)"
             ratio = f"{tt / v['sync_wall_s']:.2f}" if tt is not None and v["sync_wall_s"] else "—"
-            byte_ratio = (f"{sync['sent_bytes'] / v['sent_bytes']:.2f}" if sync and v["sent_bytes"]
-                          and name != "sync" else "—")
+            byte_ratio = (f"{sync['sent_bytes'] / v['sent_bytes']:.2f}" if sync and sync["sent_bytes"] is not None
+                          and v["sent_bytes"] and name != "sync" else "—")
+            sent = "—" if v["sent_bytes"] is None else f"{v['sent_bytes'] / 1e6:.3f}"
             stale = (f"{v['staleness_mean']:.2f} / {v['staleness_max']}" if v["staleness_mean"] is not None
                      else "—")
             lines.append(f"| {name} | {100 * m:.2f} ± {100 * sd:.2f} | {v['wall_s']:.1f} | "
-                         f"{'never' if tt is None else f'{tt:.1f}'}{reach} | {ratio} | {v['sent_bytes'] / 1e6:.3f} | "
+                         f"{'never' if tt is None else f'{tt:.1f}'}{reach} | {ratio} | {sent} | "
                          f"{byte_ratio} | {stale} |")
         lines.append("")
     return "\n".join(lines)

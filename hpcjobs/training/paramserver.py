@@ -105,15 +105,25 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> Ctx:
     model = build_model(cfg.model, ds.input_shape, ds.num_classes, width=cfg.width)
     flat = flatten(model)
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers)
-    if elastic and cfg.epochs * spe * workers < cfg.local_steps:
-        raise ValueError(f"mode {_name(cfg)}: {cfg.epochs} epoch(s) of {spe} steps per worker make no elastic "
-                         f"move every {cfg.local_steps} steps; train longer or lower --local-steps")
-    if elastic and cfg.local_steps > spe * workers:  # a move past more than an epoch: its epoch lines skipped one
-        raise ValueError(f"mode {_name(cfg)}: an elastic move every {cfg.local_steps} steps is more than an epoch "
-                         f"of its {workers} worker(s) ({spe} steps each, {spe * workers} in all), whose epochs the "
-                         f"servers count by moves; give --local-steps {spe * workers} or less")
+    problem = elastic_problem(cfg, workers, spe) if elastic else None
+    if problem:
+        raise ValueError(f"mode {_name(cfg)}: {problem[0]}; {problem[1]}")
     return Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
                 cfg.schedule(workers if elastic else 1))
+
+
+def elastic_problem(cfg: TrainConfig, workers: int, spe: int) -> tuple[str, str] | None:
+    """Why asynchronous EASGD on ``workers`` workers of ``spe`` steps an
+    epoch cannot run ``cfg``, and the flag that mends it; None where it can
+    (``experiment async`` checks its rows with it before the first runs)."""
+    if cfg.epochs * spe * workers < cfg.local_steps:
+        return (f"{cfg.epochs} epoch(s) of {spe} steps per worker make no elastic move every {cfg.local_steps} "
+                "steps", "train longer or lower --local-steps")
+    if cfg.local_steps > spe * workers:  # a move past more than an epoch: its epoch lines skipped one
+        return (f"an elastic move every {cfg.local_steps} steps is more than an epoch of its {workers} worker(s) "
+                f"({spe} steps each, {spe * workers} in all), whose epochs the servers count by moves",
+                f"give --local-steps {spe * workers} or less")
+    return None
 
 
 def _name(cfg: TrainConfig) -> str:

@@ -35,6 +35,18 @@ def test_the_target_is_syncs_final_error_plus_a_point_and_time_is_when_a_run_fir
     assert "target: sync's final error + 1 point = 11.75%" in table
 
 
+def test_a_row_that_counted_no_bytes_has_none_in_the_table():
+    """Not 0: each row's "sync's bytes ÷ row's" read 0.00 against it."""
+    results = [_run("sync", 0, 1.0, [0.3, 0.1], [10, 20]), _run("local H=4", 0, 1.0, [0.3, 0.1], [5, 10])]
+    for h in results[0]["history"]:
+        del h["sent_bytes"]
+    s = summarize(results)
+    assert s[(1.0, "sync")]["sent_bytes"] is None
+    table = markdown_table(s)
+    assert "| sync | 10.00 ± 0.00 | 20.0 | 20.0 | 1.00 | — | — | — |" in table, table
+    assert "| local H=4 | 10.00 ± 0.00 | 10.0 | 10.0 | 0.50 | 0.000 | — | — |" in table, table
+
+
 def test_the_command_runs_sync_and_async_side_by_side(tmp_path):
     out = mpirun(3, "experiment", "async", "--rows", "sync,async,local H=4", "--seeds", "1", "--epochs", "2",
                  "--num-samples", "1000", "--straggler-factor", "2", "--out", str(tmp_path))
@@ -77,6 +89,13 @@ def test_every_row_can_be_named_in_rows():
 @pytest.mark.parametrize("args,words", [
     (["--algorithm", "hierarchical"], "invalid choice: 'hierarchical'"),  # ran sync, async, hogwild, then failed
     (["--epochs", "2", "--rows", "sync,post-local H=8"], "row 'post-local H=8' averages every step for a quarter"),
+    # ran sync, then failed naming --local-steps, a flag the experiment does not have: 480 training samples
+    # at 128 a step are 3 steps an epoch of the 1 worker, fewer than tau = 4
+    (["--rows", "sync,easgd async tau=4", "-b", "128"], "row 'easgd async tau=4': an elastic move every 4 steps is "
+                                                         "more than an epoch of its 1 worker(s) (3 steps each"),
+    (["--momentum", "0", "--rows", "sync,local H=8 + momentum avg"], "row 'local H=8 + momentum avg': "),
+    (["--straggler-factor", "0.5"], "F >= 1 (1: none), got 0.5"),  # taken, and no straggler run made
+    (["--algorithm", "auto"], "invalid choice: 'auto'"),  # the sync row counted no bytes: its ratios read 0
 ])
 def test_settings_a_row_cannot_run_are_refused_before_any_row_runs(tmp_path, args, words):
     out = mpirun(2, "experiment", "async", "--seeds", "1", "--num-samples", "600", "--out", str(tmp_path), *args)
