@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -209,15 +210,31 @@ def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: l
                     mine: dict, scaler=None) -> None:
     """Rank 0 writes the checkpoint: its ``model_state`` (a state dict) and
     optimizer ``inner``, and ``mine``, each rank's own state (on the CPU),
-    gathered (collective)."""
-    ranks = comm.gather(mine, root=0)
-    if comm.Get_rank() == 0:
-        save_checkpoint(cfg.checkpoint, {
-            "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": config_dict(cfg),
-            "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "metrics_bytes": metrics_size(cfg),
-        })
+    gathered (collective). Every rank waits for the write, watched as
+    ``checkpoint_write`` (HPCJOBS_TIMEOUT): mid-epoch the others went on into
+    the next step's allreduce, where a long write ended the job as a rank
+    missing from it, and at an epoch's end a stalled write was never said."""
+    from ..collectives.watchdog import guard
+    from .ps_common import SLOW_CKPT_ENV
+
+    with guard("checkpoint_write", comm):
+        ranks = comm.gather(mine, root=0)
+        if comm.Get_rank() == 0:
+            if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
+                print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s ({SLOW_CKPT_ENV})",
+                      file=sys.stderr, flush=True)
+                time.sleep(float(os.environ[SLOW_CKPT_ENV]))
+            _save(cfg, model_state, inner, history, epoch, step, ranks, scaler)
+        comm.Barrier()
+
+
+def _save(cfg: TrainConfig, model_state: dict, inner, history: list[dict], epoch: int, step: int, ranks: list,
+          scaler) -> None:
+    save_checkpoint(cfg.checkpoint, {
+        "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": config_dict(cfg),
+        "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
+        "scaler": scaler.state_dict() if scaler is not None else None, "metrics_bytes": metrics_size(cfg),
+    })
 
 
 def metrics_size(cfg: TrainConfig) -> int | None:

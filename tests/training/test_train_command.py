@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -324,3 +325,20 @@ def test_a_sigusr1_before_the_runs_handlers_stops_a_requeueable_run_at_its_first
     record = json.loads(stop.read_text())
     assert record == {"signal": "SIGUSR1", "epoch": 0, "step": 2, "checkpoint": str(ckpt), "written": True}, record
     assert f"hpcjobs train: SIGUSR1: checkpoint {ckpt} written at step 2 of epoch 1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("every", [None, "20"], ids=["epoch end", "mid-epoch"])
+def test_a_stalled_checkpoint_write_is_named_by_the_watchdog(tmp_path, every):
+    """Rank 0's write held longer than HPCJOBS_TIMEOUT: mid-epoch the others
+    went on into the next allreduce and the report named rank 0 as missing
+    from it; at an epoch's end they waited in an unwatched gather for good.
+    Now every rank waits in checkpoint_write, and that is what is said."""
+    from launch import mpirun
+
+    args = ["train", "--dataset", "synthetic", "--num-samples", "800", "--width", "16", "-b", "8", "--epochs", "1",
+            "--no-progress", "-q", "--checkpoint", str(tmp_path / "c.pt")] + (["--checkpoint-every", every] if every
+                                                                               else [])
+    out = mpirun(2, *args, env={"HPCJOBS_FAULT_SLOW_CHECKPOINT": "30", "HPCJOBS_TIMEOUT": "3"}, timeout=60)
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert re.search(r"rank \d: checkpoint_write \(call #\d+\) did not complete within 3 s", out.stderr), \
+        out.stderr[-3000:]
