@@ -23,6 +23,7 @@ Hogwild!'s is its one vector; the parameter server's
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -127,8 +128,26 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     (:func:`~hpcjobs._files.atomic_write`, durable: the file and its directory are flushed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path)
     with atomic_write(path, "wb", durable=True) as f:
         torch.save(state, f)
+
+
+def _remove_leftovers(path: Path) -> None:
+    """The temp files of writes to ``path`` that a kill cut short
+    (atomic_write's ``.NAME.PID.HEX.tmp``, of a process no longer here): a
+    requeued job killed as it wrote left one the size of a checkpoint each
+    time, for good."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split(".")[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # alive (another user's): left
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

@@ -393,6 +393,23 @@ def test_checkpoint_writes_are_atomic_and_loads_are_checked(tmp_path):
         load_checkpoint(tmp_path / "missing.pt")
 
 
+def test_a_write_killed_part_way_leaves_no_temp_file_after_the_next(tmp_path):
+    """atomic_write's temp file, left by a SIGKILL as torch.save wrote it
+    (a requeued job losing the race to its launcher): the next write of the
+    checkpoint removes it. Another process's, alive, and other files stay."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    alive = os.getppid()
+    for name in (f".x.pt.{dead}.0a1b2c3d.tmp", f".x.pt.{alive}.0a1b2c3d.tmp", f".y.pt.{dead}.0a1b2c3d.tmp"):
+        (tmp_path / name).write_bytes(b"partial")
+    save_checkpoint(tmp_path / "x.pt", {"version": CHECKPOINT_VERSION, "model": {"w": torch.ones(2)}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f".x.pt.{alive}.0a1b2c3d.tmp", f".y.pt.{dead}.0a1b2c3d.tmp", "x.pt"])
+
+
 def test_a_global_batch_larger_than_the_data_is_a_clear_error():
     with pytest.raises(ValueError, match="larger than the training set"):
         train(cfg(batch_per_rank=10_000), MPI.COMM_SELF)
