@@ -48,7 +48,8 @@ _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_
                 "no_decay_bn_bias",  # the optimizer's parameter groups: torch's own error was "different number"
                 "mode", "local_steps", "post_local_epochs", "average_momentum", "elastic_alpha",  # local and easgd
                 "easgd_form", "servers", "staleness_bound", "staleness_lr", "fixed_delay",  # the parameter server
-                "hogwild_lock")  # its count of updates is the state of a locked run only
+                "hogwild_lock",  # its count of updates is the state of a locked run only
+                "data_dir")  # the text dataset's corpus (the files' other datasets may move)
 _MODE_KEYS = {"local_steps": ("local", "easgd"), "post_local_epochs": ("local",), "average_momentum": ("local",),
               "elastic_alpha": ("easgd",), "easgd_form": ("easgd",), "servers": ("async",),  # the modes that use each
               "staleness_bound": ("async",), "staleness_lr": ("async",), "fixed_delay": ("async",),
@@ -78,6 +79,8 @@ def _used(key: str, cfg: TrainConfig) -> bool:
         return cfg.error_feedback and compressor is not None and compressor.fusable
     if key in _MODE_KEYS:
         return cfg.mode in _MODE_KEYS[key]
+    if key == "data_dir":
+        return cfg.dataset == "text"
     return key != "trust_coefficient" or cfg.optimizer == "lars"
 
 
@@ -87,6 +90,8 @@ def _effective(key: str, value, size: int, cfg: TrainConfig):
     giving that value on resume changes nothing -- EASGD's rate
     (TrainConfig.moving_rate) and form (sync), the model's width, the
     dataset's size, a GPT preset's shape."""
+    if key == "data_dir" and value is not None:  # the same folder however it is named
+        return os.path.realpath(value)
     if value is not None:
         return value
     if key == "easgd_form":

@@ -3,6 +3,7 @@ bf16 and fp16 autocast), ResNet-18 on CIFAR-10-format images, and clear
 errors for a model the data does not fit."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -99,3 +100,26 @@ def test_out_of_gpu_memory_names_the_model_batch_and_device(monkeypatch):
                                           r"rank per pass: lower --batch-per-rank .* Tried to allocate 2.00 GiB"):
         train(TrainConfig(dataset="synthetic", num_samples=200, batch_per_rank=8, epochs=1, quiet=True,
                           progress=False), MPI.COMM_SELF)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_resume_on_another_corpus_is_refused(tmp_path_factory):
+    """The text dataset's corpus is its --data-dir: a resume on another one
+    went on silently, training the saved model on other text. The same
+    folder named another way is the same run."""
+    from hpcjobs.training.checkpoint import CheckpointError
+
+    comm = MPI.COMM_WORLD
+    d = comm.bcast(str(tmp_path_factory.mktemp("corpus")) if comm.rank == 0 else None)
+    if comm.rank == 0:
+        for name, text in (("a", "the quick brown fox jumps over the lazy dog. " * 40),
+                           ("b", "0123456789 XYZ " * 120)):
+            os.makedirs(f"{d}/{name}")
+            with open(f"{d}/{name}/t.txt", "w") as f:
+                f.write(text)
+    comm.Barrier()
+    run = dict(layers=1, heads=2, embed=16, seq_len=16, num_samples=None, checkpoint=f"{d}/c.pt")
+    train(gpt_cfg(data_dir=f"{d}/a", **run), comm)
+    assert [h["epoch"] for h in train(gpt_cfg(data_dir=f"{d}/a/.", epochs=2, resume=True, **run), comm)] == [1, 2]
+    with pytest.raises(CheckpointError, match="another experiment: data_dir"):
+        train(gpt_cfg(data_dir=f"{d}/b", epochs=3, resume=True, **run), comm)
