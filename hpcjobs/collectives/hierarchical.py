@@ -109,18 +109,27 @@ def allreduce(flat: Flat, op: str, comm: MPI.Intracomm, topology: Topology | Non
 # cross-node communicator: two communicators' collectives in flight at once
 # (the torch backend's process groups, Horovod's executor beside a user's
 # call) never queue behind each other's, whose order may differ by rank.
-_workers: dict[int, object] = {}
+# It is an attribute of that communicator, shut down as it is freed (with its topology): kept by the
+# communicator's id, every communicator that ever ran this path left an idle thread for good.
 _workers_lock = threading.Lock()
 _THREADS_KEYVAL = MPI.Comm.Create_keyval()  # on a communicator: every rank has MPI_THREAD_MULTIPLE
+
+
+def _stop_worker(comm, keyval, worker) -> None:
+    worker.shutdown(wait=False)  # (its last stage is done: each call waits for its own)
+
+
+_WORKER_KEYVAL = MPI.Comm.Create_keyval(delete_fn=_stop_worker)
 
 
 def _worker(cross: MPI.Intracomm):
     from concurrent.futures import ThreadPoolExecutor
 
     with _workers_lock:
-        worker = _workers.get(id(cross))
+        worker = cross.Get_attr(_WORKER_KEYVAL)
         if worker is None:
-            worker = _workers[id(cross)] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcjobs-inter")
+            worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hpcjobs-inter")
+            cross.Set_attr(_WORKER_KEYVAL, worker)
         return worker
 
 

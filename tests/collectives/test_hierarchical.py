@@ -109,3 +109,18 @@ def test_a_segment_size_on_some_ranks_only_is_a_mismatch_on_every_rank():
     buf = np.ones(4096)
     with pytest.raises(MismatchError, match="segment_bytes"):
         hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, segment_bytes=None if comm.rank else 1 << 12)
+
+
+def test_the_pipelined_paths_thread_goes_with_its_communicator():
+    """One worker thread per cross-node communicator, shut down as that is
+    freed: kept by the communicator's id, each one left an idle thread."""
+    from hpcjobs.collectives.hierarchical import _worker
+
+    cross = MPI.COMM_SELF.Dup()
+    worker = _worker(cross)
+    assert _worker(cross) is worker and worker.submit(lambda: 7).result() == 7
+    cross.Free()
+    assert worker._shutdown
+    other = MPI.COMM_SELF.Dup()
+    assert _worker(other) is not worker
+    other.Free()
