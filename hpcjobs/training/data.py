@@ -322,7 +322,23 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
         if not (alike and len(failed) == comm.Get_size()):  # not every rank alike: say which
             message = f"on rank {rank}{f' and {len(failed) - 1} other(s)' if len(failed) > 1 else ''}: {message}"
         raise kinds.get(kind, RuntimeError)(message)
+    _check_alike(name, ds, comm)
     return ds
+
+
+def _check_alike(name: str, ds: Dataset, comm) -> None:
+    """ValueError on every rank where the ranks opened data of other sizes
+    (each node reads its own copy of the files: one missing a CIFAR batch,
+    a corpus of another install): a rank with fewer samples ran fewer steps
+    and left the others waiting in its last allreduce until the watchdog."""
+    seen: dict[tuple, list[int]] = {}
+    for rank, sizes in enumerate(comm.allgather((len(ds.train), len(ds.test), tuple(ds.input_shape)))):
+        seen.setdefault(sizes, []).append(rank)
+    if len(seen) > 1:
+        said = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {train} training and {test} "
+                         f"test samples of shape {shape}" for (train, test, shape), ranks in seen.items())
+        raise ValueError(f"the ranks opened different {name} data ({said}): each reads its own copy of the files, "
+                         "which must be the same on every node")
 
 
 def load_dataset_of(cfg, comm=None) -> Dataset:

@@ -77,6 +77,25 @@ def test_files_on_one_node_only_fail_every_rank_naming_the_ranks(tmp_path_factor
         load_dataset("mnist", comm=comm, data_dir=nowhere)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_open_data_of_other_sizes_fail_every_rank_naming_them(tmp_path_factory):
+    """Each node reads its own copy: rank 0's with a CIFAR batch more than
+    the others'. The ranks with fewer samples ran fewer steps and left rank
+    0 waiting in its last allreduce until the watchdog."""
+    comm = MPI.COMM_WORLD
+    mine = tmp_path_factory.mktemp("cifar-here")
+    rng = np.random.default_rng(0)
+    for name in ["data_batch_1.bin", "test_batch.bin"] + (["data_batch_2.bin"] if comm.rank == 0 else []):
+        rec = rng.integers(0, 256, (4, 1 + 3 * 32 * 32), dtype=np.uint8)
+        rec[:, 0] %= 10
+        rec.tofile(mine / name)
+    others = ", ".join(map(str, range(1, comm.size)))
+    want = (f"the ranks opened different cifar10 data (rank 0: 8 training and 4 test samples of shape (3, 32, 32); "
+            f"rank{'s' * (comm.size > 2)} {others}: 4 training")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        load_dataset("cifar10", comm=comm, data_dir=mine)
+
+
 def test_cifar10_binary_batches(tmp_path):
     d = tmp_path / "cifar-10-batches-bin"
     d.mkdir()
