@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,20 +143,24 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        head = f.read(4)
-        if len(head) != 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
-            raise ValueError(f"{path}: not an IDX file (magic {head.hex() or 'empty'})")
-        ndim = head[3]
-        dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
-        dtype = np.dtype(_IDX_DTYPES[head[2]])
-        offset = 4 + 4 * ndim
-        expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-        if path.suffix == ".gz":
-            data = f.read()
-            if len(data) != expected:
-                raise ValueError(f"{path}: header says {dims} ({expected} bytes), file has {len(data)}")
-            return np.frombuffer(data, dtype).reshape(dims)
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+            if len(head) != 4 or head[:2] != b"\0\0" or head[2] not in _IDX_DTYPES:
+                raise ValueError(f"{path}: not an IDX file (magic {head.hex() or 'empty'})")
+            ndim = head[3]
+            dims = struct.unpack(f">{ndim}I", f.read(4 * ndim))
+            dtype = np.dtype(_IDX_DTYPES[head[2]])
+            offset = 4 + 4 * ndim
+            expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+            if path.suffix == ".gz":
+                data = f.read()
+                if len(data) != expected:
+                    raise ValueError(f"{path}: header says {dims} ({expected} bytes), file has {len(data)}")
+                return np.frombuffer(data, dtype).reshape(dims)
+    except (EOFError, struct.error, gzip.BadGzipFile) as e:  # a truncated .gz, a web page saved as one
+        raise ValueError(f"{path}: truncated, or not an IDX file ({type(e).__name__}: {e}); download it again") \
+            from None
     size = path.stat().st_size - offset
     if size != expected:
         raise ValueError(f"{path}: header says {dims} ({expected} bytes), file has {size}")
@@ -261,24 +267,41 @@ def _generate_mnist1d(target: Path, num_samples: int, seed: int) -> None:
         random.setstate(saved[0])
         np.random.set_state(saved[1])
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    tmp.mkdir()
-    for key in ("x", "y", "x_test", "y_test"):
-        arr = data[key].astype(np.float32 if key.startswith("x") else np.int64)
-        np.save(tmp / f"{key}.npy", arr)
+    # a folder of its own (a pid alone was another job's, or a killed one's, on a shared file system), its
+    # files on the disk before the rename (a crash left empty ones that every later job trusted), and gone
+    # again where the write failed (a full disk left a partial copy per attempt)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        os.rename(tmp, target)
-    except OSError:
-        if not target.exists():
-            raise
-        for f in tmp.iterdir():  # another job made it first
-            f.unlink()
-        tmp.rmdir()
+        for key in ("x", "y", "x_test", "y_test"):
+            arr = data[key].astype(np.float32 if key.startswith("x") else np.int64)
+            with open(tmp / f"{key}.npy", "wb") as f:
+                np.save(f, arr)
+                f.flush()
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o755)  # (mkdtemp's 0o700: the cache is shared)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # (renamed: nothing there; another job's made first: ours)
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _mnist1d(cache_dir: Path, num_samples: int, seed: int) -> Dataset:
     d = _mnist1d_dir(cache_dir, num_samples, seed)
-    arr = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("x", "y", "x_test", "y_test")}
+    try:
+        arr = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("x", "y", "x_test", "y_test")}
+        if len(arr["x"]) != len(arr["y"]) or len(arr["x_test"]) != len(arr["y_test"]) or not len(arr["x"]):
+            raise ValueError(f"{len(arr['x'])} training inputs and {len(arr['y'])} labels")
+    except (OSError, ValueError, EOFError) as e:  # numpy's own words named neither the file nor the way out
+        raise ValueError(f"{d}: a damaged MNIST-1D cache ({type(e).__name__}: {e}); remove the folder and it is "
+                         "made again") from None
     return Dataset("mnist1d", Split(Rows(arr["x"]), Rows(arr["y"])),
                    Split(Rows(arr["x_test"]), Rows(arr["y_test"])), 10)
 

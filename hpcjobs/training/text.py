@@ -2,7 +2,7 @@
 
 The corpus is the text of the files under ``data_dir`` (every regular file,
 in sorted path order), or, without ``data_dir``, hpcjobs' own Python source
-(about 0.6 MB, shipped with the package, so every rank of every machine
+(about 1.2 MB, shipped with the package, so every rank of every machine
 reads the same bytes offline). Tokens are bytes: a vocabulary of 256.
 
 The corpus is cut in two without overlap: the first 90% for training, the
@@ -52,5 +52,5 @@ def windows(data: np.ndarray, seq_len: int) -> np.ndarray:
     ``(N, seq_len + 1)`` (a view: no copy)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    n = (len(data) - 1) // seq_len
+    n = max(0, (len(data) - 1) // seq_len)  # (a corpus of a byte: none, said by the caller)
     return np.lib.stride_tricks.as_strided(data, shape=(n, seq_len + 1), strides=(seq_len, 1), writeable=False)

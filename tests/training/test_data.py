@@ -36,6 +36,14 @@ def test_read_idx_refuses_bad_files(tmp_path):
     (tmp_path / "short").write_bytes((tmp_path / "short").read_bytes()[:-3])
     with pytest.raises(ValueError, match="header says"):
         read_idx(tmp_path / "short")
+    # a truncated .gz, a web page saved as one, a header cut short: numpy's or gzip's words named no file
+    write_idx(tmp_path / "whole", np.zeros((40, 4), np.uint8))
+    (tmp_path / "cut.gz").write_bytes(gzip.compress((tmp_path / "whole").read_bytes())[:-20])
+    (tmp_path / "page.gz").write_bytes(b"<html>not found</html>")
+    (tmp_path / "stub").write_bytes(b"\0\0\x08\x02\0\0")
+    for name in ("cut.gz", "page.gz", "stub"):
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / name}: truncated, or not an IDX file")):
+            read_idx(tmp_path / name)
 
 
 def test_mnist_idx_dataset(tmp_path):
@@ -154,6 +162,31 @@ def test_mnist1d_generation_failure_is_a_clear_error(tmp_path):
         load_dataset("mnist1d", data_dir=blocker, num_samples=100)
 
 
+def test_a_damaged_mnist1d_cache_says_which_and_what_to_do(tmp_path, monkeypatch):
+    """A crash after the rename left short files, trusted by every later
+    job with numpy's words alone; a failed write left its partial folder."""
+    load_dataset("mnist1d", data_dir=tmp_path, num_samples=100)
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist1d-n100-seed42"]  # nothing else left
+    x = tmp_path / "mnist1d-n100-seed42" / "x.npy"
+    for cut in (0, 1000):
+        x.write_bytes(x.read_bytes()[:cut] if cut else b"")
+        with pytest.raises(ValueError, match=re.escape(f"{x.parent}: a damaged MNIST-1D cache (") + ".*remove the "
+                                                                                                    "folder"):
+            load_dataset("mnist1d", data_dir=tmp_path, num_samples=100)
+    calls = []
+
+    def full_disk(f, arr):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(122, "Disk quota exceeded")
+        return np.lib.format.write_array(f, arr)
+
+    monkeypatch.setattr(np, "save", full_disk)
+    with pytest.raises(RuntimeError, match="Disk quota exceeded"):
+        load_dataset("mnist1d", data_dir=tmp_path, num_samples=110)
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist1d-n100-seed42"]  # no partial copy
+
+
 def test_unknown_dataset():
     with pytest.raises(ValueError, match="unknown dataset"):
         load_dataset("imagenet")
@@ -220,5 +253,8 @@ def test_text_defaults_to_the_projects_source_and_refuses_too_little(tmp_path):
     (tmp_path / "short.txt").write_bytes(b"x" * 50)
     with pytest.raises(ValueError, match="too few for a test split of sequences of 10"):
         load_dataset("text", data_dir=tmp_path, seq_len=10)
+    (tmp_path / "short.txt").write_bytes(b"x")  # (a negative window count: numpy's "negative dimensions")
+    with pytest.raises(ValueError, match="the text corpus has 1 bytes"):
+        load_dataset("text", data_dir=tmp_path, seq_len=4)
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_dataset("text", data_dir=tmp_path / "missing")
