@@ -211,7 +211,9 @@ class TrainConfig:
             if not used and getattr(self, name) != defaults[name]:  # set, and ignored
                 raise ValueError(f"{name} is taken by {by} only: {self.optimizer} with decay {self.decay} would "
                                  "ignore it")
-        from .data import SEEDED, SIZED
+        from .data import SEEDED, SIZED, check_mnist1d_samples
+
+        check_mnist1d_samples(self.dataset, self.num_samples)
 
         if self.num_samples is not None and self.dataset not in SIZED:  # ignored there, silently
             raise ValueError(f"num_samples sizes {', '.join(SIZED)}; {self.dataset} is used as it comes: leave "

@@ -306,6 +306,15 @@ def _mnist1d(cache_dir: Path, num_samples: int, seed: int) -> Dataset:
                    Split(Rows(arr["x_test"]), Rows(arr["y_test"])), 10)
 
 
+def check_mnist1d_samples(name: str, num_samples: int | None) -> None:
+    """MNIST-1D makes num_samples // 10 samples of each digit: another
+    count was rounded down without a word (100 to 109 made one dataset, in
+    ten caches)."""
+    if name == "mnist1d" and num_samples is not None and num_samples % 10:
+        raise ValueError(f"mnist1d makes num_samples / 10 samples of each digit: give a multiple of 10 "
+                         f"({num_samples} would make {num_samples // 10 * 10})")
+
+
 def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = None,
                  num_samples: int | None = None, seed: int = 42, seq_len: int = 128) -> Dataset:
     """Open a dataset on every rank of ``comm``.
@@ -377,6 +386,7 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(DATASETS)}")
     if num_samples is not None and num_samples < 10:
         raise ValueError(f"num_samples must be >= 10, got {num_samples}")
+    check_mnist1d_samples(name, num_samples)
     if name == "digits":
         return _digits(seed)
     if name == "synthetic":

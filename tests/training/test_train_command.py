@@ -28,6 +28,7 @@ BAD_ARGS = [
     (["--loss-model", "power"], "--loss-model picks the model that predicts --target-loss"),
     (["--loss-model", "cubic"], "invalid choice: 'cubic'"),
     (["--dataset", "mnist"], "give data_dir"),
+    (["--num-samples", "1234"], "give a multiple of 10 (1234 would make 1230)"),  # mnist1d: 1230, silently
     (["--dataset", "digits", "--data-dir", "/tmp"], "digits is made in memory: leave data_dir out"),
     (["--compression", "zip"], "unknown compression 'zip'"),
     (["--compression", "topk:2"], "ratio must be a number in (0, 1]"),
