@@ -72,8 +72,9 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
                    help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
                         "the files to read (default: hpcjobs' own source); not for digits, synthetic")
     g.add_argument("--num-samples", type=positive_int,
-                   help=(f"mnist1d samples to generate, synthetic size, text sequences (default {num_samples}); "
-                         if num_samples else "mnist1d samples to generate (default 5000, 80%% train), synthetic size "
+                   help=(f"mnist1d samples to generate (tens), synthetic size, text sequences (default "
+                         f"{num_samples}); " if num_samples else "mnist1d samples to generate (tens; default 5000, "
+                         "80%% train), synthetic size "
                          "(default 8192), text sequences (default: the whole corpus); ") + "not for digits, mnist, "
                         "cifar10")
     if num_samples:
