@@ -310,6 +310,17 @@ def test_plan_compression_none_is_train_spelling_of_no_compression(tmp_path):
     assert rows[0] == rows[2] and rows[0][2]["comm_s"] > 0
 
 
+def test_an_algorithm_a_gathered_payload_never_runs_is_not_checked_against_the_layout():
+    """tree has no two-level formula, so plan refuses it across nodes; with
+    top-k, which gathers, it was refused too, though nothing runs it."""
+    flags = ["--params", "25M", "--throughput", "400", "--devices", "4,8", "--devices-per-node", "2", "--intra-bw",
+             "100", "--inter-bw", "10", "--algorithm", "tree"]
+    r = hpcjobs("plan", *flags, "--compression", "topk:0.01")
+    assert r.returncode == 0 and "| allgather |" in r.stdout, r.stderr
+    r = hpcjobs("plan", *flags)
+    assert r.returncode == 2 and "tree has no two-level formula for 4 devices" in r.stderr, r.stderr
+
+
 def _run(path, ranks, epochs):
     """A train --metrics file: (epoch_s, wait_s) per epoch, 10 steps each."""
     path.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "ranks": ranks, "epoch_s": e, "wait_s": w,

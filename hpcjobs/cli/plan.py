@@ -210,6 +210,16 @@ def _payload(spec: str | None, measure: bool, model: str | None):
     return Payload(nbytes, comp.summable, comp.fusable, codec_s if measure else None, per_byte, parts)
 
 
+def _reduced(spec: str | None) -> bool:
+    """Whether the gradient (``spec``'s payload) goes through an allreduce,
+    which ``--algorithm`` names, or through an allgather."""
+    if not spec:
+        return True
+    from ..compression import make_compressor
+
+    return make_compressor(spec, seed=0).summable
+
+
 def predict(args) -> tuple:
     """Every row ``args`` (plan's flags) asks for: checks the flags, costs
     each layout, measures or takes the one device's step, and returns
@@ -238,8 +248,9 @@ def predict(args) -> tuple:
         if not devices:
             raise UsageError(f"--devices: no count fills whole nodes of {args.devices_per_node} "
                              "(--devices-per-node)")
-        for P in devices:  # every layout costed before anything is measured
-            allreduce_s(1, P, net, args.algorithm)
+        if _reduced(args.compression):  # a gathered payload never runs the algorithm: no layout of its to check
+            for P in devices:  # every layout costed before anything is measured
+                allreduce_s(1, P, net, args.algorithm)
         runs = plan_runs.read_against(args.against, devices)
         target = args.metrics and plan_runs.target(args.metrics, args.target_loss, args.loss_model, args.noise_scale)
         workload, what = _workload(args)
