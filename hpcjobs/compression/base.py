@@ -14,8 +14,11 @@ A compressor is stateless:
   through an allgather), so ``decompress`` reshapes what it needs;
 - ``summable``: True when payloads from different ranks may be added by an
   allreduce and then decompressed (fp16, bf16, random-k with a shared seed,
-  PowerSGD's factors); False when each rank's payload must travel by
-  allgather and be decompressed separately (top-k, QSGD, sign);
+  and PowerSGD's factors through its own ``reduce_mean``, below: the P and
+  Q its ``compress`` alone returns are one rank's approximation, each
+  orthonormalised on its own, and are never summed); False when each
+  rank's payload must travel by allgather and be decompressed separately
+  (top-k, QSGD, sign);
 - ``fusable``: True when compressing a concatenation equals concatenating
   the compressions (the casts), so fused gradient buckets may be compressed
   whole; the others see one parameter at a time.
@@ -34,6 +37,7 @@ import abc
 import math
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 __all__ = ["Compressor", "NoneCompressor", "check_float", "check_ratio"]
@@ -72,6 +76,14 @@ def check_float(compressor: Compressor, tensor: torch.Tensor) -> None:
     """TypeError unless ``tensor`` holds floating-point numbers."""
     if not tensor.is_floating_point():
         raise TypeError(f"{type(compressor).__name__} compresses floating-point tensors, got {tensor.dtype}")
+
+
+def check_seed(seed) -> int:
+    """``seed`` as an integer >= 0 (numpy's seed sequences take no other),
+    else ValueError here, not numpy's bare words at the first draw."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    return int(seed)
 
 
 def check_ratio(ratio) -> float:

@@ -27,6 +27,8 @@ ones are refused.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -95,6 +97,8 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
         message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
+        if isinstance(step, bool) or int(step) != step or step < 0:  # (random-k's and PowerSGD's seeds: numpy's
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")  # bare words, at the first draw)
     except (TypeError, ValueError) as e:
         error = e
     is_tensor = isinstance(tensor, torch.Tensor)
@@ -102,7 +106,10 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
         "shape": str(tuple(tensor.shape)) if is_tensor else None,
         "dtype": str(tensor.dtype) if is_tensor else None, "device": tensor.device.type if is_tensor else None,
         "compressor": repr(compressor), "name": name,
-        "step": int(step), "algorithm": algorithm, "error feedback": memory is not None}, error)
+        "step": int(step) if error is None else None, "algorithm": algorithm, "error feedback": memory is not None},
+        error)
+    if memory is not None and comm.Get_rank() == 0:
+        _warn_no_contraction(compressor, tensor.numel())
     x = memory.compensate(name, tensor) if memory is not None else tensor
     sent = 0
 
@@ -143,3 +150,18 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
     if memory is not None:  # a step counts where the average, the same on every rank, is finite
         memory.update(name, x, local, applied=bool(torch.isfinite(mean).all()))
     return mean, sent
+
+
+_warned: set = set()
+
+
+def _warn_no_contraction(compressor, n: int) -> None:
+    """Once per compressor and size class: error feedback needs a
+    contraction (Stich et al. 2018; Karimireddy et al. 2019), and a
+    compressor that says where it is none (QSGD above levels² entries)
+    gets its words said, for a residual that can grow without bound."""
+    note = getattr(compressor, "feedback_note", None)
+    said = note(n) if note is not None else None
+    if said and said not in _warned:
+        _warned.add(said)
+        print(f"hpcjobs: warning: {said}", file=sys.stderr, flush=True)

@@ -39,7 +39,7 @@ import zlib
 import numpy as np
 import torch
 
-from .base import Compressor, check_float
+from .base import Compressor, check_float, check_seed
 
 __all__ = ["PowerSGDCompressor"]
 
@@ -59,18 +59,20 @@ class PowerSGDCompressor(Compressor):
         self.rank = int(rank)
         self.warm_start = bool(warm_start)
         self.start_iter = int(start_iter)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         # name -> Q (m x r, fp32) from the tensor's previous step; the same
         # on every rank, because it is the output of an allreduce.
         self._q: dict[str, torch.Tensor] = {}
 
-    def compresses(self, shape: torch.Size) -> bool:
-        """Whether a tensor of ``shape`` is sent as factors (else whole)."""
+    def compresses(self, shape: torch.Size, itemsize: int = 4) -> bool:
+        """Whether a tensor of ``shape`` and ``itemsize`` bytes an entry is
+        sent as factors (else whole), which travel as fp32: by bytes, so a
+        half-precision tensor is not sent as factors that save it nothing."""
         if len(shape) < 2:
             return False
         n = shape[0]
         m = shape.numel() // n if n else 0
-        return n * m > 0 and n * m >= MIN_COMPRESSION_RATE * (n + m) * self.rank
+        return n * m > 0 and n * m * itemsize >= MIN_COMPRESSION_RATE * (n + m) * self.rank * 4
 
     def _initial_q(self, name: str | None, m: int, step: int) -> torch.Tensor:
         # From (seed, name[, step]) alone, so every rank starts from the same Q.
@@ -93,7 +95,7 @@ class PowerSGDCompressor(Compressor):
         computes when there is one rank): payload ``(P, Q)`` with P
         orthonormal, or ``(tensor,)`` for a tensor sent whole."""
         check_float(self, tensor)
-        if step < self.start_iter or not self.compresses(tensor.shape):
+        if step < self.start_iter or not self.compresses(tensor.shape, tensor.element_size()):
             return (tensor,), (tensor.shape, tensor.dtype, False)
         m_ = tensor.reshape(tensor.shape[0], -1).float()
         p = self._orthonormalise(m_ @ self._q_for(name, m_.shape[1], step, m_.device))
@@ -115,7 +117,7 @@ class PowerSGDCompressor(Compressor):
             and this rank's own part of it (for error feedback).
         """
         check_float(self, tensor)
-        if step < self.start_iter or not self.compresses(tensor.shape):
+        if step < self.start_iter or not self.compresses(tensor.shape, tensor.element_size()):
             mean = tensor.clone(memory_format=torch.contiguous_format)  # the allreduce takes flat memory
             allreduce_mean(mean)
             return mean, tensor

@@ -9,8 +9,18 @@ and the quantised vector is unbiased. Variance <= min(n/s^2, sqrt(n)/s)
 Payload: the norm (one fp32) and sign * level per entry as int8 (s <= 127)
 or int16 (s <= 32767): 4x or 2x fewer bytes than fp32. The levels are not
 comparable across ranks (each rank has its own norm), so payloads travel by
-allgather. The rounding noise comes from torch's generator: seed it per
-rank (``torch.manual_seed``) for repeatable runs.
+allgather: each rank sends (P-1) payloads where the ring sends 2(P-1)/P of
+the fp32 tensor, 8/P (int8) or 4/P (int16) times fewer bytes -- none saved
+from 8 ranks on (docs/results/compression.md measured 2).
+
+With error feedback QSGD must be a contraction, which it is only where its
+variance factor min(n/s^2, sqrt(n)/s) is below 1: tensors of fewer than s^2
+entries. Above, the residual can grow without bound (1,000 x 1,000 at
+s = 127: 1,636 times the gradient's norm after 30 steps); error feedback warns
+(:meth:`QSGDCompressor.feedback_note`): give s >= sqrt(n) there.
+
+The rounding noise comes from torch's generator: seed it per rank
+(``torch.manual_seed``) for repeatable runs.
 """
 
 from __future__ import annotations
@@ -46,6 +56,17 @@ class QSGDCompressor(Compressor):
             # an ulp over `levels` where |x_i| is the norm must not wrap around in int8
             q = level.clamp_(max=self.levels).copysign_(x).to(self.wire_dtype)
         return (norm, q), (tensor.shape, tensor.dtype)
+
+    def feedback_note(self, n: int) -> str | None:
+        """What error feedback on an ``n``-entry tensor should be told (module
+        docstring), or None where QSGD is a contraction."""
+        omega = min(n / self.levels ** 2, n ** 0.5 / self.levels)
+        if omega < 1:
+            return None
+        return (f"qsgd:{self.levels} with error feedback on a tensor of {n:,} entries: above levels² = "
+                f"{self.levels ** 2:,} entries QSGD is no contraction (its variance is up to {omega:.3g} times the "
+                f"tensor's squared norm), and the residual can grow without bound; give qsgd:"
+                f"{min(32767, int(n ** 0.5) + 1)} or more, or leave error feedback off")
 
     def decompress(self, payload, ctx) -> torch.Tensor:
         norm, q = payload

@@ -28,7 +28,7 @@ import zlib
 import numpy as np
 import torch
 
-from .base import Compressor, check_float, check_ratio, kept
+from .base import Compressor, check_float, check_ratio, check_seed, kept
 
 __all__ = ["RandomKCompressor"]
 
@@ -40,7 +40,7 @@ class RandomKCompressor(Compressor):
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, unbiased: bool = False):
         self.ratio = check_ratio(ratio)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.unbiased = bool(unbiased)
 
     def indices(self, n: int, name: str | None, step: int) -> torch.Tensor:

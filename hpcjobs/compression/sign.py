@@ -8,7 +8,9 @@ positive.
 
 Payload: the signs packed 8 to a byte (``numpy.packbits``) and the scale as
 one fp32: n/8 + 4 bytes, 32x fewer bits than fp32. Signs from different
-ranks cannot be added as bits, so payloads travel by allgather. On a GPU
+ranks cannot be added as bits, so payloads travel by allgather: each rank
+sends (P-1) of them where the ring sends 2(P-1)/P of the fp32 tensor, 64/P
+times fewer bytes. On a GPU
 the packing is done with torch ops on the device, to the same bytes.
 """
 

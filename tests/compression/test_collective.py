@@ -95,6 +95,31 @@ def test_error_feedback_loses_nothing_across_ranks():
 
 
 @pytest.mark.mpi(min_size=1)
+def test_qsgd_with_error_feedback_where_it_is_no_contraction_is_warned_about(capfd):
+    """Above levels² entries QSGD's variance exceeds the tensor's norm and
+    error feedback's residual can grow without bound: said once, on rank 0,
+    with the levels that would do; below it nothing is said."""
+    comm = MPI.COMM_WORLD
+    memory, c = ErrorFeedback(), QSGDCompressor(127)
+    compressed_allreduce(torch.randn(100, 100), c, memory, name="small", comm=comm)  # 10,000 < 16,129
+    assert "no contraction" not in capfd.readouterr().err
+    for step in range(2):
+        compressed_allreduce(torch.randn(200, 200), c, memory, name="big", step=step, comm=comm)
+    err = capfd.readouterr().err
+    assert err.count("no contraction") == (comm.rank == 0), err
+    if comm.rank == 0:
+        assert "qsgd:127 with error feedback on a tensor of 40,000 entries" in err and "give qsgd:201" in err
+    compressed_allreduce(torch.randn(200, 200), QSGDCompressor(201), ErrorFeedback(), name="b", comm=comm)
+    assert "no contraction" not in capfd.readouterr().err
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_negative_step_is_refused_on_every_rank():
+    with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
+        compressed_allreduce(torch.ones(8), RandomKCompressor(0.5), name="x", step=-1, comm=MPI.COMM_WORLD)
+
+
+@pytest.mark.mpi(min_size=1)
 def test_ring_allgatherv_with_sizes_that_differ_by_rank():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -72,10 +72,22 @@ def test_warm_start_improves_the_approximation_step_after_step():
     assert errors[-1] < errors[0] and errors[-1] <= 1.01 * best.item()
 
 
-@pytest.mark.parametrize("kw", [{"rank": 0}, {"rank": 1.5}, {"start_iter": -1}])
+@pytest.mark.parametrize("kw", [{"rank": 0}, {"rank": 1.5}, {"start_iter": -1}, {"seed": -1}, {"seed": 1.5}])
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         PowerSGDCompressor(**kw)
+
+
+def test_a_half_precision_tensor_is_sent_as_factors_only_where_they_save_bytes():
+    """The factors travel as fp32: at 32 x 32 and rank 8 they are 2 KiB,
+    half an fp32 tensor's bytes and all of an fp16 one's, which was sent as
+    factors all the same (no byte saved, accuracy lost)."""
+    c = PowerSGDCompressor(rank=8)
+    assert c.compresses(torch.Size((32, 32)), 4) and not c.compresses(torch.Size((32, 32)), 2)
+    assert c.compresses(torch.Size((64, 64)), 2)
+    half = torch.randn(32, 32).half()
+    mean, _ = c.reduce_mean(half, lambda t: None, name="w", step=0)
+    assert torch.equal(mean, half)  # sent whole: one rank's mean is itself
 
 
 def test_a_non_finite_step_does_not_become_the_warm_start():

@@ -38,6 +38,12 @@ def test_a_ratio_outside_0_1_is_refused(bad):
         RandomKCompressor(bad)
 
 
+@pytest.mark.parametrize("seed", [-1, 1.5, True])
+def test_a_seed_numpy_cannot_take_is_refused_as_the_compressor_is_made(seed):
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        RandomKCompressor(0.5, seed=seed)
+
+
 def test_randomk_indices_depend_on_seed_name_and_step_only():
     c = RandomKCompressor(0.1, seed=7)
     a = c.indices(1000, "w", 3)
