@@ -252,7 +252,7 @@ class _DeviceReducer:
         for p in densified:
             p.grad = p.grad.to_sparse()
 
-    def close(self) -> None:
+    def close(self, free: bool = True) -> None:
         """Nothing to release (the engine's counterpart removes its hooks)."""
 
 
@@ -354,4 +354,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
 
 def _release(reducer) -> None:
     if reducer is not None:
-        reducer.close()
+        reducer.close(free=False)  # (collected at different times on different ranks: no collective here)

@@ -45,6 +45,7 @@ compressor's state and the step count into checkpoints.
 
 BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
+Optimizers alive at once reduce on communicators of their own (:mod:`~hpcjobs.training.communicators`).
 The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py asks for ``MULTIPLE``); the
 main thread makes no MPI call on this communicator between backward and ``step()``. With a lower thread
 level, or a rank with less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one machine
@@ -65,10 +66,10 @@ from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, MESSAGE_ALGORITHMS, allreduce
 from ..collectives.counting import counted_allreduce
-from ..comm import private
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
 from .buckets import Bucket, check_layout, layout
+from .communicators import THREADS, communicator
 from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 
@@ -145,8 +146,8 @@ class DistributedOptimizer(OptimizerState):
         elif error_feedback:
             raise ValueError("error_feedback needs a compression")
         self._optimizer = optimizer
-        self._user_comm = comm if comm is not None else MPI.COMM_WORLD
-        self._comm = private(self._user_comm)  # collective: done here, never first on the thread
+        self._closed = False  # (close() ran: another optimizer may take the shared communicator)
+        self._user_comm, self._comm, self._own_comm = communicator(self, comm)
         self.size = self._comm.Get_size()
         self.rank = self._comm.Get_rank()
         if noise_scale and (compression is not None or self.size < 2):
@@ -258,7 +259,8 @@ class DistributedOptimizer(OptimizerState):
                 return
             try:
                 if self._error is None:
-                    self._reduce(bucket)
+                    with THREADS:  # (below MPI_THREAD_MULTIPLE another optimizer's thread must wait)
+                        self._reduce(bucket)
             except BaseException as e:  # handed to the main thread in synchronize()
                 self._error = e
             finally:
@@ -375,8 +377,12 @@ class DistributedOptimizer(OptimizerState):
                 return None
         return self._optimizer.step()
 
-    def close(self) -> None:
-        """Remove the hooks and stop the communication thread."""
+    def close(self, free: bool = True) -> None:
+        """Remove the hooks, stop the communication thread and, with ``free``,
+        free the communicator of its own that an optimizer made beside another
+        one (collective: every rank calls it; a finalizer, whose time differs by
+        rank, passes ``free=False`` and leaves it)."""
+        self._closed = True
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -384,6 +390,9 @@ class DistributedOptimizer(OptimizerState):
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if free and self._own_comm is not None and not MPI.Is_finalized():
+            self._own_comm.Free()  # (its private duplicate, and what lives on that, with it)
+            self._own_comm = None
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self._optimizer).__name__}, ranks={self.size}, "

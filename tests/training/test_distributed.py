@@ -442,3 +442,40 @@ def test_nonfinite_must_be_a_known_mode():
     with pytest.raises(ValueError, match="nonfinite"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                              comm=MPI.COMM_SELF, nonfinite="maybe")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_optimizers_on_one_model_each_reduce_on_a_communicator_of_their_own():
+    """One optimizer for the first half of a model, another for the rest
+    (Muon and AdamW), each reducing on a thread during backward: on one
+    communicator their collectives met the other's (every step's average
+    wrong, or an IndexError and a hang). Against the exact average; a third
+    made once both are closed reduces on the shared communicator again."""
+    comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ref = copy.deepcopy(model)
+    grads = []
+    for q in range(comm.size):
+        ref.zero_grad()
+        ref(torch.full((2, 64), float(q + 1))).sum().backward()
+        grads.append([p.grad.clone() for p in ref.parameters()])
+    want = [sum(g) / comm.size for g in zip(*grads)]
+    halves = [[(n, p) for n, p in model.named_parameters() if (int(n.split(".")[0]) < 3) == first]
+              for first in (True, False)]
+    opts = [DistributedOptimizer(torch.optim.SGD([p for _, p in h], lr=0.0), h, overlap="thread",
+                                 fusion_bytes=1 << 12) for h in halves]
+    assert opts[0]._own_comm is None and opts[1]._own_comm is not None
+    for _ in range(3):
+        for o in opts:
+            o.zero_grad()
+        model(torch.full((2, 64), float(rank + 1))).sum().backward()
+        for o in opts:
+            o.step()
+        for p, w in zip(model.parameters(), want):
+            torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-5)
+    for o in opts:
+        o.close()
+    third = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    assert third._own_comm is None
+    third.close()
