@@ -48,7 +48,12 @@ def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = Non
     with torch.no_grad():
         for t in tensors:
             data = t.data if isinstance(t, torch.nn.Parameter) else t
-            comm.Bcast(_as_numpy(data), root=root_rank)
+            if data.device.type == "cpu":
+                comm.Bcast(_as_numpy(data), root=root_rank)
+            else:  # a model already on its GPU: through host memory (numpy() refused it on every rank)
+                host = data.cpu()
+                comm.Bcast(_as_numpy(host), root=root_rank)
+                data.copy_(host)
 
 
 # numpy scalars in an optimizer's settings (a rate from np.linspace): allowed besides weights_only's own types

@@ -31,3 +31,17 @@ def test_a_resumed_gpu_run_with_qsgd_ends_where_the_unbroken_one_does(tmp_path_f
         assert all("cuda_rng" in r for r in b["ranks"])
         for k in a["model"]:
             torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast_parameters_of_a_model_on_its_gpu():
+    """numpy() refused a CUDA tensor on every rank: the model already on its
+    GPU, as DistributedOptimizer's example has it, takes root's values."""
+    from hpcjobs.training import broadcast_parameters
+
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(comm.rank)  # every rank its own values
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)).cuda()
+    broadcast_parameters(model.state_dict(), root_rank=0)
+    mine = torch.cat([t.detach().float().reshape(-1).cpu() for t in model.state_dict().values()])
+    torch.testing.assert_close(mine, comm.bcast(mine, root=0), rtol=0, atol=0)
