@@ -4,7 +4,8 @@ Datasets (:data:`DATASETS`):
 
 - ``mnist1d`` -- MNIST-1D (Greydanus 2020), *generated* offline with
   ``mnist1d.data.make_dataset`` for any sample count and seed (its
-  ``get_dataset`` downloads by default and is never called). Generation is
+  ``get_dataset`` downloads by default and is never called;
+  :mod:`~hpcjobs.training.mnist1d_cache`). Generation is
   slow (~9 s per 40,000 samples), so rank 0 writes it once to the cache
   directory as ``.npy`` files and every rank memory-maps them.
 - ``digits`` -- scikit-learn's 8x8 digits (1,797 images, shipped with it).
@@ -18,7 +19,7 @@ Datasets (:data:`DATASETS`):
   and the next byte at each position as its targets: hpcjobs' own source,
   or every file under ``data_dir`` (:mod:`hpcjobs.training.text`).
 
-Sharding: every epoch one permutation of the training set is drawn from
+Sharding (:mod:`~hpcjobs.training.sharding`): every epoch one permutation of the training set is drawn from
 ``(seed, epoch)`` -- the same on every rank, no communication. Step ``s``
 uses global batch ``perm[s*B:(s+1)*B]`` with ``B = P*b``; rank ``r`` takes
 its ``b`` samples ``[r*b:(r+1)*b]`` of it, so the ranks together see exactly
@@ -32,18 +33,18 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import text
+from . import mnist1d_cache, text
+from .mnist1d_cache import check_samples as check_mnist1d_samples, default_cache_dir
+from .sharding import eval_shard, rank_batches, steps_per_epoch
 
 __all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx",
-           "default_cache_dir", "rank_batches", "steps_per_epoch", "eval_shard"]
+           "default_cache_dir", "rank_batches", "steps_per_epoch", "eval_shard", "check_mnist1d_samples"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
 SIZED, SEEDED = ("mnist1d", "synthetic", "text"), ("mnist1d", "synthetic", "digits")  # what num_samples, seed take
@@ -120,14 +121,6 @@ class Dataset:
         if self.mean != 0.0 or self.std != 1.0:
             x = (x - np.float32(self.mean)) / np.float32(self.std)
         return x, split.y.take(index).astype(np.int64)
-
-
-def default_cache_dir() -> Path:
-    """``$HPCJOBS_DATA_DIR``, else ``$XDG_CACHE_HOME/hpcjobs`` (``~/.cache/hpcjobs``)."""
-    if os.environ.get("HPCJOBS_DATA_DIR"):
-        return Path(os.environ["HPCJOBS_DATA_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hpcjobs"
 
 
 # --- readers ---------------------------------------------------------------
@@ -246,73 +239,10 @@ def _synthetic(num_samples: int, seed: int, features: int = 64, classes: int = 1
     return Dataset("synthetic", Split(Rows(x[:cut]), Rows(y[:cut])), Split(Rows(x[cut:]), Rows(y[cut:])), classes)
 
 
-def _mnist1d_dir(cache_dir: Path, num_samples: int, seed: int) -> Path:
-    return cache_dir / f"mnist1d-n{num_samples}-seed{seed}"
-
-
-def _generate_mnist1d(target: Path, num_samples: int, seed: int) -> None:
-    """Make MNIST-1D offline and write it atomically (a temp dir renamed)."""
-    import random
-
-    from mnist1d.data import get_dataset_args, make_dataset
-
-    args = get_dataset_args()
-    args.num_samples = num_samples
-    args.seed = seed
-    # make_dataset seeds the global random and numpy generators; put them back.
-    saved = random.getstate(), np.random.get_state()
-    try:
-        data = make_dataset(args)
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # a folder of its own (a pid alone was another job's, or a killed one's, on a shared file system), its
-    # files on the disk before the rename (a crash left empty ones that every later job trusted), and gone
-    # again where the write failed (a full disk left a partial copy per attempt)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        for key in ("x", "y", "x_test", "y_test"):
-            arr = data[key].astype(np.float32 if key.startswith("x") else np.int64)
-            with open(tmp / f"{key}.npy", "wb") as f:
-                np.save(f, arr)
-                f.flush()
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o755)  # (mkdtemp's 0o700: the cache is shared)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # (renamed: nothing there; another job's made first: ours)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def _mnist1d(cache_dir: Path, num_samples: int, seed: int) -> Dataset:
-    d = _mnist1d_dir(cache_dir, num_samples, seed)
-    try:
-        arr = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("x", "y", "x_test", "y_test")}
-        if len(arr["x"]) != len(arr["y"]) or len(arr["x_test"]) != len(arr["y_test"]) or not len(arr["x"]):
-            raise ValueError(f"{len(arr['x'])} training inputs and {len(arr['y'])} labels")
-    except (OSError, ValueError, EOFError) as e:  # numpy's own words named neither the file nor the way out
-        raise ValueError(f"{d}: a damaged MNIST-1D cache ({type(e).__name__}: {e}); remove the folder and it is "
-                         "made again") from None
+    arr = mnist1d_cache.arrays(mnist1d_cache.folder(cache_dir, num_samples, seed))
     return Dataset("mnist1d", Split(Rows(arr["x"]), Rows(arr["y"])),
                    Split(Rows(arr["x_test"]), Rows(arr["y_test"])), 10)
-
-
-def check_mnist1d_samples(name: str, num_samples: int | None) -> None:
-    """MNIST-1D makes num_samples // 10 samples of each digit: another
-    count was rounded down without a word (100 to 109 made one dataset, in
-    ten caches)."""
-    if name == "mnist1d" and num_samples is not None and num_samples % 10:
-        raise ValueError(f"mnist1d makes num_samples / 10 samples of each digit: give a multiple of 10 "
-                         f"({num_samples} would make {num_samples // 10 * 10})")
 
 
 def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = None,
@@ -399,12 +329,12 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
         return _mnist(Path(data_dir)) if name == "mnist" else _cifar10(Path(data_dir))
     cache = Path(data_dir) if data_dir is not None else default_cache_dir()
     n = num_samples or DEFAULT_SAMPLES["mnist1d"]
-    target = _mnist1d_dir(cache, n, seed)
+    target = mnist1d_cache.folder(cache, n, seed)
     error = None
     if comm is None or comm.Get_rank() == 0:
         try:  # the look too: rank 0 must reach the bcast below whatever fails
             if not target.exists():
-                _generate_mnist1d(target, n, seed)
+                mnist1d_cache.generate(target, n, seed)
         except Exception as e:  # told to every rank below, then raised
             error = f"generating MNIST-1D into {target} failed: {type(e).__name__}: {e}"
     if comm is not None:
@@ -412,39 +342,3 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
     if error:
         raise RuntimeError(error)
     return _mnist1d(cache, n, seed)
-
-
-# --- sharding --------------------------------------------------------------
-
-def steps_per_epoch(num_train: int, global_batch: int) -> int:
-    """Full global batches in one epoch (the partial last one is dropped)."""
-    if global_batch <= 0:
-        raise ValueError(f"global batch must be positive, got {global_batch}")
-    steps = num_train // global_batch
-    if steps == 0:
-        raise ValueError(f"global batch {global_batch} is larger than the training set ({num_train} samples)")
-    return steps
-
-
-def rank_batches(num_train: int, batch_per_rank: int, rank: int, size: int, epoch: int, seed: int) -> np.ndarray:
-    """This rank's sample indices for every step of ``epoch``: shape (steps, b).
-
-    One permutation from ``(seed, epoch)``, identical on all ranks, cut into
-    global batches of ``size * batch_per_rank``; rank ``rank`` takes slice
-    ``[rank*b:(rank+1)*b]`` of each.
-    """
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} not in [0, {size})")
-    global_batch = batch_per_rank * size
-    steps = steps_per_epoch(num_train, global_batch)
-    perm = np.random.default_rng([seed, epoch, 0xDA7A]).permutation(num_train)
-    batches = perm[: steps * global_batch].reshape(steps, size, batch_per_rank)
-    return np.ascontiguousarray(batches[:, rank, :])
-
-
-def eval_shard(num_test: int, rank: int, size: int) -> np.ndarray:
-    """A contiguous slice of the test set for ``rank``; together the ranks
-    cover every test sample exactly once."""
-    lo = num_test * rank // size
-    hi = num_test * (rank + 1) // size
-    return np.arange(lo, hi)
