@@ -7,64 +7,97 @@ thread of their own during backward, and on one communicator their
 collectives met the other's: wrong averages that differed by rank, an
 IndexError, or a hang. So an optimizer made while another one not closed
 reduces on that communicator gets a duplicate of its own, which its
-``close()`` frees.
+``close()`` frees. Two threads in MPI at once need ``MPI_THREAD_MULTIPLE``;
+below it the second optimizer is refused (taking turns under a lock held
+across blocking collectives could deadlock: which thread takes it first
+differs by rank).
 
 Whether one is live is agreed over the user's communicator itself, never
-over one a thread may be reducing on: a dropped optimizer (its hooks make a
-cycle) is collected at different times on different ranks, so each rank
-collects first and the ranks take the OR. Below ``MPI_THREAD_MULTIPLE``
-only one thread may be in MPI at once: :data:`THREADS` takes the
-optimizers' threads one at a time there.
+over one a thread may be reducing on, after a collection on each rank: a
+dropped optimizer is collected at different times on different ranks. Its
+hooks and its thread hold it weakly (:func:`weakly`, :func:`serve`), so a
+dropped one is collected at all: its hooks are removed and its thread ends
+(:func:`dropped`).
 """
 
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 
 from mpi4py import MPI
 
 from ..comm import private
 
-__all__ = ["THREADS", "communicator"]
+__all__ = ["communicator", "weakly", "serve", "dropped"]
 
-
-class _Serial:
-    """A lock below MPI_THREAD_MULTIPLE, a no-op above it."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._needed: bool | None = None
-
-    def __enter__(self):
-        if self._needed is None:
-            self._needed = MPI.Query_thread() < MPI.THREAD_MULTIPLE
-        if self._needed:
-            self._lock.acquire()
-
-    def __exit__(self, *exc):
-        if self._needed:
-            self._lock.release()
-        return False
-
-
-THREADS = _Serial()
 _LIVE: dict[int, weakref.WeakSet] = {}  # id of a private communicator -> the optimizers made on it
 
 
 def communicator(owner, comm: MPI.Comm | None) -> tuple[MPI.Comm, MPI.Intracomm, MPI.Comm | None]:
     """``(user communicator, private communicator, own duplicate or None)``
     for the optimizer ``owner`` (collective over ``comm``; None:
-    COMM_WORLD). ``owner`` has a ``_closed`` flag, True once closed."""
+    COMM_WORLD). ``owner`` has a ``_closed`` flag, True once closed.
+
+    Raises:
+        ValueError: another optimizer is live there and this MPI gives less
+            than MPI_THREAD_MULTIPLE (on every rank alike).
+    """
     comm = comm if comm is not None else MPI.COMM_WORLD
     shared = private(comm)  # collective: done here, never first on the thread
     live = _LIVE.setdefault(id(shared), weakref.WeakSet())
     if any(not o._closed for o in live):  # one dropped but not yet collected
         gc.collect()
     busy = comm.allreduce(any(not o._closed for o in live), op=MPI.LOR)
-    live.add(owner)
     if not busy:
+        live.add(owner)
         return comm, shared, None
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ValueError("another DistributedOptimizer on this communicator is not closed, and two reducing at "
+                         f"once need MPI_THREAD_MULTIPLE (this MPI gives level {MPI.Query_thread()}): close() the "
+                         "other first")
+    live.add(owner)
     own = comm.Dup()
     return own, private(own), own
+
+
+def weakly(owner, name: str):
+    """A function calling ``owner.<name>(*args)`` while ``owner`` lives, and
+    doing nothing after (a gradient hook that does not keep it alive)."""
+    ref = weakref.ref(owner)
+
+    def call(*args):
+        o = ref()
+        return None if o is None else getattr(o, name)(*args)
+
+    return call
+
+
+def serve(ref, q) -> None:
+    """The communication thread: reduce each bucket ``q`` gives it with the
+    optimizer ``ref()`` (held only while it reduces), until None."""
+    while True:
+        bucket = q.get()
+        if bucket is None:
+            return
+        owner = ref()
+        try:
+            if owner is not None and owner._error is None:
+                owner._reduce(bucket)
+        except BaseException as e:  # handed to the main thread in synchronize()
+            owner._error = e
+        finally:
+            bucket.done.set()
+            owner = None
+
+
+def _end(handles: list, q) -> None:
+    for h in handles:
+        h.remove()
+    q.put(None)
+
+
+def dropped(owner, handles: list, q) -> None:
+    """Once ``owner`` is collected without ``close()``: remove its hooks
+    (``handles``) and end its thread (``q``)."""
+    weakref.finalize(owner, _end, handles, q)

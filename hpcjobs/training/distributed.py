@@ -60,6 +60,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 
 import torch
 from mpi4py import MPI
@@ -69,7 +70,7 @@ from ..collectives.counting import counted_allreduce
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
 from .buckets import Bucket, check_layout, layout
-from .communicators import THREADS, communicator
+from .communicators import communicator, dropped, serve, weakly
 from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 
@@ -200,10 +201,11 @@ class DistributedOptimizer(OptimizerState):
             for pos, slot in enumerate(b.slots):
                 self._slot_of[id(slot.param)] = (b, pos)
                 self._passes[id(slot.param)] = 0
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(self._hook))
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(weakly(self, "_hook")))
         self._next = 0  # the next bucket to launch, the same sequence on every rank
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        dropped(self, self._handles, self._queue)  # collected without close(): the hooks go, the thread ends
         self._error: BaseException | None = None
         self._step = 0  # reductions done: random-k's and PowerSGD's step, checkpointed
         self._synced = False  # synchronize() ran and no gradient has arrived since: step() does not again
@@ -248,23 +250,9 @@ class DistributedOptimizer(OptimizerState):
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._serve, name="hpcjobs-allreduce", daemon=True)
+            self._thread = threading.Thread(target=serve, args=(weakref.ref(self), self._queue),
+                                            name="hpcjobs-allreduce", daemon=True)
             self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            bucket = self._queue.get()
-            if bucket is None:
-                return
-            try:
-                if self._error is None:
-                    with THREADS:  # (below MPI_THREAD_MULTIPLE another optimizer's thread must wait)
-                        self._reduce(bucket)
-            except BaseException as e:  # handed to the main thread in synchronize()
-                self._error = e
-            finally:
-                bucket.done.set()
 
     def _reduce(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()

@@ -476,6 +476,21 @@ def test_two_optimizers_on_one_model_each_reduce_on_a_communicator_of_their_own(
             torch.testing.assert_close(p.grad, w, rtol=1e-5, atol=1e-5)
     for o in opts:
         o.close()
-    third = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    third = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters(),
+                                 overlap="thread")
     assert third._own_comm is None
-    third.close()
+    third.zero_grad()
+    model(torch.ones(2, 64)).sum().backward()
+    third.step()
+    # dropped without close(), after its thread ran: its hooks and its thread held it, so every later optimizer
+    # made a communicator of its own; now it is collected, its hooks go and its thread ends
+    thread, del_hooks = third._thread, len(third._handles)
+    del third
+    fourth = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model.named_parameters())
+    assert fourth._own_comm is None and del_hooks == 12
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    fourth.zero_grad()
+    model(torch.ones(2, 64)).sum().backward()  # the dropped one's hooks are gone: no "computed 2 times"
+    fourth.step()
+    fourth.close()
