@@ -26,6 +26,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -143,10 +144,12 @@ def _remove_leftovers(path: Path) -> None:
     (atomic_write's ``.NAME.PID.HEX.tmp``, of a process no longer here): a
     requeued job killed as it wrote left one the size of a checkpoint each
     time, for good."""
+    ours = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")  # (not c.pt.10's, of c.pt)
     for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2:].split(".")[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        m = ours.fullmatch(tmp.name)
+        if not m or int(m.group(1)) == os.getpid():
             continue
+        pid = m.group(1)
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
@@ -242,14 +245,19 @@ def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: l
     from .ps_common import SLOW_CKPT_ENV
 
     with guard("checkpoint_write", comm):
-        ranks = comm.gather(mine, root=0)
+        ranks, error = comm.gather(mine, root=0), None
         if comm.Get_rank() == 0:
-            if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
-                print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s ({SLOW_CKPT_ENV})",
-                      file=sys.stderr, flush=True)
-                time.sleep(float(os.environ[SLOW_CKPT_ENV]))
-            _save(cfg, model_state, inner, history, epoch, step, ranks, scaler)
-        comm.Barrier()
+            try:
+                if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
+                    print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s "
+                          f"({SLOW_CKPT_ENV})", file=sys.stderr, flush=True)
+                    time.sleep(float(os.environ[SLOW_CKPT_ENV]))
+                _save(cfg, model_state, inner, history, epoch, step, ranks, scaler)
+            except Exception as e:  # noqa: BLE001 -- a full disk: said on every rank, not rank 0 alone
+                error = f"{type(e).__name__}: {e}"
+        error = comm.bcast(error, root=0)
+    if error:
+        raise CheckpointError(f"writing the checkpoint {cfg.checkpoint} failed on rank 0: {error}")
 
 
 def _save(cfg: TrainConfig, model_state: dict, inner, history: list[dict], epoch: int, step: int, ranks: list,
@@ -345,8 +353,8 @@ def _warn_schedule_changes(cfg: TrainConfig, old: dict, defaults: dict, size: in
     new = config_dict(cfg)
     old = dict(old)
     for d in (old, new):
-        if d.get("base_batch") is None:
-            d["base_batch"] = cfg.global_batch(size)
+        if d.get("base_batch") is None:  # the batch the mode scales its rate to (async: one worker's)
+            d["base_batch"] = cfg.global_batch(cfg.scheduled_ranks(size))
     decays = {old.get("decay", defaults["decay"]), cfg.decay}
     unused = {"gamma": "step" not in decays, "milestones": "step" not in decays, "final_lr": "cosine" not in decays,
               "epochs": "cosine" not in decays,

@@ -146,6 +146,15 @@ class TrainConfig:
         """EASGD's alpha: ``elastic_alpha``, or 0.9 / workers (Zhang et al.'s beta = W alpha = 0.9)."""
         return self.elastic_alpha or 0.9 / workers
 
+    def scheduled_ranks(self, size: int) -> int:
+        """The ranks whose batch the learning rate is scaled to, in a run of
+        ``size``: every rank (sync, local, easgd), one worker's (async and
+        hogwild update with one worker's gradient), or the workers' (async
+        EASGD, beside its servers)."""
+        if self.mode in ("async", "hogwild"):
+            return 1
+        return size - self.servers if self.mode == "easgd" and self.easgd_form == "async" else size
+
     def global_batch(self, size: int) -> int:
         return self.batch_per_rank * self.backward_passes_per_step * size
 

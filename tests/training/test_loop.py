@@ -351,6 +351,23 @@ def test_a_default_given_as_its_value_on_resume_is_the_same_run(tmp_path_factory
         train(cfg(epochs=3, resume=True, **{**run, "width": 128}), comm)
 
 
+@pytest.mark.parametrize("mode,extra,size,same", [
+    ("sync", {}, 4, 32), ("local", {"local_steps": 2}, 4, 32),  # every rank's batch of 8
+    ("async", {}, 5, 8), ("hogwild", {}, 4, 8),  # one worker's
+    ("easgd", {"easgd_form": "async", "local_steps": 2, "servers": 1}, 5, 32),  # the 4 workers'
+])
+def test_a_base_batch_left_out_is_the_batch_the_mode_scales_to(mode, extra, size, same, capsys):
+    """Given on resume as that batch, nothing is said; as another, it is.
+    The asynchronous modes scale to one worker's batch: the global batch
+    stood in for theirs, and a real change of rate went unsaid."""
+    saved = checkpoint.config_dict(cfg(mode=mode, batch_per_rank=8, **extra))
+    defaults = checkpoint.config_dict(TrainConfig())
+    for base, warned in ((same, False), (same * 2, True)):
+        checkpoint._warn_schedule_changes(cfg(mode=mode, batch_per_rank=8, base_batch=base, **extra), saved,
+                                          defaults, size)
+        assert (f"another schedule (base_batch {same} -> {base})" in capsys.readouterr().err) == warned, base
+
+
 @pytest.mark.mpi(min_size=2)
 def test_resuming_on_other_ranks_says_so_before_the_batch_it_changes(tmp_path_factory):
     """A global batch kept on fewer ranks is another per-rank batch: the
@@ -403,11 +420,12 @@ def test_a_write_killed_part_way_leaves_no_temp_file_after_the_next(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
     alive = os.getppid()
-    for name in (f".x.pt.{dead}.0a1b2c3d.tmp", f".x.pt.{alive}.0a1b2c3d.tmp", f".y.pt.{dead}.0a1b2c3d.tmp"):
+    others = [f".x.pt.{alive}.0a1b2c3d.tmp", f".y.pt.{dead}.0a1b2c3d.tmp",
+              f".x.pt.10.{dead}.0a1b2c3d.tmp"]  # (x.pt.10's, whose name begins as x.pt's do)
+    for name in [f".x.pt.{dead}.0a1b2c3d.tmp", *others]:
         (tmp_path / name).write_bytes(b"partial")
     save_checkpoint(tmp_path / "x.pt", {"version": CHECKPOINT_VERSION, "model": {"w": torch.ones(2)}})
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f".x.pt.{alive}.0a1b2c3d.tmp", f".y.pt.{dead}.0a1b2c3d.tmp", "x.pt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*others, "x.pt"])
 
 
 def test_a_global_batch_larger_than_the_data_is_a_clear_error():

@@ -343,3 +343,17 @@ def test_a_stalled_checkpoint_write_is_named_by_the_watchdog(tmp_path, every):
     assert out.returncode != 0, out.stderr[-3000:]
     assert re.search(r"rank \d: checkpoint_write \(call #\d+\) did not complete within 3 s", out.stderr), \
         out.stderr[-3000:]
+
+
+def test_a_checkpoint_write_that_fails_on_rank_0_fails_every_rank_at_once(tmp_path):
+    """A full disk on rank 0: the others waited for its write until the
+    watchdog, and the cause was on rank 0's stderr alone."""
+    from launch import mpirun
+
+    ckpt = tmp_path / "c.pt"
+    ckpt.symlink_to("/proc/no-such-folder/c.pt")  # written through: its temp file cannot be made there
+    out = mpirun(2, "train", "--dataset", "synthetic", "--num-samples", "400", "--width", "16", "-b", "8",
+                 "--epochs", "1", "--no-progress", "-q", "--checkpoint", str(ckpt), env={"HPCJOBS_TIMEOUT": "60"},
+                 timeout=60)
+    assert out.returncode != 0 and "did not complete within" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.count(f"writing the checkpoint {ckpt} failed on rank 0") == 2, out.stderr[-3000:]
