@@ -156,12 +156,13 @@ _warned: set = set()
 
 
 def _warn_no_contraction(compressor, n: int) -> None:
-    """Once per compressor and size class: error feedback needs a
-    contraction (Stich et al. 2018; Karimireddy et al. 2019), and a
-    compressor that says where it is none (QSGD above levels² entries)
-    gets its words said, for a residual that can grow without bound."""
+    """Once per compressor (its first tensor where it is none): error
+    feedback needs a contraction (Stich et al. 2018; Karimireddy et al.
+    2019), and a compressor that says where it is none (QSGD above levels²
+    entries) gets its words said, for a residual that can grow without
+    bound."""
     note = getattr(compressor, "feedback_note", None)
-    said = note(n) if note is not None else None
-    if said and said not in _warned:
-        _warned.add(said)
+    said = note(n) if note is not None and repr(compressor) not in _warned else None
+    if said:
+        _warned.add(repr(compressor))
         print(f"hpcjobs: warning: {said}", file=sys.stderr, flush=True)
