@@ -12,14 +12,16 @@ exception on the way removes it and leaves the target as it was.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import re
 import secrets
 import stat
 import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "is_stream", "write_text"]
+__all__ = ["atomic_write", "is_stream", "write_text", "remove_leftovers", "fsync_dir"]
 
 
 @contextlib.contextmanager
@@ -56,7 +58,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
         return
     path = Path(path).resolve()
     # a name of its own, made here and nowhere else: created exclusively, never through a link
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # (remove_leftovers reads it)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
         try:
@@ -76,11 +78,36 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", *, durable: bool = Fa
         tmp.unlink(missing_ok=True)
         raise
     if durable:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Flush ``folder``'s entries (a rename into it) to the disk."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def remove_leftovers(path: str | os.PathLike) -> None:
+    """Remove the temp files :func:`atomic_write` left beside ``path`` when
+    a kill cut its write short (``.NAME.PID.HEX.tmp`` of a process no longer
+    here; another ``NAME.x``'s and a live process's stay): a requeued job
+    killed as it wrote its checkpoint left one the size of a checkpoint each
+    time, for good."""
+    path = Path(path)
+    ours = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        m = ours.fullmatch(tmp.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # alive (another user's): left
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

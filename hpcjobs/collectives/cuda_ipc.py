@@ -364,9 +364,12 @@ def _phases(dflat: DeviceFlat, op: str | None, comm: MPI.Intracomm, gather: bool
                     t[b[q]:b[q + 1]].copy_(peers[q][b[q]:b[q + 1]])
 
 
+HOST_BUFFER = "cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)"
+
+
 def _device_flat(flat) -> DeviceFlat:
     if not isinstance(flat, DeviceFlat):
-        raise ValueError("cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)")
+        raise ValueError(HOST_BUFFER)
     return flat
 
 

@@ -122,8 +122,7 @@ def _device_only(buf, op: str, comm) -> None:
     """cuda_ipc's refusal of a host buffer, on every rank (:func:`refuse`)
     and on one rank too, where the step itself never runs."""
     if not is_device_buffer(buf):
-        refuse(buf, op, comm, "cuda_ipc_allreduce",
-               ValueError("cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)"))
+        refuse(buf, op, comm, "cuda_ipc_allreduce", ValueError(cuda_ipc.HOST_BUFFER))
 
 
 # auto's step on either kind of buffer, the registries bound: a partial, so

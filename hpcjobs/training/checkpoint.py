@@ -23,17 +23,15 @@ Hogwild!'s is its one vector; the parameter server's
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .._files import atomic_write
+from .._files import atomic_write, remove_leftovers
 from .config import TrainConfig
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read",
@@ -41,6 +39,8 @@ __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_che
            "metrics_size"]
 
 CHECKPOINT_VERSION = 2  # 2: every rank's own state under "ranks"
+# "SECONDS": each checkpoint's write takes that much longer (tests: a slow file system)
+SLOW_CKPT_ENV = "HPCJOBS_FAULT_SLOW_CHECKPOINT"
 # A resumed run must be the same experiment: these fields may not change. The optimizer's own settings
 # among them: its saved state_dict brings back the saved ones, and a changed flag would be silently ignored.
 _RESUME_KEYS = ("model", "width", "batch_norm", "dataset", "num_samples", "data_seed", "seed", "batch_per_rank",
@@ -134,28 +134,13 @@ def save_checkpoint(path: str | os.PathLike, state: dict) -> None:
     (:func:`~hpcjobs._files.atomic_write`, durable: the file and its directory are flushed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path)
+    if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
+        print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s ({SLOW_CKPT_ENV})",
+              file=sys.stderr, flush=True)
+        time.sleep(float(os.environ[SLOW_CKPT_ENV]))
+    remove_leftovers(path)  # a write a kill cut short left its temp file
     with atomic_write(path, "wb", durable=True) as f:
         torch.save(state, f)
-
-
-def _remove_leftovers(path: Path) -> None:
-    """The temp files of writes to ``path`` that a kill cut short
-    (atomic_write's ``.NAME.PID.HEX.tmp``, of a process no longer here): a
-    requeued job killed as it wrote left one the size of a checkpoint each
-    time, for good."""
-    ours = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")  # (not c.pt.10's, of c.pt)
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        m = ours.fullmatch(tmp.name)
-        if not m or int(m.group(1)) == os.getpid():
-            continue
-        pid = m.group(1)
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # alive (another user's): left
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -242,16 +227,11 @@ def gather_and_save(cfg: TrainConfig, comm, model_state: dict, inner, history: l
     the next step's allreduce, where a long write ended the job as a rank
     missing from it, and at an epoch's end a stalled write was never said."""
     from ..collectives.watchdog import guard
-    from .ps_common import SLOW_CKPT_ENV
 
     with guard("checkpoint_write", comm):
         ranks, error = comm.gather(mine, root=0), None
         if comm.Get_rank() == 0:
             try:
-                if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
-                    print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s "
-                          f"({SLOW_CKPT_ENV})", file=sys.stderr, flush=True)
-                    time.sleep(float(os.environ[SLOW_CKPT_ENV]))
                 _save(cfg, model_state, inner, history, epoch, step, ranks, scaler)
             except Exception as e:  # noqa: BLE001 -- a full disk: said on every rank, not rank 0 alone
                 error = f"{type(e).__name__}: {e}"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._files import fsync_dir
+
 __all__ = ["default_cache_dir", "folder", "generate", "arrays", "check_samples"]
 
 
@@ -67,11 +69,7 @@ def generate(target: Path, num_samples: int, seed: int) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # (renamed: nothing there; another job's made first: ours)
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_dir(target.parent)
 
 
 def arrays(d: Path) -> dict:

@@ -46,7 +46,7 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
-from .ps_common import SLOW_CKPT_ENV, TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
+from .ps_common import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import Stopped
 
 __all__ = ["at_pause", "due", "go_on", "position", "read", "server_state", "load_server", "write", "worker_state"]
@@ -146,7 +146,6 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
     ``trim``: a resumed run cuts the metrics file back to where it ends now.
     Nothing is written where a parameter is not finite (a run that
     diverged): the last checkpoint stays, as in sync. Returns whether it was."""
-    import os
     import sys
 
     for k, state in enumerate(states):
@@ -162,10 +161,6 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
         center = {"params": ctx.flat.clone(), "optimizer": None, "clock": ctx.elastic_step(states[0]["version"])}
         for w in range(ctx.workers):
             ranks[ctx.servers + w].update(workers.get(w, center))
-    if os.environ.get(SLOW_CKPT_ENV):  # the tests' slow file system
-        print(f"hpcjobs: fault: the checkpoint's write held {os.environ[SLOW_CKPT_ENV]} s ({SLOW_CKPT_ENV})",
-              file=sys.stderr, flush=True)
-        time.sleep(float(os.environ[SLOW_CKPT_ENV]))
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
         "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},

@@ -36,8 +36,6 @@ FAULT_ENV = "HPCJOBS_FAULT_KILL"  # "RANK:COUNT": that rank SIGKILLs itself afte
 # heartbeats) -- the tests' stand-in for a pull held behind a slow or lost worker, on one server only
 HOLD_ENV = "HPCJOBS_FAULT_HOLD"
 SLOW_TEST_ENV = "HPCJOBS_FAULT_SLOW_TEST"  # "SECONDS": server 0 takes that much longer over each test batch (tests)
-# "SECONDS": server 0 (synchronous modes: rank 0) takes that much longer over each checkpoint (tests)
-SLOW_CKPT_ENV = "HPCJOBS_FAULT_SLOW_CHECKPOINT"
 
 
 class PeerLost(RuntimeError):
