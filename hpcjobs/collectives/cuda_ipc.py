@@ -105,6 +105,7 @@ except ValueError:
                  ">= 0 (0: no one-shot)")
 _MIN_BYTES = 1 << 20
 SYNC_MODES = ("events", "host")
+HOST_BUFFER = "cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)"
 
 
 class IpcUnavailable(RuntimeError):
@@ -362,9 +363,6 @@ def _phases(dflat: DeviceFlat, op: str | None, comm: MPI.Intracomm, gather: bool
             for q in range(size):
                 if q != rank and b[q + 1] > b[q]:
                     t[b[q]:b[q + 1]].copy_(peers[q][b[q]:b[q + 1]])
-
-
-HOST_BUFFER = "cuda_ipc reduces CUDA tensors; this buffer is in host memory (use shm or auto)"
 
 
 def _device_flat(flat) -> DeviceFlat:
