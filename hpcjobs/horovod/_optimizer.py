@@ -196,6 +196,8 @@ class _EngineReducer(_Engine):
             super()._hook(param)
         finally:
             param.grad = grad
+            bucket, pos = self._slot_of[id(param)]
+            bucket.seen.pop(pos, None)  # (.grad is the sparse one again: not a change of the user's)
 
     def synchronize(self) -> None:
         held, self.held = self.held, {}
@@ -320,8 +322,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ValueError: ``process_set`` is not registered.
     """
     ranks_of(process_set)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, _Engine):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer (not hpcjobs' DistributedOptimizer), "
+                        f"got {type(optimizer).__name__}")
     op = reduce_op(op, None)
     if op not in (Average, Sum):
         raise ValueError("hvd.DistributedOptimizer reduces gradients with op=hvd.Average or op=hvd.Sum")

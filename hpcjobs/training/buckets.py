@@ -26,7 +26,15 @@ from mpi4py import MPI
 
 from ..comm import agree, signature
 
-__all__ = ["Slot", "Bucket", "layout", "check_layout"]
+__all__ = ["Slot", "Bucket", "layout", "check_layout", "changed_grads"]
+
+
+PROBES = 8  # values of each gradient compared before it is overwritten with the average (Bucket.edited)
+# what synchronize() raises where .grad changed after it was copied in (Bucket.edited)
+EDITED = ("the gradient of {names} changed between backward and step() (a GradScaler's unscale_, which "
+          "scaler.step(opt) calls, or clip_grad_norm_?); the average was taken of the gradients backward made and "
+          "would overwrite the change. Change the averages instead: call opt.synchronize() after backward, then "
+          "unscale or clip, then opt.step() or scaler.step(opt), which reduce no second time (docs/training.md)")
 
 
 @dataclass
@@ -37,6 +45,12 @@ class Slot:
     param: torch.Tensor
     offset: int
     numel: int
+    probe: torch.Tensor | None = None  # PROBES evenly spaced positions, whose values tell a change (Bucket.edited)
+
+    def __post_init__(self):
+        if self.probe is None:
+            count = min(self.numel, PROBES)
+            self.probe = torch.linspace(0, max(self.numel - 1, 0), count, device=self.param.device).round().long()
 
 
 @dataclass
@@ -49,6 +63,7 @@ class Bucket:
     done: threading.Event = field(default_factory=threading.Event)  # reduced (the communication thread's)
     copied: list = field(default_factory=list)  # CUDA events: the copies in, on their streams
     reduced: object = None  # CUDA event: the reduction, on the reducing thread's stream
+    seen: dict = field(default_factory=dict)  # slot position -> (its .grad when copied in, version, probed values)
 
     def view(self, slot: Slot) -> torch.Tensor:
         return self.buffer[slot.offset:slot.offset + slot.numel]
@@ -59,6 +74,7 @@ class Bucket:
         self.done.clear()
         self.copied.clear()
         self.reduced = None
+        self.seen.clear()
 
     def _event(self):
         """A CUDA event recorded on this thread's current stream (None on the CPU)."""
@@ -71,7 +87,10 @@ class Bucket:
     def fill(self, pos: int) -> None:
         """Copy slot ``pos``'s gradient in; it has arrived."""
         slot = self.slots[pos]
-        self.view(slot).copy_(slot.param.grad.reshape(-1))
+        grad = slot.param.grad
+        flat = grad.reshape(-1)
+        self.view(slot).copy_(flat)
+        self.seen[pos] = (grad, grad._version, flat[slot.probe])
         self.pending.discard(pos)
         if self.buffer.is_cuda:
             self.copied.append(self._event())
@@ -113,6 +132,21 @@ class Bucket:
                 self.fill(pos)
         self.pending.clear()
 
+    def edited(self) -> tuple[list[str], list[tuple[str, torch.Tensor, torch.Tensor]]]:
+        """What changed ``.grad`` since it was copied in: the names of those
+        replaced or changed in place as torch counts (``_version``), and for
+        the rest each one's probed values then and now, as bytes (bitwise:
+        a NaN equals itself). GradScaler's ``unscale_`` and a write through
+        ``.data`` are not counted; their change shows in the probes."""
+        counted, probes = [], []
+        for pos, (grad, version, then) in self.seen.items():
+            slot = self.slots[pos]
+            if slot.param.grad is not grad or grad._version != version:
+                counted.append(slot.name)
+            else:
+                probes.append((slot.name, then.view(torch.uint8), grad.reshape(-1)[slot.probe].view(torch.uint8)))
+        return counted, probes
+
     def unpack(self) -> None:
         """Copy the reduced values back into every parameter's ``.grad``."""
         if self.reduced is not None:
@@ -140,6 +174,21 @@ class Bucket:
         if torch.isfinite(self.buffer).all():
             return []
         return [s.name for s in self.slots if not torch.isfinite(self.view(s)).all()]
+
+
+def changed_grads(buckets: list[Bucket]) -> list[str]:
+    """The parameters whose ``.grad`` changed since backward copied it in (:meth:`Bucket.edited`): one
+    comparison per device of every gradient's probed values (one wait for a GPU, not one per tensor)."""
+    names, by_device = [], {}
+    for bucket in buckets:
+        counted, probes = bucket.edited()
+        names += counted
+        for probe in probes:
+            by_device.setdefault(probe[1].device, []).append(probe)
+    for probes in by_device.values():
+        if not torch.equal(torch.cat([then for _, then, _ in probes]), torch.cat([now for _, _, now in probes])):
+            names += [name for name, then, now in probes if not torch.equal(then, now)]
+    return names
 
 
 def layout(named: list[tuple[str, torch.Tensor]], fusion_bytes: int, fused: bool = True) -> list[Bucket]:

@@ -26,7 +26,9 @@ How it works, per step:
    whatever order the hooks fire in. ``overlap="none"`` instead reduces every bucket in ``step()`` after
    backward (``hpcjobs bench train`` measures both).
 4. **Step.** ``step()`` launches the buckets whose gradients never arrived (unused parameters contribute zeros),
-   waits for all, copies the averages back into ``.grad`` and calls the wrapped optimizer.
+   waits for all, raises where a ``.grad`` changed since it was copied in (a clip or a GradScaler's unscale
+   that the averages would overwrite: :func:`~hpcjobs.training.buckets.changed_grads`; change the averages,
+   after :meth:`synchronize`), copies the averages back into ``.grad`` and calls the wrapped optimizer.
 
 On one rank without compression the gradients are their own average: nothing is copied or reduced (unused
 parameters still get zeros). With P ranks each on b samples and a loss averaged over its b samples, the averaged
@@ -69,7 +71,7 @@ from ..collectives import ALGORITHMS, MESSAGE_ALGORITHMS, allreduce
 from ..collectives.counting import counted_allreduce
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
-from .buckets import Bucket, check_layout, layout
+from .buckets import EDITED, Bucket, changed_grads, check_layout, layout
 from .communicators import communicator, dropped, serve, weakly
 from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
@@ -124,8 +126,9 @@ class DistributedOptimizer(OptimizerState):
                  algorithm: str = "auto", compression: Compressor | None = None, error_feedback: bool = False,
                  fusion_bytes: int = DEFAULT_FUSION_BYTES, backward_passes_per_step: int = 1,
                  overlap: str = "auto", nonfinite: str = "ignore", noise_scale: bool = False):
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerState):
+            raise TypeError("optimizer must be a torch.optim.Optimizer not yet wrapped, got "
+                            f"{type(optimizer).__name__}")
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose from auto, {', '.join(ALGORITHMS)}")
         if int(fusion_bytes) != fusion_bytes or fusion_bytes <= 0:
@@ -313,6 +316,12 @@ class DistributedOptimizer(OptimizerState):
             if self.memory is not None:
                 self.memory.discard()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
+        edited = changed_grads(self._buckets)
+        if edited:  # the averages would overwrite the change: a silent wrong step (GradScaler: 65,536x too far)
+            self._reset_buckets()
+            if self.memory is not None:
+                self.memory.discard()
+            raise RuntimeError(EDITED.format(names=", ".join(edited[:3]) + (", ..." if len(edited) > 3 else "")))
         if self.memory is not None:  # a step skipped as a whole counts for no bucket's residual
             self.memory.commit(self.skips_whole_steps)
         for bucket in self._buckets:

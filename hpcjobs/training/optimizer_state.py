@@ -1,16 +1,37 @@
 """What :class:`~hpcjobs.training.DistributedOptimizer` shows besides
 stepping: its counters, its compression state for checkpoints, the
 non-finite check of the averages, and the wrapped optimizer's fields as
-torch code expects of an optimizer."""
+torch code expects of an optimizer.
+
+It is a ``torch.optim.Optimizer`` (without that class's ``__init__``), so
+that what insists on one takes it: learning-rate schedulers
+(``torch.optim.lr_scheduler``, which count its ``step()``), a GradScaler.
+``param_groups``, ``state``, ``defaults``, ``state_dict()`` and
+``load_state_dict()`` are the wrapped optimizer's, as are the hooks
+registered through it (``register_step_pre_hook`` and the like: they run
+around the wrapped optimizer's step, on the averages, and are passed it).
+``add_param_group`` is refused (the new parameters would not be reduced), as
+are pickling and copying (hooks, a thread, a communicator)."""
 
 from __future__ import annotations
+
+import torch
 
 __all__ = ["OptimizerState"]
 
 
-class OptimizerState:
+class OptimizerState(torch.optim.Optimizer):
     """Mixed into DistributedOptimizer (``_buckets``, ``_alone``, ``_step``,
     ``_counted``, ``memory``, ``compression``, ``_optimizer`` are its)."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("add_param_group() on a DistributedOptimizer: its parameters are laid out in buckets "
+                           "when it is made and new ones would not be reduced; add the group to the optimizer "
+                           "before wrapping it")
+
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer cannot be pickled or copied (it holds hooks, a thread and a "
+                        "communicator): save its state_dict() and compression_state_dict()")
 
     def nonfinite_parameters(self) -> list[str]:
         """Names of the parameters whose averaged gradient (after
@@ -59,3 +80,10 @@ class OptimizerState:
     state = property(lambda self: self._optimizer.state)
     state_dict = property(lambda self: self._optimizer.state_dict)
     load_state_dict = property(lambda self: self._optimizer.load_state_dict)
+    defaults = property(lambda self: self._optimizer.defaults)
+    register_step_pre_hook = property(lambda self: self._optimizer.register_step_pre_hook)
+    register_step_post_hook = property(lambda self: self._optimizer.register_step_post_hook)
+    register_state_dict_pre_hook = property(lambda self: self._optimizer.register_state_dict_pre_hook)
+    register_state_dict_post_hook = property(lambda self: self._optimizer.register_state_dict_post_hook)
+    register_load_state_dict_pre_hook = property(lambda self: self._optimizer.register_load_state_dict_pre_hook)
+    register_load_state_dict_post_hook = property(lambda self: self._optimizer.register_load_state_dict_post_hook)
