@@ -54,6 +54,9 @@ def run(args) -> int:
         check_amp(args.amp, pick_device(args.device, comm))
     if not args.warmups or set(args.warmups) - set(WARMUPS):
         raise UsageError(f"--warmups takes a subset of {','.join(WARMUPS)}, got {','.join(args.warmups)}")
+    if args.warmup_epochs == 0 and set(args.warmups) & {"gradual", "constant"}:  # rows the same as none's
+        raise UsageError("--warmup-epochs 0 makes the gradual and constant warmups no warmup: give a length, or "
+                         "--warmups none")
     if args.min_batch > args.max_batch:
         raise UsageError("--min-batch must be <= --max-batch")
     if args.backward_passes_per_step != 1:
@@ -74,7 +77,7 @@ def run(args) -> int:
     if max(batches) > train_size:  # before the grid: steps_per_epoch would refuse it after the smaller batches ran
         raise UsageError(f"--max-batch {max(batches)} is larger than the {train_size} training samples: lower it or "
                          "give more --num-samples")
-    if args.warmup_epochs > args.epochs and set(args.warmups) & {"gradual", "constant"}:
+    if args.warmup_epochs >= args.epochs and set(args.warmups) & {"gradual", "constant"}:
         print0(f"# experiment large-batch: warning: {args.warmup_epochs:g} warmup epochs in a run of {args.epochs}: "
                "the warmup rows never reach their peak rate")
     check_outputs(comm, [("--out", args.out, True)])

@@ -106,7 +106,9 @@ def add_optim_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=nonnegative_float, default=DEFAULTS.momentum, help="default: %(default)s")
     g.add_argument("--weight-decay", type=nonnegative_float, default=DEFAULTS.weight_decay,
                    help="default: %(default)s")
-    g.add_argument("--no-decay-bn-bias", action="store_true", help="no weight decay on biases and BatchNorm")
+    g.add_argument("--no-decay-bn-bias", action="store_true",
+                   help="no weight decay on biases and normalization layers (every parameter of fewer than 2 dims: "
+                   "BatchNorm, LayerNorm); LARS also steps them without its trust ratio")
     g.add_argument("--trust-coefficient", type=positive_float, default=DEFAULTS.trust_coefficient,
                    help="LARS eta (default %(default)s)")
     g.add_argument("--warmup", choices=WARMUPS, default=DEFAULTS.warmup, help="default: %(default)s")

@@ -220,6 +220,13 @@ class TrainConfig:
             if not used and getattr(self, name) != defaults[name]:  # set, and ignored
                 raise ValueError(f"{name} is taken by {by} only: {self.optimizer} with decay {self.decay} would "
                                  "ignore it")
+        if self.warmup == "none" and self.warmup_epochs != defaults["warmup_epochs"]:  # set, and ignored
+            raise ValueError("warmup_epochs is the length of a gradual or constant warmup; warmup none has "
+                             "none: leave warmup_epochs out")
+        if not self.momentum_correction and (self.optimizer in ("adam", "adagrad", "adadelta") or not self.momentum):
+            keeps = self.optimizer if self.momentum else f"{self.optimizer} with momentum 0"
+            raise ValueError(f"momentum_correction rescales a momentum buffer when the rate changes; {keeps} keeps "
+                             "none: leave momentum_correction on")
         from .data import SEEDED, SIZED, check_mnist1d_samples
 
         check_mnist1d_samples(self.dataset, self.num_samples)

@@ -13,7 +13,7 @@ for large k. This command runs the same grid on MNIST-1D:
    train the same model for the same number of epochs with
    ``lr = --lr * B / --base-batch``, on all ranks of the job (per-rank batch
    ``B / P``);
-2. at ``B = base batch`` (k = 1) the three warmups are the same run, so it
+2. at ``B <= base batch`` (k <= 1) the three warmups are the same run, so it
    is run once per seed;
 3. report the final test error, mean and spread over seeds, as a Markdown
    table, a JSON-lines file of every epoch of every run, and plots: test
@@ -44,6 +44,8 @@ from .config import TrainConfig
 from .loop import train
 from .schedule import WARMUPS
 
+WARMUP_EPOCHS = TrainConfig.__dataclass_fields__["warmup_epochs"].default  # the runs without warmup keep it
+
 __all__ = ["batch_sizes", "run_grid", "summarize", "markdown_table", "plot"]
 
 
@@ -58,8 +60,8 @@ def batch_sizes(lo: int, hi: int) -> list[int]:
 def _runs(batches, warmups, seeds, base_batch):
     for seed in seeds:
         for b in batches:
-            if b == base_batch:
-                yield b, "all", seed  # the warmups coincide when k = 1
+            if b <= base_batch:
+                yield b, "all", seed  # the warmups coincide when k <= 1 (warmup never climbs down)
             else:
                 for w in warmups:
                     yield b, w, seed
@@ -93,6 +95,7 @@ def run_grid(template: TrainConfig, batches: list[int], warmups: list[str], seed
     for i, (b, warmup, seed) in enumerate(plan):
         cfg = dataclasses.replace(template, batch_per_rank=b // size, backward_passes_per_step=1,
                                   base_batch=base_batch, warmup="none" if warmup == "all" else warmup, seed=seed,
+                                  warmup_epochs=WARMUP_EPOCHS if warmup in ("all", "none") else template.warmup_epochs,
                                   quiet=True, progress=False)
         t0 = time.perf_counter()
         history = train(cfg, comm)

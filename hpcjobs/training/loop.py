@@ -239,8 +239,8 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
     if run.rank == 0 and not cfg.quiet and run.start_epoch == 0:
         peak = sched.scaled_lr(run.schedule.base_lr, run.schedule.base_batch, run.global_batch)
         k = run.global_batch / run.schedule.base_batch
-        warm = (f"{cfg.warmup} warmup {cfg.warmup_epochs:g} epochs" if k > 1 or cfg.warmup == "none" else
-                f"k = {k:g}: no warmup (--base-batch sets the batch the rate is for)")
+        warm = ("no warmup" if cfg.warmup == "none" else f"{cfg.warmup} warmup {cfg.warmup_epochs:g} epochs" if k > 1
+                else f"k = {k:g}: no warmup (--base-batch sets the batch the rate is for)")
         print(f"# train: {cfg.model} on {cfg.dataset} ({len(run.ds.train)} train / {len(run.ds.test)} test), "
               f"{run.size} ranks x {cfg.batch_per_rank} x {cfg.backward_passes_per_step} passes = global batch "
               f"{run.global_batch}, {run.steps_per_epoch} steps/epoch, peak lr {peak:g} "
@@ -248,8 +248,14 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
               f"{run.opt.num_buckets} buckets, overlap {run.opt.overlap}"
               + (f", autocast to {cfg.amp}" if cfg.amp != "none" else "") + f", on {run.device}", flush=True)
         late = [f"milestone {m:g} is not before the last epoch" for m in (cfg.milestones or ()) if m >= cfg.epochs]
-        if k > 1 and cfg.warmup != "none" and cfg.warmup_epochs > cfg.epochs:
-            late.append(f"a warmup of {cfg.warmup_epochs:g} epochs never reaches the peak rate")
+        if k > 1 and cfg.warmup != "none":
+            if cfg.warmup_epochs >= cfg.epochs:  # (equal: the last step's rate is still a step below the peak)
+                late.append(f"a warmup of {cfg.warmup_epochs:g} epochs never reaches the peak rate")
+            elif cfg.warmup_epochs and not sched.warmup_steps(run.steps_per_epoch, run.schedule):
+                late.append(f"a warmup of {cfg.warmup_epochs:g} epochs rounds to no step ({run.steps_per_epoch} "
+                            "steps per epoch)")
+            late += [f"milestone {m:g} falls inside the warmup (the climbing rate is cut there)"
+                     for m in (cfg.milestones or ()) if m < cfg.warmup_epochs]
         for what in late:
             print(f"# train: warning: in a run of {cfg.epochs} epochs {what}", flush=True)
 

@@ -67,7 +67,8 @@ class ScheduleConfig:
         warmup_epochs: length of the warmup, in epochs (may be fractional).
         decay: "none", "step" or "cosine", applied after warmup.
         epochs: total training length; cosine anneals to its end.
-        milestones: epochs at which "step" multiplies the rate by ``gamma``.
+        milestones: epochs at which "step" multiplies the rate by ``gamma``
+            (one inside the warmup cuts the climbing rate).
         gamma: the step-decay factor.
         final_lr: where "cosine" ends.
     """
@@ -93,8 +94,8 @@ class ScheduleConfig:
         for name in ("base_batch", "global_batch", "epochs"):
             if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        if not (self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs)):
+            raise ValueError(f"warmup_epochs must be a number >= 0, got {self.warmup_epochs}")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
         if self.final_lr < 0:
@@ -132,18 +133,22 @@ def lr_at(step: int, steps_per_epoch: int, cfg: ScheduleConfig) -> float:
         raise ValueError(f"step must be >= 0, got {step}")
     # 1) linear scaling
     peak = scaled_lr(cfg.base_lr, cfg.base_batch, cfg.global_batch)
+    # step decay: gamma for each milestone passed, from the run's first step (inside a warmup too: there it cuts
+    # the climbing rate, where it had waited for the warmup's end -- with k = 1, a "warmup" that changes nothing)
+    cut = 1.0
+    if cfg.decay == "step":
+        epoch = step / steps_per_epoch
+        cut = cfg.gamma ** sum(1 for m in cfg.milestones if epoch >= m)
     # 2) warmup, per iteration
     n_warm = warmup_steps(steps_per_epoch, cfg)
     if step < n_warm:
         start = min(cfg.base_lr, peak)  # k < 1: the peak is below base_lr, and warmup never climbs down
         if cfg.warmup == "constant":
-            return start
-        return start + (peak - start) * step / n_warm
+            return start * cut
+        return (start + (peak - start) * step / n_warm) * cut
     # 3) decay after warmup
     if cfg.decay == "step":
-        epoch = step / steps_per_epoch
-        passed = sum(1 for m in cfg.milestones if epoch >= m)
-        return peak * cfg.gamma ** passed
+        return peak * cut
     if cfg.decay == "cosine":
         total = cfg.epochs * steps_per_epoch
         span = max(total - n_warm, 1)

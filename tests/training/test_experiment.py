@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hpcjobs.training.experiment import batch_sizes, markdown_table, summarize
+from hpcjobs.training.experiment import _runs, batch_sizes, markdown_table, summarize
 from launch import mpirun as _mpirun
 
 
@@ -51,6 +51,17 @@ def test_the_experiments_own_sample_count_goes_only_to_a_dataset_it_sizes(tmp_pa
     out = _mpirun(2, "experiment", "large-batch", "--dataset", "digits", "--num-samples", "500", "--out",
                   str(tmp_path))
     assert out.returncode == 2 and "num_samples sizes mnist1d, synthetic, text; digits is used as it comes" in \
+        out.stderr, out.stderr[-2000:]
+
+
+def test_batches_at_or_below_the_base_run_once_per_seed_their_warmups_being_one_run():
+    assert list(_runs([16, 32, 64], ["none", "gradual"], range(1), 32)) == [
+        (16, "all", 0), (32, "all", 0), (64, "none", 0), (64, "gradual", 0)]
+
+
+def test_a_warmup_of_no_epochs_is_refused_where_it_would_make_the_warmup_rows_no_warmup(tmp_path):
+    out = _mpirun(1, "experiment", "large-batch", "--warmup-epochs", "0", "--out", str(tmp_path))
+    assert out.returncode == 2 and "--warmup-epochs 0 makes the gradual and constant warmups no warmup" in \
         out.stderr, out.stderr[-2000:]
 
 

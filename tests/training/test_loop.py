@@ -225,6 +225,7 @@ def test_the_header_says_when_warmup_does_nothing_or_cannot_finish(capsys):
         assert "(k = 1: no warmup (--base-batch sets the batch the rate is for))" in out, out
         assert "warning: in a run of 1 epochs a warmup of 2 epochs never reaches the peak rate" in out, out
         assert "warning: in a run of 1 epochs milestone 1 is not before the last epoch" in out, out
+        assert "warning: in a run of 1 epochs milestone 1 falls inside the warmup (the climbing rate is cut" in out
 
 
 @pytest.mark.mpi(min_size=1)

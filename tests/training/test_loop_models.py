@@ -74,6 +74,9 @@ def test_resnet18_trains_on_cifar10_format_images(tmp_path_factory):
     (dict(model="resnet18", dataset="cifar10", width=64), "width shapes mlp and cnn1d, not resnet18"),
     (dict(model="gpt-mini", dataset="text", batch_norm=True), "batch_norm shapes mlp and cnn1d, not gpt-mini"),
     (dict(milestones=(30.0,)), "give both or neither"),
+    (dict(warmup="none", warmup_epochs=3), "warmup none has none: leave warmup_epochs out"),
+    (dict(optimizer="adam", momentum_correction=False), "adam keeps none: leave momentum_correction on"),
+    (dict(momentum=0.0, momentum_correction=False), "sgd with momentum 0 keeps none"),
 ])
 def test_models_the_data_or_options_do_not_fit(kw, match):
     base = dict(num_samples=200, epochs=1, quiet=True, progress=False)

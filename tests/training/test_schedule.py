@@ -55,6 +55,25 @@ def test_step_decay_at_milestones_after_warmup():
     assert lr_at(899, spe, cfg) == pytest.approx(0.0004)
 
 
+def test_a_milestone_counts_from_the_first_step_inside_a_warmup_too():
+    # k = 1: the default 5-epoch warmup changes nothing, and the cut at epoch 2 had waited for epoch 5
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=32, global_batch=32, warmup_epochs=5, decay="step",
+                         milestones=(2,), epochs=10)
+    assert [lr_at(s, 10, cfg) for s in (19, 20, 49, 50)] == pytest.approx([0.1, 0.01, 0.01, 0.01])
+    # k = 4, a milestone at 1 inside a 2-epoch warmup: the climbing rate, cut by gamma from there
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=32, global_batch=128, warmup_epochs=2, decay="step",
+                         milestones=(1,), epochs=10)
+    assert lr_at(5, 10, cfg) == pytest.approx(0.1 + 0.3 * 5 / 20)
+    assert lr_at(10, 10, cfg) == pytest.approx((0.1 + 0.3 * 10 / 20) * 0.1)
+    assert lr_at(20, 10, cfg) == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_warmup_length_must_be_a_number_at_least_0(bad):
+    with pytest.raises(ValueError, match="warmup_epochs must be a number >= 0"):
+        ScheduleConfig(warmup_epochs=bad)
+
+
 def test_cosine_anneals_from_peak_to_final_over_the_rest():
     cfg = ScheduleConfig(base_lr=0.1, base_batch=10, global_batch=20, warmup="gradual", warmup_epochs=1,
                          decay="cosine", epochs=11, final_lr=0.01)
