@@ -61,6 +61,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         self._algorithm = algorithm or setting("HPCJOBS_TORCH_ALGORITHM")
         self._queue: queue.Queue = queue.Queue()
         self._group_name = self._group_desc = ""
+        self._closed = False  # shutdown() ran: nothing queued after it would run
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-torch-backend", daemon=True)
         self._worker.start()
         _live.append(weakref.ref(self))
@@ -79,7 +80,8 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             # watched as a whole, the agreement check and any MPI call
             # included: a rank that never arrives ends the job at
             # HPCJOBS_TIMEOUT instead of leaving the others blocked in MPI
-            with guard(what, self._comm, self._limit):
+            # grad mode is per thread: a copy into a Parameter (a broadcast's result) as on the caller's, under no_grad
+            with guard(what, self._comm, self._limit), torch.no_grad():
                 fn()
         except BaseException as e:  # noqa: BLE001 -- the caller's wait() raises it
             fut.set_exception(e)
@@ -89,6 +91,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
     def _submit(self, fn, result, tensors=()) -> dist.Work:
         """Queue ``fn`` for the worker; a Work whose future gives ``result``."""
         what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"  # the calling op
+        self._check_open(what)
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         for d in devices:
             torch.cuda.current_stream(d).synchronize()
@@ -119,6 +122,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         there instead would let a queued isend hold the worker while the
         matching irecv waits behind it: an exchange both ways deadlocked."""
         what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"
+        self._check_open(what)
         devices = {t.device for t in tensors if t.device.type == "cuda"}
         for d in devices:  # on the caller's thread and stream, as _submit does
             torch.cuda.current_stream(d).synchronize()
@@ -146,6 +150,11 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         else:
             self._queue.put((start, Future(), None, what))
         return _Work(fut)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed and threading.current_thread() is not self._worker:  # queued, it would wait forever
+            raise RuntimeError(f"{what}: the process group was shut down (destroy_process_group); "
+                               "init_process_group again to go on")
 
     def _agree(self, what: str, check=None, **fields) -> None:
         """Every rank has the same ``fields`` and passed ``check`` (a callable
@@ -186,6 +195,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         """Run what is queued, stop the worker, free the group's communicator
         (collective: ``destroy_process_group`` calls it on the group's ranks;
         at exit, every group in the order made, before MPI_Finalize)."""
+        self._closed = True
         if self._worker.is_alive():
             self._queue.put(None)
             if threading.current_thread() is self._worker:
@@ -247,7 +257,8 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
         def run():
             # an allreduce whose result only the root keeps: the other
-            # ranks' tensors are left as they were
+            # ranks' tensors are left as they were (the root agreed first: a rank naming another kept the sum)
+            self._agree("reduce", root=root)
             for t in tensors:
                 keep = None if self.rank() == root else t.detach().clone()
                 self._allreduce_one(t, op)
@@ -262,8 +273,12 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             if flat.numel() != out.numel() * self.size():
                 raise ValueError(f"rank {self.rank()}: the input holds {flat.numel()} elements, not "
                                  f"{self.size()} x the output's {out.numel()}")
-            if op in _BITWISE:
-                raise NotImplementedError(f"the hpcjobs backend does not implement reduce_scatter with {op}")
+            if op in _BITWISE or flat.dtype == torch.bool:
+                raise NotImplementedError(f"the hpcjobs backend does not implement reduce_scatter with {op} "
+                                          f"on {flat.dtype}")
+            if out.dtype != flat.dtype:  # (it was cast silently; Gloo refuses)
+                raise TypeError(f"rank {self.rank()}: reduce_scatter's output is {out.dtype}, its input "
+                                f"{flat.dtype}")
         self._agree("reduce_scatter", check, count=flat.numel(), dtype=str(flat.dtype), op=str(op))
         work = flat.detach().to("cpu", copy=True).contiguous()  # a copy: the input is not ours to change
         ring_reduce_scatter(work, _OPS[op], self._comm)

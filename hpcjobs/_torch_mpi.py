@@ -81,7 +81,18 @@ class _Work(dist._Work):
         return self._fut.done()
 
     def get_future(self) -> Future:
-        return self._fut
+        # chained: DDP reads an error set on a Python future as a tensor ("Unable to cast ... to Tensor"),
+        # and a callback's error as itself
+        return self._fut.then(_value)
+
+    def result(self) -> list:
+        """The operation's tensors, once it is done (as Gloo's Work gives them)."""
+        self.wait()
+        return self._fut.value()
+
+
+def _value(fut: Future):
+    return fut.value()
 
 
 class MPIOps:

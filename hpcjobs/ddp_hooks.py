@@ -58,9 +58,13 @@ class HookState:
     """What one registered hook keeps: the compressor, the residuals, the
     step, the communicator and the worker thread.
 
+    ``names`` (``id(parameter)`` -> its name; :func:`register` passes the
+    model's) keys the residuals and random draws; a parameter it lacks is
+    named ``param<N>`` in the order the hook first meets it, the same on
+    every rank, and keeps that name when DDP rebuilds its buckets.
+
     Raises:
-        ValueError: an unknown compression, ``"none"``, or error feedback
-            with nothing to feed back.
+        ValueError: an unknown compression, or ``"none"``.
     """
 
     def __init__(self, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,
@@ -77,7 +81,9 @@ class HookState:
         self.timeout = timeout  # seconds a bucket may wait for the other ranks (None: HPCJOBS_TIMEOUT)
         self.step = 0
         self.sent_bytes = 0
-        self.names = names or {}  # id(parameter) -> its name in the model
+        self.names = dict(names or {})  # id(parameter) -> its name in the model
+        self._closed = False
+        self._used: set = set()  # the residuals' names this step
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._serve, name="hpcjobs-ddp-hook", daemon=True)
         self._worker.start()
@@ -92,6 +98,7 @@ class HookState:
         torch's ``set_result`` (DDP's callbacks run there after backward has
         returned) would be killed at finalization, and that aborts the
         process."""
+        self._closed = True  # a bucket handed over after this fails at once (nothing would run it)
         if self._worker.is_alive():
             while True:
                 try:
@@ -114,8 +121,10 @@ class HookState:
             item = self._queue.get()
             if item is None:
                 return
-            bucket, fut = item
+            bucket, fut, written = item
             try:
+                if written is not None:  # this thread's stream waits for backward's writes into the bucket
+                    torch.cuda.current_stream(bucket.buffer().device).wait_event(written)
                 with guard("hpcjobs DDP hook", self.comm, self.timeout):  # the collectives inside inherit it
                     result = self._reduce(bucket)
                 fut.set_result(result)
@@ -126,7 +135,7 @@ class HookState:
         buf = bucket.buffer()
         if buf.is_cuda:  # this thread started on device 0
             torch.cuda.set_device(buf.device)
-        names = [self.names.get(id(p), f"unnamed{i}") for i, p in enumerate(bucket.parameters())]
+        names = [self.names.setdefault(id(p), f"param{len(self.names)}") for p in bucket.parameters()]
         if self.compressor.fusable:
             # DDP rebuilds its buckets after the first step: a bucket's
             # residual is keyed by what it holds, not by its index
@@ -141,8 +150,13 @@ class HookState:
                                              algorithm=self.algorithm, step=self.step)
             grad.copy_(avg)
             self.sent_bytes += sent
+            self._used.add(name)
         if bucket.is_last():
             self.step += 1
+            if self.memory is not None:  # a fused bucket's residual under the layout DDP has since rebuilt
+                for stale in set(self.memory.residuals) - self._used:
+                    del self.memory.residuals[stale]
+            self._used = set()
         return buf
 
 
@@ -150,9 +164,24 @@ def compression_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.
     """The DDP comm hook (``model.register_comm_hook(state,
     compression_hook)``): the bucket's average through ``state``'s
     compressor, on a future the worker completes."""
-    fut: Future = Future()
-    state._queue.put((bucket, fut))
-    return fut
+    buf = bucket.buffer()
+    fut: Future = Future(devices=[buf.device]) if buf.is_cuda else Future()  # (CUDA: DDP's stream waits)
+    if state._closed:
+        fut.set_exception(RuntimeError("the hpcjobs DDP hook was closed (HookState.close()): it reduces no more "
+                                       "buckets; register a new one"))
+    else:
+        written = None
+        if buf.is_cuda:  # backward wrote the bucket on this thread's stream; the worker's waits for it
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(buf.device))
+        state._queue.put((bucket, fut, written))
+    # chained: DDP reads an error set on a Python future as a tensor ("Unable to cast ... to Tensor"), and a
+    # callback's error as itself
+    return fut.then(_value)
+
+
+def _value(fut: Future) -> torch.Tensor:
+    return fut.value()
 
 
 def register(model, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,

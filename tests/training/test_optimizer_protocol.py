@@ -100,7 +100,8 @@ EDITS = {
     "unscale_": lambda model, opt, scaler: (scaler.unscale_(opt), opt.step()),
     "clip_grad_norm_": lambda model, opt, scaler: (torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
                                                    opt.step()),
-    "replaced": lambda model, opt, scaler: (setattr(model.net[5].bias, "grad", model.net[5].bias.grad * 0.5), opt.step()),
+    "replaced": lambda model, opt, scaler: (setattr(model.net[5].bias, "grad", model.net[5].bias.grad * 0.5),
+                                            opt.step()),
 }
 
 

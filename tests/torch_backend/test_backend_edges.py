@@ -1,0 +1,143 @@
+"""The hpcjobs backend and DDP hooks where a script goes off the usual path:
+a group or a hook used after it was closed (an error, where it waited
+forever), a hook's error as DDP shows it, a hook made by hand, fused
+residuals after DDP rebuilds its buckets, a copy into a Parameter under
+no_grad, Work.result(), and calls the ranks disagree on."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from hpcjobs import ddp_hooks
+from hpcjobs.collectives.agreement import MismatchError
+from hpcjobs.torch_backend import new_process_group
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    group = new_process_group()
+    yield group
+    group.shutdown()
+
+
+def _opts(kind, **kw):
+    o = getattr(dist, kind)()
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+def _ddp(group, shapes=((8, 8), (8, 8), (8, 8)), bias=False, cap=0.0002):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(*s, bias=bias) for s in shapes])
+    return model, torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=cap)
+
+
+def _steps(model, ddp, steps=4):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + MPI.COMM_WORLD.Get_rank())
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_group_used_after_shutdown_raises_at_once():
+    group = new_process_group()
+    group.shutdown()
+    with pytest.raises(RuntimeError, match=r"the process group was shut down \(destroy_process_group\)"):
+        group.allreduce([torch.ones(2)])
+    with pytest.raises(RuntimeError, match="was shut down"):
+        group.broadcast([torch.ones(2)], dist.BroadcastOptions())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_hook_used_after_close_fails_ddp_at_once(pg):
+    model, ddp = _ddp(pg)
+    state = ddp_hooks.register(ddp, "fp16")
+    ddp(torch.ones(3, 8)).sum().backward()
+    state.close()
+    with pytest.raises(RuntimeError, match=r"the hpcjobs DDP hook was closed \(HookState.close\(\)\)"):
+        ddp(torch.ones(3, 8)).sum().backward()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_hooks_error_reaches_ddp_as_itself_on_every_rank(pg):
+    model, ddp = _ddp(pg)
+    state = ddp_hooks.register(ddp, "topk:0.3" if pg.rank() == 0 else "topk:0.5")
+    try:
+        with pytest.raises(RuntimeError) as caught:
+            ddp(torch.ones(3, 8)).sum().backward()
+        assert "MismatchError: compressed_allreduce" in str(caught.value) and "Unable to cast" not in \
+            str(caught.value), caught.value
+    finally:
+        state.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_hook_state_made_by_hand_keeps_a_residual_per_parameter(pg):
+    """Without names, each parameter was named by its place in its bucket:
+    the first of every bucket shared one residual (a silent wrong step)."""
+    model, ddp = _ddp(pg)
+    by_hand = ddp_hooks.HookState("topk:0.3", error_feedback=True, comm=pg._own)
+    ddp.register_comm_hook(by_hand, ddp_hooks.compression_hook)
+    got = _steps(model, ddp)
+    model, ddp = _ddp(pg)
+    registered = ddp_hooks.register(ddp, "topk:0.3", error_feedback=True)
+    want = _steps(model, ddp)
+    try:
+        assert len(by_hand.memory.residuals) == len(registered.memory.residuals) == 3
+        assert torch.equal(got, want)
+    finally:
+        by_hand.close()
+        registered.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_fused_buckets_residuals_follow_ddps_rebuilt_buckets(pg):
+    """fp16 keeps a residual per fused bucket, keyed by what it holds; the
+    first step's layout (before DDP rebuilds it) stayed forever."""
+    model, ddp = _ddp(pg, shapes=((8, 16), (16, 16), (16, 4)), bias=True, cap=0.0005)
+    state = ddp_hooks.register(ddp, "fp16", error_feedback=True)
+    try:
+        _steps(model, ddp)
+        kept = sum(r.numel() for r in state.memory.residuals.values())
+        assert kept == sum(p.numel() for p in model.parameters()), sorted(state.memory.residuals)
+    finally:
+        state.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_broadcast_into_a_parameter_under_no_grad_lands_as_on_gloo(pg):
+    # grad mode is per thread: the worker copied into the Parameter with grad on, which torch refuses
+    p = torch.nn.Parameter(torch.full((3, 2), float(pg.rank())).t())  # not contiguous: a copy back
+    with torch.no_grad():
+        pg.broadcast([p], _opts("BroadcastOptions", rootRank=0)).wait()
+    assert torch.equal(p.detach(), torch.zeros(2, 3))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_work_result_gives_the_operations_tensors(pg):
+    t = torch.ones(2)
+    work = pg.allreduce([t])
+    result = work.result()
+    assert len(result) == 1 and result[0] is t and t.tolist() == [pg.size()] * 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_calls_the_ranks_disagree_on_fail_on_every_rank(pg):
+    r, p = pg.rank(), pg.size()
+    with pytest.raises(MismatchError, match="root differs"):  # every rank kept the sum
+        pg.reduce([torch.ones(2)], _opts("ReduceOptions", rootRank=r)).wait()
+    with pytest.raises(MismatchError, match=r"reduce_scatter's output is torch.float64, its input torch.float32"):
+        pg.reduce_scatter_single(torch.zeros(2, dtype=torch.float64), torch.ones(2 * p)).wait()
+    with pytest.raises(MismatchError, match="does not implement reduce_scatter with .* on torch.bool"):
+        pg.reduce_scatter_single(torch.zeros(2, dtype=torch.bool), torch.ones(2 * p, dtype=torch.bool)).wait()
+    t = torch.ones(3)
+    pg.reduce([t], _opts("ReduceOptions", rootRank=0)).wait()
+    assert t.tolist() == ([p] * 3 if r == 0 else [1.0] * 3)
