@@ -15,8 +15,8 @@ import sys
 from fractions import Fraction
 from pathlib import Path
 
-__all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "cpu_share", "set_threads",
-           "clear_stale_mpi_sessions"]
+__all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "cpu_share", "cpu_limit",
+           "set_threads", "clear_stale_mpi_sessions"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -110,6 +110,57 @@ def _own_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def cpu_limit(proc: str = "/proc/self") -> tuple[tuple, float] | None:
+    """This process's cgroup CPU limit (a container's ``--cpus``, a
+    Kubernetes limit, a systemd CPUQuota), which its affinity does not show:
+    (the limiting cgroup's identity, the CPUs it gives: quota / period), the
+    smallest over the cgroup and its parents in either hierarchy (v2's
+    ``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``). None
+    where nothing limits it or it cannot be read."""
+    try:
+        groups = [line.split(":", 2) for line in Path(proc, "cgroup").read_text().splitlines()]
+        mounts = [line.split() for line in Path(proc, "mountinfo").read_text().splitlines()]
+    except OSError:
+        return None
+    best = None
+    for fields in mounts:  # id parent dev root mountpoint options... - fstype source superoptions
+        if "-" not in fields:
+            continue
+        tail = fields[fields.index("-") + 1:]
+        v2 = tail[0] == "cgroup2"
+        if not (v2 or (tail[0] == "cgroup" and "cpu" in tail[2].split(","))):
+            continue
+        path = next((g[2] for g in groups if len(g) == 3 and (g[1] == "" if v2 else "cpu" in g[1].split(","))),
+                    None)
+        if path is None or not (path + "/").startswith(fields[3].rstrip("/") + "/"):
+            continue
+        top = Path(fields[4])
+        here = top / path[len(fields[3].rstrip("/")):].lstrip("/")
+        while True:
+            cpus = _quota(here, v2)
+            if cpus is not None and (best is None or cpus < best[1]):
+                st = os.stat(here)
+                best = ((st.st_dev, st.st_ino), cpus)
+            if here == top:
+                break
+            here = here.parent
+    return best
+
+
+def _quota(folder: Path, v2: bool) -> float | None:
+    """The CPUs a cgroup's own quota gives (None: unlimited or unreadable)."""
+    try:
+        if v2:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((folder / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
+        if quota in ("max", "-1") or int(period) <= 0:
+            return None
+        return int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
 def cores_per_rank(comm) -> int:
     """Cores this rank may use: its share of the CPUs it may run on, each CPU
     divided among the ranks of ``comm`` on this machine that may run on it
@@ -119,16 +170,23 @@ def cores_per_rank(comm) -> int:
     Ranks are on the same machine when they run on the same kernel, so hosts
     emulated in namespaces, or containers, that share one machine's cores share
     them here too; where the kernel's boot id cannot be read, MPI's
-    shared-memory node stands for the machine. At least 1. Collective over ``comm``."""
+    shared-memory node stands for the machine. A cgroup's CPU limit
+    (:func:`cpu_limit`: a container's ``--cpus``) caps it at the limit's
+    CPUs divided among the ranks under that limit, rounded down. At least 1.
+    Collective over ``comm``."""
     from mpi4py import MPI  # comm exists, so MPI is up already
 
-    mine = _own_cpus()
+    mine, limit = _own_cpus(), cpu_limit()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     leader = node.allreduce(comm.Get_rank(), op=MPI.MIN)
     node.Free()
     machine = _kernel_id() or f"shared-memory node of rank {leader}"
-    together = [cpus_ for key, cpus_ in comm.allgather((machine, mine)) if key == machine]
-    return cpu_share(mine, together)
+    everyone = comm.allgather((machine, mine, limit and limit[0]))
+    share = cpu_share(mine, [cpus_ for key, cpus_, _ in everyone if key == machine])
+    if limit is not None:  # the ranks under the same limit share its CPUs
+        under = sum(1 for key, _, cgroup in everyone if key == machine and cgroup == limit[0])
+        share = min(share, max(1, int(limit[1] / under)))
+    return share
 
 
 def cpu_share(mine, together) -> int:
@@ -150,7 +208,7 @@ def set_threads(threads: int | None, comm) -> int:
     returns how many. Collective over ``comm`` where it is not None.
 
     ``comm`` None: a process alone (``plan --measure``), whose own cores
-    (its affinity) are its default.
+    (its affinity, capped by its cgroup's CPU limit) are its default.
 
     Also flushes denormal floats to zero on the CPU (as TensorFlow does), before
     torch starts its threads so that they inherit the setting. Numbers that sink
@@ -163,7 +221,8 @@ def set_threads(threads: int | None, comm) -> int:
     if threads:
         n = threads
     elif comm is None:
-        n = len(_own_cpus())
+        limit = cpu_limit()
+        n = len(_own_cpus()) if limit is None else max(1, min(len(_own_cpus()), int(limit[1])))
     else:
         n = cores_per_rank(comm)
     torch.set_num_threads(n)

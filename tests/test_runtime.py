@@ -93,3 +93,72 @@ def test_cores_per_rank_divides_the_machines_cpus_among_its_ranks(monkeypatch, m
         os.sched_setaffinity(0, saved)
     assert spread == max(1, len(every) // comm.Get_size())
     assert pinned == 1
+
+
+def _fake_proc(tmp_path, cgroup_lines, mounts):
+    proc = tmp_path / "proc"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("\n".join(cgroup_lines) + "\n")
+    (proc / "mountinfo").write_text("\n".join(f"{i} 1 0:{i} {root} {point} rw - {fs} cgroup rw,{opts}"
+                                              for i, (root, point, fs, opts) in enumerate(mounts, 30)) + "\n")
+    return str(proc)
+
+
+def test_cpu_limit_reads_the_smallest_quota_of_the_cgroup_and_its_parents_in_either_hierarchy(tmp_path):
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for folder, quota in ((v1, "-1"), (v1 / "docker", "300000"), (v1 / "docker" / "abc", "150000")):
+        folder.mkdir()
+        (folder / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (folder / "cpu.cfs_period_us").write_text("100000\n")
+    for folder, limit in ((v2, None), (v2 / "a", "200000 100000"), (v2 / "a" / "b", "max 100000")):
+        folder.mkdir()
+        if limit:
+            (folder / "cpu.max").write_text(limit + "\n")
+    v1_only = _fake_proc(tmp_path / "1", ["4:cpu,cpuacct:/docker/abc", "0::/"],
+                         [("/", str(v1), "cgroup", "cpu,cpuacct")])
+    key, cpus = runtime.cpu_limit(v1_only)
+    assert cpus == 1.5 and key[1] == os.stat(v1 / "docker" / "abc").st_ino
+    v2_only = _fake_proc(tmp_path / "2", ["0::/a/b"], [("/", str(v2), "cgroup2", "nsdelegate")])
+    key, cpus = runtime.cpu_limit(v2_only)
+    assert cpus == 2.0 and key[1] == os.stat(v2 / "a").st_ino  # b is unlimited: its parent's limit holds
+    # in a container that mounts only its own cgroup: the mount's root is that cgroup
+    inside = _fake_proc(tmp_path / "3", ["4:cpu,cpuacct:/docker/abc"], [("/docker/abc", str(v1 / "docker" / "abc"),
+                                                                         "cgroup", "cpu,cpuacct")])
+    assert runtime.cpu_limit(inside)[1] == 1.5
+    unlimited = _fake_proc(tmp_path / "4", ["4:cpu,cpuacct:/", "0::/"], [("/", str(v1), "cgroup", "cpu,cpuacct")])
+    assert runtime.cpu_limit(unlimited) is None
+    assert runtime.cpu_limit(str(tmp_path / "nowhere")) is None
+
+
+_LIMITED = """
+from mpi4py import MPI
+from hpcjobs.runtime import cores_per_rank, set_threads
+print(cores_per_rank(MPI.COMM_SELF), set_threads(None, None))
+"""
+
+
+def test_a_cgroups_cpu_limit_caps_the_threads_a_process_takes(tmp_path):
+    """A container's --cpus is a CFS quota its affinity does not show: with
+    every CPU in its affinity and a quota of one, a process took a thread
+    per CPU, throttled to one CPU's time. A real cgroup (v1's cpu
+    controller, as root), the process started inside it."""
+    cpu = "/sys/fs/cgroup/cpu"
+    if len(os.sched_getaffinity(0)) < 2 or not os.access(cpu, os.W_OK) or \
+            not os.path.exists(f"{cpu}/cpu.cfs_quota_us"):
+        pytest.skip("needs 2 CPUs and a writable cgroup v1 cpu controller (root)")
+    group = f"{cpu}/hpcjobs-test-{os.getpid()}"
+    os.mkdir(group)
+    try:
+        with open(f"{group}/cpu.cfs_period_us", "w") as f:
+            f.write("100000")
+        with open(f"{group}/cpu.cfs_quota_us", "w") as f:
+            f.write("100000")  # one CPU
+        out = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
+                              _LIMITED], env=clean_env(), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", "1"]
+        free = subprocess.run([sys.executable, "-c", _LIMITED], env=clean_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert free.stdout.split() == [str(len(os.sched_getaffinity(0)))] * 2, free.stderr  # the test can tell
+    finally:
+        os.rmdir(group)
