@@ -233,12 +233,13 @@ def formula_bytes(algorithm: str, nbytes: int, size: int) -> int:
 
 
 def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine | None = None,
-          ranks_per_node: int | None = None) -> str:
+          ranks_per_node: int | None = None, source: str | None = None) -> str:
     """``out``/model.json (the machine, every row, the counted bytes) and,
     with matplotlib, ``out``/model.png: predicted against measured. Across
     nodes ``m`` is the network's machine and ``node`` the one inside a node,
-    measured with ``ranks_per_node`` (1: the network's stands in). Returns
-    what was written, in words."""
+    measured with ``ranks_per_node`` (1: the network's stands in), the
+    nodes found by ``source`` (topology's: "override" where --ranks-per-node
+    simulated them on one machine). Returns what was written, in words."""
     import json
     import os
 
@@ -248,6 +249,8 @@ def write(out: str, m: Machine, rows: list, counted: list, P: int, node: Machine
         data["node_machine"] = node.to_dict()
     if ranks_per_node is not None:
         data["ranks_per_node"] = ranks_per_node
+    if source is not None:
+        data["topology_source"] = source
     with atomic_write(os.path.join(out, "model.json")) as f:
         json.dump(data, f, indent=1)
     plt = pyplot()

@@ -353,6 +353,22 @@ def test_model_fits_predicts_and_counts_bytes(tmp_path):
     assert one.returncode == 2 and "at least 2 ranks" in one.stderr
 
 
+def test_model_on_simulated_nodes_says_so_in_its_file_and_plan_warns(tmp_path):
+    """--ranks-per-node simulates nodes on one machine: the model.json's link "between nodes" is shared memory,
+    and plan took it for a network without a word."""
+    out = _mpirun(2, "model", "-b", "64K", "-e", "64K", "--iters", "2", "--ranks-per-node", "1", "--out",
+                  str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "no row of 1 MB or more to sum up" in out.stdout  # (a heading over an empty table before)
+    assert json.loads((tmp_path / "model.json").read_text())["topology_source"] == "override"
+    plan = _hpcjobs("plan", "--params", "1M", "--throughput", "100", "--batch-per-device", "8", "--devices", "1,2",
+                    "--cost-model", str(tmp_path / "model.json"))
+    assert plan.returncode == 0 and "measured with --ranks-per-node on one machine" in plan.stderr, plan.stderr
+    uneven = _mpirun(3, "model", "--ranks-per-node", "2")
+    assert uneven.returncode == 2 and "these have [2, 1]: give a --ranks-per-node that divides the 3 ranks" in \
+        uneven.stderr, uneven.stderr
+
+
 def test_topology_prints_the_simulated_layout():
     out = _mpirun(5, "topology", "--ranks-per-node", "2")
     assert out.returncode == 0, out.stderr

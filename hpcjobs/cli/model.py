@@ -8,6 +8,8 @@ import statistics
 
 from .args import UsageError, add_sweep_arguments, apply_placement, check_outputs, sweep_sizes, usage
 
+MEASURE_BYTES = 64 << 20  # perfmodel.measure's largest message, whatever --max-bytes
+
 
 def configure(p) -> None:
     add_sweep_arguments(p, factor=4)
@@ -15,7 +17,7 @@ def configure(p) -> None:
 
 
 def run(args) -> int:
-    from ..bench.memory import check_sweep_fits
+    from ..bench.memory import check_fits, check_sweep_fits
     from ..bench.sweep import implementations, unchecked_benchmarks
     from ..bench.sweep import run as sweep
     from ..collectives.costs import COSTS
@@ -33,6 +35,8 @@ def run(args) -> int:
     check_outputs(comm, [("--out", args.out, True)])
     with usage():
         check_sweep_fits(comm, sizes, args.max_bytes)
+        # (measuring alpha and beta sends up to MEASURE_BYTES whatever --max-bytes: a send and a receive buffer)
+        check_fits(comm, 2 * MEASURE_BYTES, f"measuring alpha and beta (messages of up to {MEASURE_BYTES >> 20} MB)")
     topo = detect_private(comm)
     if topo.num_nodes > 1:
         return _across(args, comm, topo, sizes)
@@ -44,7 +48,8 @@ def run(args) -> int:
     records = sweep(comm, sizes, implementations(names), iters=args.iters)
     rows = compare(records, P, m, topo.local_size if topo.uniform else None)
     print0("# predicted: the formulas costed with measured per-size message and reduction costs;")
-    print0("# linear: the same formulas with the fitted alpha + n*beta and n*gamma")
+    print0("# linear: the same formulas with the fitted alpha + n*beta (an exchange; a one-way hop: n*beta "
+           "ping-pong) and n*gamma")
     _print_rows(rows, names)
     print0("# bytes rank 0 sends, counted (parameter server: rank 0 is the server), against the formula:")
     print0("#    size(B)  algorithm            sent(B)  received(B)  formula")
@@ -75,9 +80,13 @@ def _across(args, comm, topo, sizes) -> int:
 
     P, L = comm.Get_size(), topo.local_size
     nodes = comm.allgather(topo.node_id)
-    if not topo.uniform or nodes != sorted(nodes):
-        raise UsageError(f"the two-level model needs equal nodes of consecutive ranks; these have "
-                         f"{list(topo.local_sizes)} ranks (mpirun's default placement gives consecutive ranks)")
+    if not topo.uniform:
+        raise UsageError(f"the two-level model needs nodes of as many ranks each; these have "
+                         f"{list(topo.local_sizes)}" + (f": give a --ranks-per-node that divides the {P} ranks"
+                                                        if topo.source == "override" else ""))
+    if nodes != sorted(nodes):
+        raise UsageError(f"the two-level model needs each node's ranks consecutive; by rank the nodes are {nodes} "
+                         "(mpirun's default placement and srun --distribution=block give consecutive ranks)")
     M = topo.num_nodes
     print0(f"# hpcjobs model: {P} ranks on {M} nodes of {L} ({topo.source}); measuring alpha, beta inside a "
            "node and between nodes, gamma")
@@ -105,10 +114,11 @@ def _across(args, comm, topo, sizes) -> int:
     print0("# predicted: the two-level paths; inside a node the measured per-size message and reduction costs, "
            "between nodes the smallest message's one-way time + n x the largest's per byte (the sustained rate), "
            "an exchange as one direction, flows sharing an uplink as one message of their total bytes "
-           "(machine.predict_across); linear: the fitted alpha + n*beta everywhere (a shaped link's burst skews it)")
+           "(machine.predict_across); linear: the fitted alpha + n*beta, n*beta ping-pong one way and between nodes "
+           "(a shaped link's burst skews it)")
     _print_rows(rows, names)
     if args.out and comm.Get_rank() == 0:
-        print0(f"# written to {write(args.out, net, rows, [], P, node=node, ranks_per_node=L)}")
+        print0(f"# written to {write(args.out, net, rows, [], P, node=node, ranks_per_node=L, source=topo.source)}")
     return 0
 
 
@@ -127,6 +137,9 @@ def _print_rows(rows: list[dict], names: list[str]) -> None:
     for r in rows:
         print0(f"{r['size_bytes']:>12}  {r['algorithm']:<20} {r['measured_us']:>13.1f} {r['predicted_us']:>14.1f} "
                f"{r['rel_error']:>+7.0%} {r['linear_us']:>12.1f} {r['linear_rel_error']:>+7.0%}")
+    if not any(x["size_bytes"] >= 1 << 20 for x in rows):
+        print0("# (no row of 1 MB or more to sum up: --max-bytes 1M or more)")
+        return
     print0("# |error| over the rows >= 1 MB, mean (max): per-size model | linear model")
     for name in names:
         big = [x for x in rows if x["algorithm"] == name and x["size_bytes"] >= 1 << 20]

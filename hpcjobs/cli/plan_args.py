@@ -3,6 +3,8 @@ and the flags that only go together, checked before anything is measured."""
 
 from __future__ import annotations
 
+import sys
+
 from . import plan_runs
 from .args import UsageError
 
@@ -76,6 +78,9 @@ def check_flags(args) -> None:
     if args.cost_model:
         two_level = plan_runs.cost_model(args.cost_model)[1] is not None
         per_node = plan_runs.cost_model_ranks_per_node(args.cost_model, two_level)
+        if two_level and plan_runs.cost_model_source(args.cost_model) == "override":
+            print(f"# plan: warning: --cost-model {args.cost_model} was measured with --ranks-per-node on one "
+                  "machine: its link between nodes is shared memory, not a network", file=sys.stderr, flush=True)
     if args.devices_per_node is None:  # a one-node model: its ranks shared the node it measured
         args.devices_per_node = per_node or 1
     elif per_node == 1 and args.devices_per_node > 1:

@@ -204,6 +204,12 @@ def cost_model_ranks_per_node(path: str, two_level: bool = True) -> int | None:
     return value
 
 
+def cost_model_source(path: str) -> str | None:
+    """How ``hpcjobs model`` found a model.json's nodes (topology's source: "override" where --ranks-per-node
+    simulated them on one machine; None where it does not say, written before 2026-11-30)."""
+    return _model_json(path).get("topology_source")
+
+
 def _model_json(path: str) -> dict:
     with open(path) as f:
         data = json.load(f)
