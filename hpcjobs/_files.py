@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "is_stream", "write_text", "remove_leftovers", "fsync_dir"]
+__all__ = ["atomic_write", "is_stream", "is_stdout", "write_text", "remove_leftovers", "fsync_dir"]
 
 
 @contextlib.contextmanager
@@ -121,6 +121,12 @@ def is_stream(path: str | os.PathLike) -> bool:
     (this process's standard output or error, a pipe, a device): what is
     written there cannot be read back and rewritten."""
     return _where(path) != "renamed over"
+
+
+def is_stdout(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is what this process has open as its standard output
+    (``/dev/stdout``, or the file stdout was sent to)."""
+    return _where(path) == 1
 
 
 def _where(path: str | os.PathLike) -> int | str:

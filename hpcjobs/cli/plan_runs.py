@@ -151,6 +151,9 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
                          f"follow the run's start; try --loss-model {other}")
     run = last_run(lines(path))
     last = run[-1]
+    if last.get("mode", "sync") != "sync":  # (its lines count workers and samples, not a global batch)
+        raise ValueError(f"{path}: a run of --mode {last['mode']}; plan predicts synchronous training: give the "
+                         "metrics of a --mode sync run")
     if not all(is_number(last.get(k)) and last[k] > 0 for k in ("global_batch", "step", "epoch")):
         raise ValueError(f"{path}: the last line needs numeric global_batch, step and epoch (a train --metrics file)")
     if noise_scale is None:

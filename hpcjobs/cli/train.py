@@ -12,6 +12,7 @@ alike, with its defaults.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -199,7 +200,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=seed_int, default=DEFAULTS.seed,
                    help="model init and data order (default %(default)s)")
     g.add_argument("--threads", type=positive_int, help="torch threads per rank (default: this rank's cores)")
-    g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0)")
+    g.add_argument("--metrics", metavar="PATH", help="append one JSON line per epoch here (rank 0; - or "
+                   "/dev/stdout: on stdout, once; fields: docs/training.md)")
     g.add_argument("--target-loss", type=positive_float, metavar="L",
                    help="from the 4th epoch (5th with --loss-model power), each epoch's line predicts the epoch at "
                         "which the training loss reaches L (the loss model fitted to the losses so far, with a "
@@ -259,6 +261,8 @@ def check_job(args, size: int, cpu: bool = False) -> TrainConfig:
     """What the flags alone refuse at ``size`` ranks, before torch is imported
     (a second or more of every refusal), and the run's TrainConfig; ``cpu``:
     the ranks have no GPU (``slurm render --cpu`` checks a job with it)."""
+    if args.metrics == "-":  # (it wrote a file named "-")
+        args.metrics = "/dev/stdout"
     if args.resume and not args.checkpoint:
         raise UsageError("--resume needs --checkpoint PATH")
     if args.checkpoint_every and not args.checkpoint:
@@ -308,7 +312,14 @@ def run(args) -> int:
         # none leaves before rank 0 has written it: srun --kill-on-bad-exit ends the others when one exits
         comm.Barrier()
         return 128 + e.signum
-    if comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
+    loss = history[-1].get("loss") if history else None
+    diverged = isinstance(loss, float) and not math.isfinite(loss)
+    if diverged:  # a failed run, -q or not (it ended 0, and under -q without a word)
+        if comm.Get_rank() == 0:
+            kept = f"; {cfg.checkpoint} holds the last epoch before it" if cfg.checkpoint else ""
+            print(f"hpcjobs train: error: the loss is {loss} after epoch {history[-1]['epoch']}: the run diverged "
+                  f"and stopped (a lower --lr, or a longer warmup){kept}", file=sys.stderr, flush=True)
+    elif comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
         last = history[-1]
         print(f"# train: mode {cfg.mode}, final test accuracy {last['test_acc']:.4f} (error "
               f"{100 * (1 - last['test_acc']):.2f}%), {last['wall_s']:.1f} s", flush=True)
@@ -322,5 +333,5 @@ def run(args) -> int:
         # done and reported: the survivors leave without it.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(1 if diverged else 0)
+    return 1 if diverged else 0

@@ -279,7 +279,7 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         if "noise_steps" not in run.partial["stats"]:  # a checkpoint from before it was counted: every step
             opt.stats["noise_steps"] = opt.stats["steps"]
     run.comm.Barrier()
-    t0 = time.perf_counter()
+    t0, writing = time.perf_counter(), 0.0  # (the mid-epoch checkpoints' writes: not the epoch's training time)
     for s in range(first, spe):
         step = epoch * spe + s
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
@@ -309,13 +309,15 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         signum = run.stop.poll()  # at the epoch's last step: train stops after the epoch's checkpoint
         stop = signum and s + 1 < spe
         if stop or cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and s + 1 < spe:
+            t_write = time.perf_counter()
             written = checkpoint.write(cfg, run.comm, run.model, run.inner, opt, run.history, epoch, s + 1, {
-                "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + time.perf_counter() - t0},
+                "sums": sums.tolist(), "stats": dict(opt.stats), "elapsed": elapsed + t_write - t0 - writing},
                 run.scaler)
+            writing += time.perf_counter() - t_write
         if stop:
             run.comm.Barrier()  # rank 0 has written it: no rank leaves before (srun --kill-on-bad-exit)
             raise Stopped(signum, epoch, s + 1, cfg.checkpoint, written)
-    return sums, elapsed + time.perf_counter() - t0
+    return sums, elapsed + time.perf_counter() - t0 - writing
 
 
 def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._files import is_stream, write_text
+from .._files import is_stdout, is_stream, write_text
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
@@ -145,8 +145,11 @@ def finish_record(cfg: TrainConfig, record: dict, workers: int) -> dict:
     """The fields every mode's epoch line has, as plain Python numbers."""
     record = {"epoch": record.pop("epoch"), "mode": cfg.mode, **record, "workers": workers}
     record["samples_per_s"] = record["samples"] / record["epoch_s"] if record["epoch_s"] > 0 else 0.0
-    return {k: (v if v is None or isinstance(v, str) else int(v) if isinstance(v, (int, np.integer)) else float(v))
-            for k, v in record.items()}
+    return {k: (v if v is None or isinstance(v, str) else int(v) if isinstance(v, (int, np.integer)) or k in COUNTS
+                else float(v)) for k, v in record.items()}
+
+
+COUNTS = ("samples", "sent_bytes")  # counts summed in float arrays: written as the integers they are
 
 
 def report(cfg: TrainConfig, record: dict) -> None:
@@ -156,7 +159,7 @@ def report(cfg: TrainConfig, record: dict) -> None:
         Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.metrics, "a") as f:
             f.write(line + "\n")
-    if not cfg.quiet:
+    if not cfg.quiet and not (cfg.metrics and is_stdout(cfg.metrics)):  # (--metrics /dev/stdout: once, not twice)
         print(line, flush=True)
 
 
@@ -180,11 +183,23 @@ def amend_report(cfg: TrainConfig, record: dict) -> None:
 
 
 def _line(record: dict) -> str:
-    return json.dumps({k: (_rounded(v) if isinstance(v, float) else v) for k, v in record.items()})
+    """The record as one line of JSON: a NaN or an infinity (a diverged run's loss) is null, since JSON has none
+    (Python wrote NaN, which jq, JavaScript and strict parsers refuse)."""
+    return json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False)
+
+
+def _plain(v):
+    if isinstance(v, float):
+        return _rounded(v) if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)
-    return round(v, 6) if abs(v) >= 1e-3 or not math.isfinite(v) else float(f"{v:.6g}")
+    return round(v, 6) if abs(v) >= 1e-3 else float(f"{v:.6g}")
 
 
 class Progress:
