@@ -191,8 +191,8 @@ def _flat_from_torch(t) -> Flat:
 
 def check_op(op: str) -> str:
     """Return ``op`` if it is a supported reduction, else raise ValueError."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)}")
+    if not isinstance(op, str) or op not in OPS:  # (MPI.SUM: a name is taken, as on every rank the check compares)
+        raise ValueError(f"unknown op {op!r}; choose one of {', '.join(OPS)} (a name)")
     return op
 
 

@@ -132,7 +132,7 @@ def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Ca
     comm = private(comm)
     flat, error = None, None
     try:
-        if op not in OP_TABLE:
+        if not isinstance(op, str) or op not in OP_TABLE:
             check_op(op)
         flat = as_flat(buf) if type(buf) is np.ndarray or not is_device_buffer(buf) else as_device_flat(buf)
     except (TypeError, ValueError) as e:
@@ -157,7 +157,10 @@ def _values(name: str, buf, flat, op: str) -> tuple:
     """The check's values of :data:`_FIELDS` for ``buf`` (``flat``: it as
     parsed, or None). An array of more than one dimension in Fortran order
     says so: its elements are reduced in memory order, so against a C-order
-    array on another rank element (i, j) would meet another element."""
+    array on another rank element (i, j) would meet another element. An op
+    that is not a string (``MPI.SUM``, which cannot be hashed) is its repr:
+    every rank then raises the refusal of it, not this one alone."""
+    op = op if isinstance(op, str) else repr(op)
     if flat is None:
         return name, None, None, op, None
     if type(flat) is Flat:

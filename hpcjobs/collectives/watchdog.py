@@ -1,49 +1,39 @@
 """Stall detection: a collective that does not finish in time ends the job.
 
-A rank that never calls a collective the others are in -- it died without
-the launcher noticing, it is stuck in a loop, or the program's control flow
-differs between ranks -- leaves the others blocked in MPI forever. Horovod's
+A rank that never calls a collective the others are in -- it died without the launcher noticing, it is stuck in a
+loop, or the program's control flow differs between ranks -- leaves the others blocked in MPI forever. Horovod's
 stall inspector warns after 60 s; we do the same and then abort:
 
 - every hpcjobs collective registers itself (name, call number, start time)
   on entry and unregisters on exit -- a dictionary store, under a
   microsecond;
-- a daemon thread wakes once a second. A collective in flight for longer
-  than the warning threshold (``HPCJOBS_STALL_WARNING``, default 60 s) gets
-  one warning on stderr; past the timeout (``HPCJOBS_TIMEOUT`` or
-  ``hpcjobs --timeout``, default 300 s) the rank says which collective it
-  waited in, and for how long, asks every other rank where it is (below),
-  prints the answers, and calls ``MPI_Abort`` on COMM_WORLD, which ends
-  every rank with a non-zero exit. Where a host has dropped off the
-  network, Open MPI's launcher waits for that host's daemon forever after
-  the abort; :mod:`hpcjobs._reaper`, started when the collective times
-  out, kills the launcher if it has not ended the job :data:`LAUNCHER_GRACE`
-  seconds after the abort, so the user's ``mpirun`` returns. In an
-  ``mpirun`` launch across hosts each rank starts that process at its first
-  collective (:func:`attach`) as a guardian: it stands down at the rank's
-  clean end (an ``atexit`` word, before MPI_Finalize) and otherwise kills a
-  launcher still there :data:`UNCLEAN_GRACE` seconds after the rank ended
-  (killed, or aborted by Open MPI's own error handler on a lost peer).
+- a daemon thread wakes once a second. A collective in flight for longer than the warning threshold
+  (``HPCJOBS_STALL_WARNING``, default 60 s) gets one warning on stderr; past the timeout (``HPCJOBS_TIMEOUT`` or
+  ``hpcjobs --timeout``, default 300 s) the rank says which collective it waited in, and for how long, asks every
+  other rank where it is (below), prints the answers, and calls ``MPI_Abort`` on COMM_WORLD, which ends every rank
+  with a non-zero exit. Where a host has dropped off the network, Open MPI's launcher waits for that host's daemon
+  forever after the abort; :mod:`hpcjobs._reaper`, started when the collective times out, kills the launcher if it
+  has not ended the job :data:`LAUNCHER_GRACE` seconds after the abort, so the user's ``mpirun`` returns. In an
+  ``mpirun`` launch across hosts each rank starts that process at its first collective (:func:`attach`) as a
+  guardian: it stands down at the rank's clean end (an ``atexit`` word, before MPI_Finalize) and otherwise kills a
+  launcher still there :data:`UNCLEAN_GRACE` seconds after the rank ended (killed, or aborted by Open MPI's own
+  error handler on a lost peer).
 
-Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the
-CLI makes one at start) also duplicates COMM_WORLD for the watchdog
-(:func:`attach`). From then on every rank's watchdog thread answers, once a
-second, a query on that communicator with where its main thread is: which
-collective and call number it waits in and for how long, or that it is in
-none and which it entered last. A rank past the timeout queries all the
-others and waits up to :data:`ANSWER_WAIT` seconds, so the report reads::
+Which ranks never arrived: the first hpcjobs collective on COMM_WORLD (the CLI makes one at start) also duplicates
+COMM_WORLD for the watchdog (:func:`attach`). From then on every rank's watchdog thread answers, once a second, a
+query on that communicator with where its main thread is: which collective and call number it waits in and for how
+long, or that it is in none and which it entered last. A rank past the timeout queries all the others and waits up
+to :data:`ANSWER_WAIT` seconds, so the report reads::
 
     hpcjobs: rank 0: ring_allreduce (call #2) did not complete within 3 s; ranks not in ring_allreduce: 2; aborting the job
       rank 0: waiting 3 s in ring_allreduce (call #2)
       rank 1: waiting 3 s in ring_allreduce (call #2)
       rank 2: in no hpcjobs collective; the last it entered was ring_allreduce (call #1)
 
-A rank that does not answer (dead, or stuck in C code that holds the GIL)
-is listed as such. Answering needs ``MPI_THREAD_MULTIPLE`` (mpi4py asks for
-it); without it the report names only the rank that timed out.
-
-mpi4py releases the GIL inside blocking MPI calls, so the thread runs while the main thread waits.
-A timeout of 0 turns the watchdog off."""
+A rank that does not answer (dead, or stuck in C code that holds the GIL) is listed as such. Answering needs
+``MPI_THREAD_MULTIPLE`` (mpi4py asks for it); without it the report names only the rank that timed out. mpi4py
+releases the GIL inside blocking MPI calls, so the thread runs while the main thread waits. A timeout of 0 turns the
+watchdog off."""
 
 from __future__ import annotations
 
@@ -319,32 +309,43 @@ def _watch() -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     while True:
         time.sleep(min(1.0, max(0.05, _warning / 4)) if _warning else 1.0)
-        if _reports is not None and _mpi_lock.acquire(blocking=False):
-            try:
-                if _reports is not None:
-                    _answer_queries()
-            except MPI.Exception:
-                pass  # a peer gone: the launcher or a timeout ends the job
-            finally:
-                _mpi_lock.release()
-        if not _timeout:
-            continue
-        now = time.monotonic()
-        for tid, (what, call, t0, comm, limit) in list(_inflight.items()):
-            waited = now - t0
-            if waited > (limit or _timeout):
+        try:  # whatever fails (a stderr that cannot be written), the thread goes on watching
+            _look(rank, warned)
+        except Exception:  # noqa: BLE001 -- it had ended the thread, and no timeout came again
+            pass
+
+
+def _look(rank: int, warned: set) -> None:
+    """One look: answer the other ranks' queries, end the job where a call waited past its limit, warn."""
+    if _reports is not None and _mpi_lock.acquire(blocking=False):
+        try:
+            if _reports is not None:
+                _answer_queries()
+        except MPI.Exception:
+            pass  # a peer gone: the launcher or a timeout ends the job
+        finally:
+            _mpi_lock.release()
+    if not _timeout:
+        return
+    now = time.monotonic()
+    for tid, (what, call, t0, comm, limit) in list(_inflight.items()):
+        waited = now - t0
+        if waited > (limit or _timeout):
+            report = f"hpcjobs: rank {rank}: {what} (call #{call}) did not complete in time; aborting the job"
+            try:  # each part on its own: the abort below comes whatever fails before it
                 alive = _guardian is not None and _guardian.poll() is None
                 reaper = _guardian if alive else _start_reaper()
                 report = _report(what, call, rank, comm, limit)
                 print(report, file=sys.stderr, flush=True)
                 _tell_reaper(reaper, report)
+            finally:
                 MPI.COMM_WORLD.Abort(124)
                 os._exit(124)  # where Abort returns
-            if _warning and waited > _warning and (tid, call) not in warned:
-                warned.add((tid, call))
-                print(f"hpcjobs: warning: rank {rank} has waited {waited:.0f} s in {what} (call #{call}) for the "
-                      f"other ranks; it aborts the job at {limit or _timeout:g} s "
-                      f"({'its own limit' if limit else 'HPCJOBS_TIMEOUT'})", file=sys.stderr, flush=True)
+        if _warning and waited > _warning and (tid, call) not in warned:
+            warned.add((tid, call))
+            print(f"hpcjobs: warning: rank {rank} has waited {waited:.0f} s in {what} (call #{call}) for the "
+                  f"other ranks; it aborts the job at {limit or _timeout:g} s "
+                  f"({'its own limit' if limit else 'HPCJOBS_TIMEOUT'})", file=sys.stderr, flush=True)
 
 
 def enter(what: str, comm=None, limit: float | None = None):

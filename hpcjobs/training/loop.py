@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..collectives.watchdog import guard
 from ..comm import private
 from ..convergence import min_points, noise_scale, prediction_fields
 from ..compression import make_compressor
@@ -72,7 +73,8 @@ def _average_bn_stats(model: torch.nn.Module, comm: MPI.Comm) -> None:
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
             for t in (m.running_mean, m.running_var):
                 host = t.cpu()  # the same tensor on the CPU; a copy of a GPU's
-                comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+                with guard("train: BatchNorm statistics", comm):
+                    comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
                 t.copy_(host).div_(comm.Get_size())
 
 
@@ -278,7 +280,8 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         opt.stats.update(run.partial["stats"])
         if "noise_steps" not in run.partial["stats"]:  # a checkpoint from before it was counted: every step
             opt.stats["noise_steps"] = opt.stats["steps"]
-    run.comm.Barrier()
+    with guard("train: epoch start", run.comm):  # (a rank stalled before it had left the others here for good)
+        run.comm.Barrier()
     t0, writing = time.perf_counter(), 0.0  # (the mid-epoch checkpoints' writes: not the epoch's training time)
     for s in range(first, spe):
         step = epoch * spe + s
@@ -315,7 +318,8 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
                 run.scaler)
             writing += time.perf_counter() - t_write
         if stop:
-            run.comm.Barrier()  # rank 0 has written it: no rank leaves before (srun --kill-on-bad-exit)
+            with guard("train: stop", run.comm):  # rank 0 has written it: none leaves before (srun --kill-on-bad-exit)
+                run.comm.Barrier()
             raise Stopped(signum, epoch, s + 1, cfg.checkpoint, written)
     return sums, elapsed + time.perf_counter() - t0 - writing
 
@@ -325,8 +329,9 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
     BatchNorm statistics and evaluating the test set."""
     opt, comm = run.opt, run.comm
     times = np.array([epoch_s, opt.stats["comm_s"], opt.stats["wait_s"], opt.stats["sent_bytes"]])
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    with guard("train: epoch metrics", comm):
+        comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     _average_bn_stats(run.model, comm)
     test_loss, test_acc = evaluate(run.model, run.ds, comm, run.cfg.amp, run.device)
     spe = run.steps_per_epoch
@@ -343,7 +348,8 @@ def _record(run: _Run, epoch: int, sums: np.ndarray, epoch_s: float) -> dict:
         record["sent_bytes"] = int(times[3])
     steps = opt.stats["noise_steps"]  # the epoch's steps with a finite average, the same on every rank
     if opt.noise_scale and steps:  # this epoch's mean squared norms (convergence.noise_scale)
-        rank_sq = comm.allreduce(opt.stats["grad_sq_rank"]) / (run.size * steps)
+        with guard("train: epoch metrics", comm):
+            rank_sq = comm.allreduce(opt.stats["grad_sq_rank"]) / (run.size * steps)
         record.update(noise_scale(rank_sq, opt.stats["grad_sq_avg"] / steps,
                                   run.global_batch // run.size, run.global_batch))
     # plain Python numbers: the checkpoint is loaded with weights_only=True

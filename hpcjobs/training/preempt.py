@@ -37,6 +37,7 @@ from mpi4py import MPI
 
 from .._early_signals import take
 from .._files import atomic_write
+from ..collectives.watchdog import guard
 from ..slurm import STOP_FILE_ENV, stop_point
 
 __all__ = ["SIGNALS", "Noted", "Stopped", "StopSignals", "write_stop_file"]
@@ -95,7 +96,8 @@ class StopSignals:
 
     def __init__(self, comm: MPI.Intracomm, enabled: bool):
         on = enabled and threading.current_thread() is threading.main_thread()
-        on = comm.allreduce(int(on), op=MPI.MIN) == 1  # a rank off would never join the ranks' polls
+        with guard("train: signals", comm):
+            on = comm.allreduce(int(on), op=MPI.MIN) == 1  # a rank off would never join the ranks' polls
         self._comm = comm.Dup() if on else None
         self._mine, self._any = np.zeros(1, np.int64), np.zeros(1, np.int64)
         self._request: MPI.Request | None = None
@@ -130,9 +132,10 @@ class StopSignals:
         at an epoch's end. Collective."""
         if self._comm is None:
             return 0
-        earlier = self._finish()
-        self._mine[0] = self.noted
-        self._comm.Allreduce(self._mine, self._any, op=MPI.MAX)
+        with guard("train: signals", self._comm):  # at an epoch's end, where a rank stalled in its tests waited
+            earlier = self._finish()
+            self._mine[0] = self.noted
+            self._comm.Allreduce(self._mine, self._any, op=MPI.MAX)
         return earlier or int(self._any[0])
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from .._files import is_stdout, is_stream, write_text
+from ..collectives.watchdog import guard
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
 from .data import Dataset, eval_shard
@@ -137,7 +138,8 @@ def evaluate(model: torch.nn.Module, ds: Dataset, comm: MPI.Comm, amp: str = "no
              device: torch.device = torch.device("cpu")) -> tuple[float, float]:
     """Test loss and accuracy, each rank of ``comm`` taking a shard (collective)."""
     sums = evaluate_local(model, ds, eval_shard(len(ds.test), comm.Get_rank(), comm.Get_size()), amp, device)
-    comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+    with guard("evaluate", comm):  # watched: a rank stalled in its shard had left the others here for good
+        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
     return sums[0] / sums[2], sums[1] / sums[2]
 
 

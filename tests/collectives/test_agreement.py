@@ -61,6 +61,15 @@ def test_an_op_or_algorithm_mismatch_raises_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_mpi_op_object_on_one_rank_is_an_error_on_every_rank():
+    """MPI.SUM, mpi4py's habit, cannot be hashed: the check raised TypeError on that rank alone, and the others
+    waited in it until the watchdog's 300 s."""
+    comm = MPI.COMM_WORLD
+    _raises_everywhere(lambda: allreduce(np.ones(4), op=MPI.SUM if comm.rank == 0 else "sum"), comm,
+                       "rank 0: ValueError: unknown op <mpi4py.MPI.Op", "(a name)")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
     comm = MPI.COMM_WORLD
     buf = np.ones(6)

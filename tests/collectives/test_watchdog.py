@@ -148,6 +148,45 @@ def test_an_exception_on_one_rank_aborts_the_training_job():
     assert "injected failure on rank 1" in out.stderr and "rank 1 failed in training; aborting" in out.stderr
 
 
+def test_a_rank_stalled_in_its_share_of_the_tests_ends_the_training_job():
+    """The epoch's end (the test set's sums, the metrics, BatchNorm's statistics, the signals) used MPI directly,
+    unwatched: a rank stalled in its test shard (a hung read) left the others there for good."""
+    out, elapsed = _run("""
+        import time
+        from mpi4py import MPI
+        import hpcjobs.training.stepping as stepping
+        from hpcjobs.training.loop import TrainConfig, train
+        if MPI.COMM_WORLD.rank == 1:
+            stepping.evaluate_local = lambda *args, **kwargs: time.sleep(600)
+        ready()
+        train(TrainConfig(model="mlp", width=16, dataset="synthetic", num_samples=400, epochs=2, quiet=True,
+                          progress=False))
+    """, n=2)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert re.search(r"rank 0: evaluate \(call #\d+\) did not complete within 3 s", out.stderr), out.stderr[-3000:]
+    assert "ranks not in evaluate: 1;" in out.stderr
+
+
+def test_a_watchdog_whose_stderr_cannot_be_written_still_ends_the_job():
+    """Its warning's print raised, which ended the watchdog's thread: no timeout came, ever."""
+    out, elapsed = _run("""
+        import sys, time
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        x = np.ones(1000)
+        allreduce(x)                      # attaches the watchdog
+        ready()
+        if MPI.COMM_WORLD.rank == 1:
+            time.sleep(600)
+        sys.stderr = open("/dev/full", "w")  # every write fails: no space left on device
+        allreduce(x)
+    """, n=2)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+
+
 def test_a_rank_that_leaves_a_torch_distributed_script_ends_the_job():
     """The torch.distributed backend's calls, their agreement check included,
     are watched like our collectives: a rank that leaves before DDP's first
