@@ -375,7 +375,7 @@ def expect_world_size(comm: MPI.Comm | None = None) -> None:
     except ValueError:
         raise RuntimeError(f"HPCJOBS_EXPECT_WORLD_SIZE={expected!r} is not an integer") from None
     if comm.Get_size() != want:
-        raise RuntimeError(
-            f"MPI world size is {comm.Get_size()} but HPCJOBS_EXPECT_WORLD_SIZE={want}: the "
-            "ranks did not find each other (wrong launcher or srun --mpi plugin for this MPI?)"
-        )
+        why = ("the ranks did not find each other (wrong launcher or srun --mpi plugin for this MPI?)"
+               if comm.Get_size() == 1 else "the job launched another size than its script expects, or its ranks "
+                                            "were given different values")
+        raise RuntimeError(f"MPI world size is {comm.Get_size()} but HPCJOBS_EXPECT_WORLD_SIZE={want}: {why}")

@@ -250,6 +250,13 @@ def test_expected_world_size_mismatch_aborts_the_job():
     out = _mpirun(2, "info", env={"HPCJOBS_EXPECT_WORLD_SIZE": "5"}, timeout=60)
     assert out.returncode != 0
     assert "MPI world size is 2 but HPCJOBS_EXPECT_WORLD_SIZE=5" in out.stderr
+    # given 2 on one rank and 3 on the other: the rank it fitted waited for the other in MPI, for good
+    *mpirun, n, one, python = _mpirun_prefix(1)
+    with launch_env({}) as e:
+        split = run([*mpirun, n, one, "-x", "HPCJOBS_EXPECT_WORLD_SIZE=2", python, "-m", "hpcjobs", "info", ":",
+                     n, one, "-x", "HPCJOBS_EXPECT_WORLD_SIZE=3", python, "-m", "hpcjobs", "info"], 60, e)
+    assert split.returncode == 2 and "MPI world size is 2 but HPCJOBS_EXPECT_WORLD_SIZE=3" in split.stderr, \
+        split.stderr[-2000:]
 
 
 def test_info_names_every_rank(tmp_path):

@@ -313,15 +313,12 @@ def _run_ranks(command: Command, run, args, prog: str) -> int:
 
     from ..comm import expect_world_size, world
 
-    if _environment_refused(problem, settings, prog, MPI.COMM_WORLD):
-        return 2
-
-    try:
+    try:  # with the other refusals: where the ranks were given different sizes, the others had waited in world()
         expect_world_size()
     except RuntimeError as e:
-        # Every rank is alone in its own world here: each says so and fails.
-        print(f"hpcjobs: error on rank {MPI.COMM_WORLD.Get_rank()}: {e}", file=sys.stderr, flush=True)
-        return 1
+        problem = problem or str(e)
+    if _environment_refused(problem, settings, prog, MPI.COMM_WORLD):
+        return 2
     world()  # collective: the private world and the stall watchdog's, so a timeout can name missing ranks
     meeting = MPI.COMM_WORLD.Dup()  # for a refusal's meeting only: no command's collective can be on it
     try:
