@@ -52,6 +52,7 @@ from mpi4py import MPI
 
 from . import checkpoint, schedule as sched
 from ..collectives.counting import counted_allreduce
+from ..collectives.watchdog import guard
 from .config import TrainConfig
 from .data import load_dataset_of, rank_batches, steps_per_epoch
 from .models import build_model
@@ -281,7 +282,8 @@ class _Averaging:
         if self.center is not None:
             self.flat.copy_(self.center)
         else:
-            self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+            with guard("train: the ranks' average", self.comm):
+                self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
             self.flat.div_(self.W)
         try:
             yield
@@ -365,8 +367,11 @@ class _Averaging:
         (local: what one more average would give), the shared vector (hogwild)."""
         comm = self.comm
         maxes = np.array([epoch_s, wall_s, sent], np.float64)
-        comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
-        comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
+        # watched where the ranks come from their last average together (Hogwild!'s come as their epochs end,
+        # as far apart as their speeds make them, and are not)
+        with contextlib.nullcontext() if self.hogwild else guard("train: epoch metrics", comm):
+            comm.Allreduce(MPI.IN_PLACE, maxes, op=MPI.MAX)
+            comm.Allreduce(MPI.IN_PLACE, sums, op=MPI.SUM)
         extra = {}
         if self.hogwild:
             self.win.Sync()
