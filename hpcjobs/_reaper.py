@@ -70,6 +70,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _started(pid: int) -> str:
+    """When ``pid`` started (clock ticks since boot, /proc/<pid>/stat's 22nd field): a pid used again by another
+    process has another; "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _comm(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -121,7 +131,7 @@ def main(argv: list[str]) -> int:
     rank, daemon, grace = int(argv[1]), int(argv[2]), float(argv[3])
     guardian = argv[4] == "eof"
     unclean_grace = float(argv[5]) if len(argv) > 5 else grace
-    start = time.monotonic()
+    start, born = time.monotonic(), _started(rank)
     name = _comm(daemon)
     if name not in LAUNCHERS | DAEMONS:
         return 0
@@ -149,7 +159,7 @@ def main(argv: list[str]) -> int:
         why = (f"hpcjobs: a rank (pid {rank}) on {host} ended without MPI_Finalize (killed, or aborted by MPI's "
                f"error handler) and {name} (pid {daemon}) had not ended the job {grace:g} s later")
     _say(daemon, why + " (a host cut off or dead?); killing it so the launch returns")
-    if _alive(rank):
+    if _alive(rank) and _started(rank) == born:  # (seconds later its pid may be another process's)
         try:
             os.kill(rank, signal.SIGKILL)
         except OSError:
