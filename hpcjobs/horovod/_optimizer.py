@@ -176,6 +176,14 @@ class _EngineReducer(_Engine):
         if out is not bucket.buffer:
             bucket.buffer.copy_(out.reshape(-1))
 
+    def _any_rank(self, mine: bool) -> bool:
+        if not self._by_controller:
+            return super()._any_rank(mine)
+        flag = torch.tensor([float(mine)])  # through the controller, as the step's buckets: a joined rank adds 0
+        allreduce_(flag, name=f"DistributedOptimizer.edited.{self._buckets[0].slots[0].name}", op=Sum,
+                   process_set=self.process_set)
+        return flag.item() > 0
+
     def _stepping(self) -> int:
         """How many ranks take this step: a one-element sum through the controller, to which a rank in
         ``hvd.join()`` adds 0 (the same count on every rank, so every rank picks the same path)."""

@@ -48,9 +48,9 @@ class Slot:
     probe: torch.Tensor | None = None  # PROBES evenly spaced positions, whose values tell a change (Bucket.edited)
 
     def __post_init__(self):
-        if self.probe is None:
+        if self.probe is None:  # in integers: linspace's float32 put the last one past the end above 2**24
             count = min(self.numel, PROBES)
-            self.probe = torch.linspace(0, max(self.numel - 1, 0), count, device=self.param.device).round().long()
+            self.probe = torch.arange(count, device=self.param.device) * (self.numel - 1) // max(count - 1, 1)
 
 
 @dataclass

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from ..comm import private
 
-__all__ = ["communicator", "weakly", "serve", "dropped"]
+__all__ = ["communicator", "weakly", "serve", "dropped", "any_rank"]
 
 _LIVE: dict[int, weakref.WeakSet] = {}  # id of a private communicator -> the optimizers made on it
 
@@ -101,3 +101,15 @@ def dropped(owner, handles: list, q) -> None:
     """Once ``owner`` is collected without ``close()``: remove its hooks
     (``handles``) and end its thread (``q``)."""
     weakref.finalize(owner, _end, handles, q)
+
+
+def any_rank(comm: MPI.Intracomm, mine: bool, what: str) -> bool:
+    """Whether ``mine`` holds on some rank of ``comm`` (collective, watched as ``what``): one integer's MAX."""
+    import numpy as np
+
+    from ..collectives.watchdog import guard
+
+    flag = np.array([int(mine)], np.int32)
+    with guard(what, comm):
+        comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
+    return bool(flag[0])

@@ -72,7 +72,7 @@ from ..collectives.counting import counted_allreduce
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
 from .buckets import EDITED, Bucket, changed_grads, check_layout, layout
-from .communicators import communicator, dropped, serve, weakly
+from .communicators import any_rank, communicator, dropped, serve, weakly
 from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
 
@@ -316,18 +316,22 @@ class DistributedOptimizer(OptimizerState):
             if self.memory is not None:
                 self.memory.discard()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
-        edited = changed_grads(self._buckets)
-        if edited:  # the averages would overwrite the change: a silent wrong step (GradScaler: 65,536x too far)
+        edited = changed_grads(self._buckets)  # the averages would overwrite a change: GradScaler's 65,536x step
+        if self._any_rank(bool(edited)):  # alike on every rank: one whose probed values were zeros saw none
             self._reset_buckets()
             if self.memory is not None:
                 self.memory.discard()
-            raise RuntimeError(EDITED.format(names=", ".join(edited[:3]) + (", ..." if len(edited) > 3 else "")))
+            raise RuntimeError(EDITED.format(names=", ".join(edited[:3]) + (", ..." if len(edited) > 3 else "")
+                                             if edited else "a parameter on another rank"))
         if self.memory is not None:  # a step skipped as a whole counts for no bucket's residual
             self.memory.commit(self.skips_whole_steps)
         for bucket in self._buckets:
             bucket.unpack()
         self._synced = True
         self._finish_step(t0)
+
+    def _any_rank(self, mine: bool) -> bool:  # (the Horovod door's goes by its controller while a rank has joined)
+        return any_rank(self._comm, mine, "DistributedOptimizer.synchronize")
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -133,6 +133,39 @@ def test_a_gradient_changed_between_backward_and_step_is_an_error_on_every_rank(
     assert rel_diff(flat_params(model), flat_params(ref)) < 1e-5
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_change_only_some_ranks_can_see_is_an_error_on_every_rank():
+    """GradScaler's unscale_ is seen in 8 sampled values of each gradient: on a rank whose gradient is zeros there
+    they do not change. That rank stepped on the scaled average (65,536x too far), then waited in the next
+    reduction for the ranks that had raised."""
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1, bias=False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    before = model.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    x = torch.ones(4, 16) if comm.rank == 0 else torch.zeros(4, 16)  # a zero gradient on every rank but 0
+    scaler.scale(model(x).sum()).backward()
+    words = "weight" if comm.rank == 0 else "a parameter on another rank"
+    with pytest.raises(RuntimeError, match=f"the gradient of {words} changed between backward and step"):
+        scaler.step(opt)
+    assert torch.equal(model.weight.detach(), before)
+    opt.zero_grad()  # and the optimizer goes on, done as the error says
+    model(x).sum().backward()
+    opt.synchronize()
+    opt.step()
+    opt.close()
+    assert torch.allclose(model.weight.detach(), before - 0.1 * 4 / comm.size)
+
+
+def test_each_gradients_probes_lie_inside_it_above_2_to_the_24_too():
+    from hpcjobs.training.buckets import PROBES, Slot
+
+    for n in (1, 2, 7, 8, 9, 1000, 2 ** 24 + 3, 50257 * 768):  # (float32 had put GPT-2's wte's last one past it)
+        probe = Slot("p", torch.zeros(1), 0, n).probe.tolist()
+        assert probe[0] == 0 and probe[-1] == n - 1 and len(set(probe)) == min(n, PROBES) == len(probe), (n, probe)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_alone_a_change_to_the_gradient_is_stepped_on():
     """One rank reduces nothing: .grad is the average and a clip before step() counts."""
