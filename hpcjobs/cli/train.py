@@ -316,9 +316,10 @@ def run(args) -> int:
     diverged = isinstance(loss, float) and not math.isfinite(loss)
     if diverged:  # a failed run, -q or not (it ended 0, and under -q without a word)
         if comm.Get_rank() == 0:
-            kept = f"; {cfg.checkpoint} holds the last epoch before it" if cfg.checkpoint else ""
+            kept = (f"; {cfg.checkpoint} is not written of that epoch" if cfg.checkpoint and cfg.mode == "sync"
+                    else "")
             print(f"hpcjobs train: error: the loss is {loss} after epoch {history[-1]['epoch']}: the run diverged "
-                  f"and stopped (a lower --lr, or a longer warmup){kept}", file=sys.stderr, flush=True)
+                  f"(a lower --lr, or a longer warmup){kept}", file=sys.stderr, flush=True)
     elif comm.Get_rank() == 0 and history and not cfg.quiet and cfg.mode != "sync":
         last = history[-1]
         print(f"# train: mode {cfg.mode}, final test accuracy {last['test_acc']:.4f} (error "

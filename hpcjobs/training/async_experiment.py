@@ -19,7 +19,6 @@ the staleness the servers saw.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from .._plots import pyplot
 from .config import ASYNC_ROWS as ROWS
 from .config import TrainConfig, async_row_names as row_names
 from .loop import train
+from .stepping import json_line
 
 __all__ = ["ROWS", "row_names", "resolve", "row_config", "run_rows", "summarize", "markdown_table", "plot"]
 
@@ -111,7 +111,7 @@ def run_rows(template: TrainConfig, rows: list[str], seeds: int, factor: float, 
                                "history": history}
                         results.append(run)
                         with open(path, "a") as f:
-                            f.write(json.dumps(run) + "\n")
+                            f.write(json_line(run) + "\n")
                         last = history[-1]
                         log(f"# {name}, seed {seed}, straggler {slow:g}x: test error "
                             f"{100 * (1 - last['test_acc']):.2f}% after {last['wall_s']:.1f} s "

@@ -30,7 +30,6 @@ Launch::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -43,6 +42,7 @@ from .._plots import pyplot
 from .config import TrainConfig
 from .loop import train
 from .schedule import WARMUPS
+from .stepping import json_line
 
 WARMUP_EPOCHS = TrainConfig.__dataclass_fields__["warmup_epochs"].default  # the runs without warmup keep it
 
@@ -107,7 +107,7 @@ def run_grid(template: TrainConfig, batches: list[int], warmups: list[str], seed
         results.append(rec)
         if comm.Get_rank() == 0:
             with open(runs_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json_line(rec) + "\n")
             elapsed = time.perf_counter() - t_start
             eta = elapsed / (i + 1) * (len(plan) - i - 1)
             log(f"[{i + 1}/{len(plan)}] batch {b:5d} (k={b / base_batch:g}) warmup {warmup:8s} seed {seed}: "

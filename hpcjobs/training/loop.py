@@ -365,5 +365,6 @@ def _end_epoch(run: _Run, epoch: int, record: dict) -> bool:
         record.update(prediction_fields(run.history, run.cfg.target_loss, model=run.cfg.loss_model))
     if run.rank == 0:
         report(run.cfg, record)
-    return bool(run.cfg.checkpoint) and checkpoint.write(run.cfg, run.comm, run.model, run.inner, run.opt,
-                                                         run.history, epoch + 1, 0, None, run.scaler)
+    # not of a diverged epoch (finite parameters under --nonfinite skip or fp16's skips): --resume would go on from it
+    return bool(run.cfg.checkpoint) and math.isfinite(record["loss"]) and checkpoint.write(
+        run.cfg, run.comm, run.model, run.inner, run.opt, run.history, epoch + 1, 0, None, run.scaler)

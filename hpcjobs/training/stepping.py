@@ -156,7 +156,7 @@ COUNTS = ("samples", "sent_bytes")  # counts summed in float arrays: written as 
 
 def report(cfg: TrainConfig, record: dict) -> None:
     """One JSON line on stdout and in ``cfg.metrics`` (the caller is the rank that reports); every mode's."""
-    line = _line(record)
+    line = json_line(record)
     if cfg.metrics:
         Path(cfg.metrics).parent.mkdir(parents=True, exist_ok=True)
         with open(cfg.metrics, "a") as f:
@@ -177,16 +177,17 @@ def amend_report(cfg: TrainConfig, record: dict) -> None:
         lines = Path(cfg.metrics).read_text().splitlines(keepends=True)
         if not lines or json.loads(lines[-1]).get("epoch") != record.get("epoch"):
             raise ValueError(f"its last line is not epoch {record.get('epoch')}'s, written there by this run")
-        lines[-1] = _line(record) + "\n"
+        lines[-1] = json_line(record) + "\n"
         write_text(cfg.metrics, "".join(lines))
     except (OSError, ValueError) as e:  # (json's JSONDecodeError is a ValueError)
         print(f"# train: warning: the audit is not in {cfg.metrics}: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)
 
 
-def _line(record: dict) -> str:
+def json_line(record: dict) -> str:
     """The record as one line of JSON: a NaN or an infinity (a diverged run's loss) is null, since JSON has none
-    (Python wrote NaN, which jq, JavaScript and strict parsers refuse)."""
+    (Python wrote NaN, which jq, JavaScript and strict parsers refuse). Every JSON-lines file of train's and the
+    experiments' is written so."""
     return json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False)
 
 

@@ -25,11 +25,15 @@ def _strict(text):
 
 
 def test_a_diverged_run_writes_null_not_nan_and_fails_saying_so_under_q_too(tmp_path):
-    out = _train(tmp_path, "--epochs", "3", "--lr", "1e20", "--metrics", "m.jsonl", "-q")
+    # --nonfinite skip keeps the parameters finite: the diverged epoch's checkpoint had been written, to resume from
+    out = _train(tmp_path, "--epochs", "3", "--lr", "1e20", "--metrics", "m.jsonl", "-q", "--nonfinite", "skip",
+                 "--checkpoint", "c.pt")
     assert out.returncode == 1, out.stderr
-    assert "the run diverged and stopped" in out.stderr and out.stdout == ""
+    assert "the run diverged" in out.stderr and "c.pt is not written of that epoch" in out.stderr
+    assert out.stdout == ""
     lines = _strict((tmp_path / "m.jsonl").read_text())  # Python had written NaN, which JSON has not
     assert lines[-1]["loss"] is None and len(lines) < 3
+    assert not (tmp_path / "c.pt").exists()  # (it diverged in its first epoch)
 
 
 def test_metrics_on_stdout_is_written_there_once(tmp_path):
