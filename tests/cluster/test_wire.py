@@ -173,8 +173,8 @@ def test_model_across_unequal_hosts_is_a_usage_error(emulated_cluster):
     every usage error of the CLI)."""
     proc = emulated_cluster.mpirun("h1:2,h2:1", 3, "hpcjobs", "model", "-b", "1M", "-e", "1M", timeout=300)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stderr.count("hpcjobs model: error: the two-level model needs equal nodes of consecutive ranks; "
-                             "these have [2, 1]") == 1, proc.stderr
+    assert proc.stderr.count("hpcjobs model: error: the two-level model needs nodes of as many ranks each; "
+                             "these have [2, 1]\n") == 1, proc.stderr
     assert "measuring" not in proc.stdout
 
 
