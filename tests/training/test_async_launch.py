@@ -234,10 +234,20 @@ def test_a_workers_own_setup_error_ends_every_rank_saying_why():
 
 
 def test_a_killed_server_ends_every_worker_with_an_error():
+    """Every worker waits on server 0 and exits 3 when it has heard nothing
+    for 2 s, naming it. Not every worker's words are sure to come: Open MPI
+    5's mpirun, under --enable-recovery, kills the job's other ranks once
+    half of them have exited non-zero (measured here at 3 to 8 ranks; in this
+    job at the second worker's exit), so a worker descheduled past the
+    others' timeout ends without a word (CI saw it once: ranks 1 and 2 spoke,
+    rank 3 did not). What is sure: the job fails, soon; the first worker to
+    notice says why; no rank says anything else."""
     out, seconds = _train(4, *SMALL, "--epochs", "20", "--peer-timeout", "2", fault="0:30")
     assert out.returncode != 0
-    for rank in (1, 2, 3):
-        assert f"rank {rank}: server rank 0 sent nothing for 2 s: presumed lost" in out.stderr, out.stderr[-3000:]
+    said = re.findall(r"^hpcjobs train: error: rank (\d+): (.*)$", out.stderr, re.M)
+    why = "server rank 0 sent nothing for 2 s: presumed lost"
+    assert said and all(r in {"1", "2", "3"} and text == why for r, text in said), out.stderr[-3000:]
+    assert len(said) == len(set(said)) and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert seconds < 60
 
 
