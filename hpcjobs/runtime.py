@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 from fractions import Fraction
 from pathlib import Path
 
 __all__ = ["bind_gpu", "pick_device", "autocast", "out_of_memory", "cores_per_rank", "cpu_share", "cpu_limit",
-           "set_threads", "clear_stale_mpi_sessions"]
+           "cgroup_hierarchies", "set_threads", "clear_stale_mpi_sessions"]
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -117,34 +118,54 @@ def cpu_limit(proc: str = "/proc/self") -> tuple[tuple, float] | None:
     smallest over the cgroup and its parents in either hierarchy (v2's
     ``cpu.max``, v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``). None
     where nothing limits it or it cannot be read."""
+    best = None
+    for v2, folders in cgroup_hierarchies("cpu", proc):
+        for folder in folders:
+            cpus = _quota(folder, v2)
+            if cpus is not None and (best is None or cpus < best[1]):
+                st = os.stat(folder)
+                best = ((st.st_dev, st.st_ino), cpus)
+    return best
+
+
+def cgroup_hierarchies(controller: str, proc: str = "/proc/self"):
+    """The cgroup folders whose limits bind the process ``proc`` names, for
+    ``controller`` ("cpu", "memory"): yields (v2, folders) for each mounted
+    hierarchy that may carry it -- v2's unified one, v1's that names it --
+    the folders from the process's own cgroup up to the mount's top. Found
+    from ``proc``'s cgroup and mountinfo files, so a hierarchy is read where
+    it is mounted (v2 under ``/sys/fs/cgroup/unified`` beside v1's, a
+    container's own cgroup as its mount's root). Yields nothing where they
+    cannot be read."""
     try:
         groups = [line.split(":", 2) for line in Path(proc, "cgroup").read_text().splitlines()]
         mounts = [line.split() for line in Path(proc, "mountinfo").read_text().splitlines()]
     except OSError:
-        return None
-    best = None
+        return
     for fields in mounts:  # id parent dev root mountpoint options... - fstype source superoptions
-        if "-" not in fields:
+        if "-" not in fields or len(fields) < 5:
             continue
         tail = fields[fields.index("-") + 1:]
-        v2 = tail[0] == "cgroup2"
-        if not (v2 or (tail[0] == "cgroup" and "cpu" in tail[2].split(","))):
+        v2 = tail[:1] == ["cgroup2"]
+        if not (v2 or (tail[:1] == ["cgroup"] and len(tail) > 2 and controller in tail[2].split(","))):
             continue
-        path = next((g[2] for g in groups if len(g) == 3 and (g[1] == "" if v2 else "cpu" in g[1].split(","))),
+        path = next((g[2] for g in groups if len(g) == 3 and (g[1] == "" if v2 else controller in g[1].split(","))),
                     None)
-        if path is None or not (path + "/").startswith(fields[3].rstrip("/") + "/"):
-            continue
-        top = Path(fields[4])
-        here = top / path[len(fields[3].rstrip("/")):].lstrip("/")
-        while True:
-            cpus = _quota(here, v2)
-            if cpus is not None and (best is None or cpus < best[1]):
-                st = os.stat(here)
-                best = ((st.st_dev, st.st_ino), cpus)
-            if here == top:
-                break
+        root = _unescape(fields[3]).rstrip("/")
+        if path is None or not (path + "/").startswith(root + "/"):
+            continue  # the process's cgroup is outside what this mount shows
+        top = Path(_unescape(fields[4]))
+        here = top / path[len(root):].lstrip("/")
+        folders = [here]
+        while here != top:
             here = here.parent
-    return best
+            folders.append(here)
+        yield v2, folders
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path as it is (the kernel writes space, tab, newline and backslash as octal escapes)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
 def _quota(folder: Path, v2: bool) -> float | None:

@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcjobs import runtime
+from fake_proc import fake_proc
 from launch import clean_env
 
 _SCRIPT = """
@@ -95,15 +96,6 @@ def test_cores_per_rank_divides_the_machines_cpus_among_its_ranks(monkeypatch, m
     assert pinned == 1
 
 
-def _fake_proc(tmp_path, cgroup_lines, mounts):
-    proc = tmp_path / "proc"
-    proc.mkdir(parents=True)
-    (proc / "cgroup").write_text("\n".join(cgroup_lines) + "\n")
-    (proc / "mountinfo").write_text("\n".join(f"{i} 1 0:{i} {root} {point} rw - {fs} cgroup rw,{opts}"
-                                              for i, (root, point, fs, opts) in enumerate(mounts, 30)) + "\n")
-    return str(proc)
-
-
 def test_cpu_limit_reads_the_smallest_quota_of_the_cgroup_and_its_parents_in_either_hierarchy(tmp_path):
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     for folder, quota in ((v1, "-1"), (v1 / "docker", "300000"), (v1 / "docker" / "abc", "150000")):
@@ -114,18 +106,18 @@ def test_cpu_limit_reads_the_smallest_quota_of_the_cgroup_and_its_parents_in_eit
         folder.mkdir()
         if limit:
             (folder / "cpu.max").write_text(limit + "\n")
-    v1_only = _fake_proc(tmp_path / "1", ["4:cpu,cpuacct:/docker/abc", "0::/"],
+    v1_only = fake_proc(tmp_path / "1", ["4:cpu,cpuacct:/docker/abc", "0::/"],
                          [("/", str(v1), "cgroup", "cpu,cpuacct")])
     key, cpus = runtime.cpu_limit(v1_only)
     assert cpus == 1.5 and key[1] == os.stat(v1 / "docker" / "abc").st_ino
-    v2_only = _fake_proc(tmp_path / "2", ["0::/a/b"], [("/", str(v2), "cgroup2", "nsdelegate")])
+    v2_only = fake_proc(tmp_path / "2", ["0::/a/b"], [("/", str(v2), "cgroup2", "nsdelegate")])
     key, cpus = runtime.cpu_limit(v2_only)
     assert cpus == 2.0 and key[1] == os.stat(v2 / "a").st_ino  # b is unlimited: its parent's limit holds
     # in a container that mounts only its own cgroup: the mount's root is that cgroup
-    inside = _fake_proc(tmp_path / "3", ["4:cpu,cpuacct:/docker/abc"], [("/docker/abc", str(v1 / "docker" / "abc"),
+    inside = fake_proc(tmp_path / "3", ["4:cpu,cpuacct:/docker/abc"], [("/docker/abc", str(v1 / "docker" / "abc"),
                                                                          "cgroup", "cpu,cpuacct")])
     assert runtime.cpu_limit(inside)[1] == 1.5
-    unlimited = _fake_proc(tmp_path / "4", ["4:cpu,cpuacct:/", "0::/"], [("/", str(v1), "cgroup", "cpu,cpuacct")])
+    unlimited = fake_proc(tmp_path / "4", ["4:cpu,cpuacct:/", "0::/"], [("/", str(v1), "cgroup", "cpu,cpuacct")])
     assert runtime.cpu_limit(unlimited) is None
     assert runtime.cpu_limit(str(tmp_path / "nowhere")) is None
 

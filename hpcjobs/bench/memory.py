@@ -14,11 +14,12 @@ refuses it at once, saying how much it needs.
 
 from __future__ import annotations
 
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from mpi4py import MPI
 
 from ..comm import by_value
+from ..runtime import cgroup_hierarchies
 from .inputs import VARIANTS
 
 __all__ = ["COMPRESSION_BYTES_PER_ELEMENT", "SOAK_BYTES_PER_ELEMENT", "SWEEP_COPIES", "available_bytes",
@@ -32,8 +33,7 @@ COMPRESSION_BYTES_PER_ELEMENT = 8 * 4
 SOAK_BYTES_PER_ELEMENT = 48
 
 
-def available_bytes(meminfo: str = "/proc/meminfo", cgroups: str = "/proc/self/cgroup",
-                    root: str = "/sys/fs/cgroup") -> int | None:
+def available_bytes(meminfo: str = "/proc/meminfo", proc: str = "/proc/self") -> int | None:
     """What this process may still take: the host's available memory
     (Linux's ``MemAvailable``: free memory and what the kernel can reclaim
     without swapping), or less where a memory cgroup limits it (a Slurm job's
@@ -49,33 +49,23 @@ def available_bytes(meminfo: str = "/proc/meminfo", cgroups: str = "/proc/self/c
                     break
     except (OSError, ValueError, IndexError):
         pass
-    return min((v for v in (host, cgroup_room(cgroups, root)) if v is not None), default=None)
+    return min((v for v in (host, cgroup_room(proc)) if v is not None), default=None)
 
 
-def cgroup_room(cgroups: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """The memory left under the tightest memory cgroup limit on this process
-    and its ancestors (v2: ``memory.max``; v1: ``memory.limit_in_bytes``):
-    the limit less what the group holds, its page cache not counted (the
-    kernel reclaims that before it kills). None where nothing limits it."""
-    try:
-        with open(cgroups) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
+def cgroup_room(proc: str = "/proc/self") -> int | None:
+    """The memory left under the tightest memory cgroup limit on the process
+    ``proc`` names and its ancestors (v2: ``memory.max``; v1:
+    ``memory.limit_in_bytes``), in each hierarchy where it is mounted
+    (:func:`hpcjobs.runtime.cgroup_hierarchies`): the limit less what the
+    group holds, its page cache not counted (the kernel reclaims that before
+    it kills). None where nothing limits it."""
     best = None
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        v1 = controllers != ""  # "": v2's unified hierarchy
-        if v1 and "memory" not in controllers.split(","):
-            continue
-        base = Path(root) / "memory" if v1 else Path(root)
-        group = PurePosixPath(path or "/")
-        for d in (group, *group.parents):
-            folder = base / str(d).lstrip("/")
-            room = _room(folder, v1)
+    for v2, folders in cgroup_hierarchies("memory", proc):
+        for folder in folders:
+            room = _room(folder, not v2)
             if room is not None:
                 best = room if best is None else min(best, room)
-            if v1 and _read(folder / "memory.use_hierarchy") == "0":  # the parents' limits do not bind it
+            if not v2 and _read(folder / "memory.use_hierarchy") == "0":  # the parents' limits do not bind it
                 break
     return best
 

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from hpcjobs.bench.inputs import VARIANTS
 from hpcjobs.bench.memory import available_bytes, cgroup_room, check_fits
+from fake_proc import fake_proc
 from launch import hpcjobs
 from launch import mpirun as _mpirun
 
@@ -40,28 +41,59 @@ def test_a_memory_cgroup_limit_is_what_a_job_may_take(tmp_path):
     v2, v1 = tmp_path / "v2", tmp_path / "v1"
     _group(v2 / "slurm/job_7", "memory.max", 4 * gib, "memory.current", 3 * gib, f"anon 1\nfile {2 * gib}\n")
     _group(v2 / "slurm", "memory.max", "max", "memory.current", 5 * gib, "file 0\n")
-    (tmp_path / "cg2").write_text("0::/slurm/job_7\n")
-    assert cgroup_room(str(tmp_path / "cg2"), str(v2)) == 3 * gib  # 4 GiB less 1 GiB held, the 2 GiB cache not
+    cg2 = fake_proc(tmp_path / "cg2", ["0::/slurm/job_7"], [("/", v2, "cgroup2", "nsdelegate")])
+    assert cgroup_room(cg2) == 3 * gib  # 4 GiB less 1 GiB held, the 2 GiB cache not
     _group(v1 / "memory/slurm/job_7", "memory.limit_in_bytes", 9223372036854771712, "memory.usage_in_bytes", gib,
            "cache 0\ntotal_cache 0\n")
     _group(v1 / "memory/slurm", "memory.limit_in_bytes", 2 * gib, "memory.usage_in_bytes", gib // 2,
            f"total_cache {gib // 4}\n")
-    (tmp_path / "cg1").write_text("9:name=systemd:/\n4:memory:/slurm/job_7\n1:cpu:/\n")
-    assert cgroup_room(str(tmp_path / "cg1"), str(v1)) == 2 * gib - gib // 4  # the parent's limit, not "none"
-    (tmp_path / "cg0").write_text("0::/\n4:memory:/\n")  # no limit anywhere
-    assert cgroup_room(str(tmp_path / "cg0"), str(v1)) is None
+    v1_mounts = [("/", v1 / "memory", "cgroup", "memory"), ("/", v1 / "cpu", "cgroup", "cpu,cpuacct")]
+    cg1 = fake_proc(tmp_path / "cg1", ["9:name=systemd:/", "4:memory:/slurm/job_7", "1:cpu,cpuacct:/"], v1_mounts)
+    assert cgroup_room(cg1) == 2 * gib - gib // 4  # the parent's limit, not "none"
+    cg0 = fake_proc(tmp_path / "cg0", ["0::/", "4:memory:/"], v1_mounts)  # no limit anywhere
+    assert cgroup_room(cg0) is None
     (v1 / "memory/slurm/job_7/memory.use_hierarchy").write_text("0\n")  # the parent's limit does not bind it
-    assert cgroup_room(str(tmp_path / "cg1"), str(v1)) is None
+    assert cgroup_room(cg1) is None
     # tmpfs and shared memory are in the page cache but cannot be reclaimed; a stat that cannot be read leaves
     # the limit itself, an upper bound on the room (never a refusal it did not earn)
     (v2 / "slurm/job_7/memory.stat").write_text(f"file {2 * gib}\nshmem {gib}\n")
-    assert cgroup_room(str(tmp_path / "cg2"), str(v2)) == 2 * gib
+    assert cgroup_room(cg2) == 2 * gib
     (v2 / "slurm/job_7/memory.stat").unlink()
-    assert cgroup_room(str(tmp_path / "cg2"), str(v2)) == 4 * gib
+    assert cgroup_room(cg2) == 4 * gib
     (v2 / "slurm/job_7/memory.stat").write_text(f"anon 1\nfile {2 * gib}\n")
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemAvailable: {20 * gib // 1024} kB\n")
-    assert available_bytes(str(meminfo), str(tmp_path / "cg2"), str(v2)) == 3 * gib
+    assert available_bytes(str(meminfo), cg2) == 3 * gib
+
+
+def test_a_memory_limit_is_read_where_its_hierarchy_is_mounted(tmp_path):
+    """The hierarchies are found from the process's mountinfo, not at fixed
+    places under /sys/fs/cgroup, which missed two common limits: a container
+    without a cgroup namespace (Docker on cgroup v1) sees its own cgroup,
+    /docker/abc, mounted as the root of /sys/fs/cgroup/memory, where
+    /sys/fs/cgroup/memory/docker/abc does not exist; and a hybrid host
+    (systemd's default before v2 alone) mounts v2 at /sys/fs/cgroup/unified,
+    with a --mem limit there, beside v1's hierarchies. Each limit counts."""
+    gib = 1 << 30
+    inside = tmp_path / "container/memory"  # what the container sees at /sys/fs/cgroup/memory: its own cgroup
+    _group(inside, "memory.limit_in_bytes", 3 * gib, "memory.usage_in_bytes", gib, "total_cache 0\n")
+    docker = fake_proc(tmp_path / "docker", ["4:memory:/docker/abc", "0::/"],
+                       [("/docker/abc", inside, "cgroup", "rw,memory")])
+    assert cgroup_room(docker) == 2 * gib
+    hybrid, unified = tmp_path / "hybrid/memory", tmp_path / "hybrid/unified"
+    _group(hybrid / "user.slice", "memory.limit_in_bytes", 9223372036854771712, "memory.usage_in_bytes", gib,
+           "total_cache 0\n")
+    _group(unified / "user.slice/job", "memory.max", 5 * gib, "memory.current", gib, "file 0\n")
+    both = fake_proc(tmp_path / "both", ["4:memory:/user.slice", "0::/user.slice/job"],
+                     [("/", hybrid, "cgroup", "rw,memory"), ("/", unified, "cgroup2", "rw,nsdelegate")])
+    assert cgroup_room(both) == 4 * gib
+    spaced = tmp_path / "a dir/memory"  # mountinfo writes a space as \040
+    _group(spaced, "memory.limit_in_bytes", gib, "memory.usage_in_bytes", 0, "total_cache 0\n")
+    escaped = str(spaced).replace(" ", "\\040")
+    assert cgroup_room(fake_proc(tmp_path / "sp", ["4:memory:/"], [("/", escaped, "cgroup", "rw,memory")])) == gib
+    # a mount of another cgroup's subtree does not show this process's
+    elsewhere = fake_proc(tmp_path / "else", ["4:memory:/slurm/job_8"], [("/docker/abc", inside, "cgroup", "memory")])
+    assert cgroup_room(elsewhere) is None
 
 
 def _ranks_here(comm):
