@@ -83,7 +83,7 @@ class _Work(dist._Work):
     def get_future(self) -> Future:
         # chained: DDP reads an error set on a Python future as a tensor ("Unable to cast ... to Tensor"),
         # and a callback's error as itself
-        return self._fut.then(_value)
+        return self._fut.then(future_value)
 
     def result(self) -> list:
         """The operation's tensors, once it is done (as Gloo's Work gives them)."""
@@ -91,7 +91,9 @@ class _Work(dist._Work):
         return self._fut.value()
 
 
-def _value(fut: Future):
+def future_value(fut: Future):
+    """A future's value, as a callback: ``fut.then(future_value)`` makes DDP
+    see an error set on ``fut`` as itself (shared with :mod:`hpcjobs.ddp_hooks`)."""
     return fut.value()
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from torch.futures import Future
 
+from ._torch_mpi import future_value
 from .collectives.watchdog import guard
 from .comm import closed_at_exit, private
 from .compression import ErrorFeedback, compressed_allreduce, make_compressor
@@ -177,11 +178,7 @@ def compression_hook(state: HookState, bucket: dist.GradBucket) -> Future[torch.
         state._queue.put((bucket, fut, written))
     # chained: DDP reads an error set on a Python future as a tensor ("Unable to cast ... to Tensor"), and a
     # callback's error as itself
-    return fut.then(_value)
-
-
-def _value(fut: Future) -> torch.Tensor:
-    return fut.value()
+    return fut.then(future_value)
 
 
 def register(model, compression: str, error_feedback: bool = False, comm: "MPI.Comm | None" = None,

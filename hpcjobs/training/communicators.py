@@ -25,8 +25,10 @@ from __future__ import annotations
 import gc
 import weakref
 
+import numpy as np
 from mpi4py import MPI
 
+from ..collectives.watchdog import guard
 from ..comm import private
 
 __all__ = ["communicator", "weakly", "serve", "dropped", "any_rank"]
@@ -105,10 +107,6 @@ def dropped(owner, handles: list, q) -> None:
 
 def any_rank(comm: MPI.Intracomm, mine: bool, what: str) -> bool:
     """Whether ``mine`` holds on some rank of ``comm`` (collective, watched as ``what``): one integer's MAX."""
-    import numpy as np
-
-    from ..collectives.watchdog import guard
-
     flag = np.array([int(mine)], np.int32)
     with guard(what, comm):
         comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
