@@ -170,12 +170,13 @@ def _stop() -> None:
 
 
 def _where() -> tuple:
-    """This rank's state for a query: ("in", what, call, seconds) or ("last", what, call) or ("none",)."""
+    """This rank's state for a query: ("in", what, call, seconds, its communicator's ranks or None: all) or
+    ("last", what, call) or ("none",)."""
     now = time.monotonic()
     inflight = list(_inflight.values())
     if inflight:
-        what, call, t0 = min(inflight, key=lambda e: e[2])[:3]
-        return ("in", what, call, now - t0)
+        what, call, t0, comm = min(inflight, key=lambda e: e[2])[:4]
+        return ("in", what, call, now - t0, _members(comm))
     if _last is not None:
         return ("last", _last[0], _last[1])
     return ("none",)
@@ -221,8 +222,7 @@ def _describe(state: tuple | None) -> str:
 
 
 def _members(comm) -> list[int] | None:
-    """The COMM_WORLD ranks of ``comm`` (None: all of them, or where they
-    cannot be told)."""
+    """The COMM_WORLD ranks of ``comm`` (None: all of them, or where they cannot be told)."""
     if comm is None:
         return None
     try:
@@ -246,13 +246,16 @@ def _report(what: str, call: int, rank: int, comm=None, limit: float | None = No
         except MPI.Exception as e:
             return head + f" (could not ask the other ranks: {e}); aborting the job"
         members = _members(comm) or list(range(size))  # MPI calls too: under the lock, as _stop expects
-    states = [answers.get(r) for r in range(size)]
-    missing = [r for r in members if not (states[r] and states[r][0] == "in" and states[r][1] == what)]
+    states, world = [answers.get(r) for r in range(size)], list(range(size))
+    # in the same collective on another communicator (a cross-group deadlock): as missing as a rank elsewhere
+    other = {r: s[4] or world for r, s in enumerate(states)
+             if s and s[:2] == ("in", what) and (s[4] or world) != members}
+    missing = [r for r in members if not (states[r] and states[r][:2] == ("in", what)) or r in other]
     outside = "" if len(members) == size else f" (its communicator: ranks {', '.join(map(str, members))})"
     lines = [head + outside + (f"; ranks not in {what}: {', '.join(map(str, missing))}" if missing else "")
              + "; aborting the job"]
-    lines += [f"  rank {r}: {_describe(s)}" + ("" if r in members else " (outside the communicator)")
-              for r, s in enumerate(states)]
+    lines += [f"  rank {r}: {_describe(s)}" + (f" on ranks {', '.join(map(str, other[r]))}" if r in other else "")
+              + ("" if r in members else " (outside the communicator)") for r, s in enumerate(states)]
     return "\n".join(lines)
 
 

@@ -116,6 +116,37 @@ def test_on_a_communicator_of_some_ranks_the_others_are_not_called_missing():
                          r"\(outside the communicator\)", out.stderr), out.stderr[-3000:]
 
 
+def test_ranks_deadlocked_across_communicators_are_named():
+    """The classic cross-group deadlock: three pairs, each rank waiting in
+    the same collective on another pair than its partner. Every rank was
+    "waiting in ring_allreduce", so the report named none missing; the
+    partner, waiting in it on another communicator, is named now, with
+    that communicator's ranks."""
+    out, elapsed = _run("""
+        import numpy as np
+        from mpi4py import MPI
+        from hpcjobs.collectives import allreduce
+        world = MPI.COMM_WORLD
+        pairs = {p: world.Split(0 if world.rank in p else MPI.UNDEFINED) for p in ((0, 1), (1, 2), (0, 2))}
+        x = np.ones(1000)
+        ready()
+        allreduce(x, algorithm="ring")    # the first on COMM_WORLD attaches the watchdog's queries
+        first, then = {0: ((0, 1), (0, 2)), 1: ((1, 2), (0, 1)), 2: ((0, 2), (1, 2))}[world.rank]
+        allreduce(x, algorithm="ring", comm=pairs[first])  # 0 waits for 1, 1 for 2, 2 for 0
+        allreduce(x, algorithm="ring", comm=pairs[then])
+    """)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    head = re.search(r"rank (\d): ring_allreduce \(call #\d+\) did not complete within 3 s \(its communicator: "
+                     r"ranks (\d), (\d)\); ranks not in ring_allreduce: (\d); aborting the job", out.stderr)
+    assert head, out.stderr[-3000:]
+    me, pair, missing = int(head[1]), {int(head[2]), int(head[3])}, int(head[4])
+    assert pair == {me, (me + 1) % 3} and missing == (me + 1) % 3, out.stderr[-3000:]
+    waits_on = sorted({missing, (missing + 1) % 3})
+    assert re.search(rf"rank {missing}: waiting \d+ s in ring_allreduce \(call #\d+\) on ranks "
+                     rf"{waits_on[0]}, {waits_on[1]}\n", out.stderr), out.stderr[-3000:]
+
+
 def test_a_rank_killed_mid_allreduce_ends_the_job():
     out, elapsed = _run("""
         import os, signal, threading
