@@ -33,6 +33,7 @@ import torch
 
 from .._files import atomic_write, remove_leftovers
 from .config import TrainConfig
+from .data import opened_fingerprint
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "save_checkpoint", "load_checkpoint", "write", "read",
            "finite_everywhere", "gather_and_save", "check_same_experiment", "config_dict", "trim_metrics",
@@ -244,7 +245,8 @@ def _save(cfg: TrainConfig, model_state: dict, inner, history: list[dict], epoch
           scaler) -> None:
     save_checkpoint(cfg.checkpoint, {
         "version": CHECKPOINT_VERSION, "epoch": epoch, "step": step, "config": config_dict(cfg),
-        "model": model_state, "optimizer": inner.state_dict(), "history": history, "ranks": ranks,
+        "data": opened_fingerprint(cfg), "model": model_state, "optimizer": inner.state_dict(), "history": history,
+        "ranks": ranks,
         "scaler": scaler.state_dict() if scaler is not None else None, "metrics_bytes": metrics_size(cfg),
     })
 
@@ -322,6 +324,13 @@ def check_same_experiment(cfg: TrainConfig, state: dict, size: int) -> None:
     if changed:
         raise CheckpointError(f"{cfg.checkpoint} is from another experiment: "
                               + ", ".join(f"{k} {old.get(k)!r} -> {getattr(cfg, k)!r}" for k in changed))
+    data = opened_fingerprint(cfg)  # (checkpoints before 2026-12-01 have none)
+    if state.get("data") and data and state["data"] != data:
+        raise CheckpointError(f"{cfg.checkpoint} was trained on other {cfg.dataset} data than this run opened "
+                              f"(fingerprint {state['data'][:12]}, now {data[:12]}): its files changed"
+                              + (", or the default corpus is another hpcjobs version's source"
+                                 if cfg.dataset == "text" and cfg.data_dir is None else "")
+                              + "; resume on the data it was trained on, or start afresh")
     _warn_schedule_changes(cfg, old, defaults, size)
 
 

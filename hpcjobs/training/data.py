@@ -6,8 +6,9 @@ Datasets (:data:`DATASETS`):
   ``mnist1d.data.make_dataset`` for any sample count and seed (its
   ``get_dataset`` downloads by default and is never called;
   :mod:`~hpcjobs.training.mnist1d_cache`). Generation is
-  slow (~9 s per 40,000 samples), so rank 0 writes it once to the cache
-  directory as ``.npy`` files and every rank memory-maps them.
+  slow (~9 s per 40,000 samples), so each node's first rank writes it once
+  to the cache directory as ``.npy`` files where its node does not see it
+  (once for the job on a shared file system) and every rank memory-maps them.
 - ``digits`` -- scikit-learn's 8x8 digits (1,797 images, shipped with it).
 - ``synthetic`` -- Gaussian inputs labelled by a fixed random two-layer
   teacher: learnable, any size, made in memory from the seed.
@@ -32,6 +33,7 @@ rank touches only the rows of its own samples.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -44,7 +46,8 @@ from .mnist1d_cache import check_samples as check_mnist1d_samples, default_cache
 from .sharding import eval_shard, rank_batches, steps_per_epoch
 
 __all__ = ["DATASETS", "SIZED", "SEEDED", "Rows", "Split", "Dataset", "load_dataset", "load_dataset_of", "read_idx",
-           "default_cache_dir", "rank_batches", "steps_per_epoch", "eval_shard", "check_mnist1d_samples"]
+           "fingerprint", "opened_fingerprint", "default_cache_dir", "rank_batches", "steps_per_epoch", "eval_shard",
+           "check_mnist1d_samples"]
 
 DATASETS = ("mnist1d", "digits", "synthetic", "mnist", "cifar10", "text")
 SIZED, SEEDED = ("mnist1d", "synthetic", "text"), ("mnist1d", "synthetic", "digits")  # what num_samples, seed take
@@ -123,6 +126,34 @@ class Dataset:
         return x, split.y.take(index).astype(np.int64)
 
 
+def fingerprint(ds: Dataset) -> str:
+    """A digest of every byte of the data ``ds`` holds as opened (each split's inputs and targets, their shapes
+    and types; blake2b, 128 bits): two opens agree only on the same data. Not the normalisation (digits' is the
+    data's)."""
+    h = hashlib.blake2b(repr((ds.name, ds.num_classes, ds.tokens)).encode(), digest_size=16)
+    for rows in (ds.train.x, ds.train.y, ds.test.x, ds.test.y):
+        for part in rows.parts:
+            h.update(repr((part.shape, part.dtype.str)).encode())
+            step = max(1, (64 << 20) // max(1, part[:1].nbytes))  # rows of 64 MB at a time: a copy where strided
+            for i in range(0, len(part), step):
+                h.update(np.ascontiguousarray(part[i:i + step]).data)
+    return h.hexdigest()
+
+
+_OPENED: dict[tuple, str] = {}  # the data settings this process opened -> the data's fingerprint
+
+
+def opened_fingerprint(cfg) -> str | None:
+    """The fingerprint of the data this process opened for ``cfg``'s
+    settings (:func:`load_dataset_of`), None where it opened none: what a
+    checkpoint records, and a resume compares."""
+    return _OPENED.get(_settings(cfg))
+
+
+def _settings(cfg) -> tuple:
+    return cfg.dataset, cfg.data_dir, cfg.num_samples, cfg.data_seed, cfg.seq_len
+
+
 # --- readers ---------------------------------------------------------------
 
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -174,6 +205,7 @@ def _mnist(data_dir: Path) -> Dataset:
         y = read_idx(_find(data_dir, f"{prefix}-labels-idx1-ubyte"))
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
             raise ValueError(f"{data_dir}: {prefix} images {x.shape} and labels {y.shape} do not match")
+        _check_labels(f"{data_dir}: {prefix} labels", y)
         parts[split] = Split(Rows(x), Rows(y))
     # The usual MNIST normalisation, in raw byte units.
     return Dataset("mnist", parts["train"], parts["test"], 10, mean=0.1307 * 255, std=0.3081 * 255)
@@ -187,7 +219,14 @@ def _cifar_file(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if size == 0 or size % _CIFAR_RECORD:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {_CIFAR_RECORD}-byte CIFAR-10 records")
     rec = np.memmap(path, dtype=np.uint8, mode="r", shape=(size // _CIFAR_RECORD, _CIFAR_RECORD))
+    _check_labels(f"{path}: labels", rec[:, 0])
     return rec[:, 1:].reshape(-1, 3, 32, 32), rec[:, 0]
+
+
+def _check_labels(what: str, y: np.ndarray, classes: int = 10) -> None:
+    """Labels past the classes (EMNIST's letters, CIFAR-100's) failed at the first batch, or the epoch's test."""
+    if len(y) and not 0 <= int(y.min()) <= int(y.max()) < classes:
+        raise ValueError(f"{what} run from {int(y.min())} to {int(y.max())}; this dataset has {classes} classes")
 
 
 def _cifar10(data_dir: Path) -> Dataset:
@@ -251,9 +290,10 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
 
     Args:
         name: one of :data:`DATASETS`.
-        comm: an MPI communicator; for ``mnist1d`` its rank 0 generates the
-            cache when missing and the others wait for it. None: this process
-            alone.
+        comm: an MPI communicator; for ``mnist1d`` each node's first rank
+            generates the cache where the node does not see it and the others
+            wait for it. None: this process alone. With it, every rank
+            checks that all opened the same data (:func:`fingerprint`).
         data_dir: where ``mnist``/``cifar10`` files are, where ``mnist1d``
             is cached (default :func:`default_cache_dir`), the ``text``
             corpus (default: hpcjobs' source).
@@ -284,23 +324,31 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
         if not (alike and len(failed) == comm.Get_size()):  # not every rank alike: say which
             message = f"on rank {rank}{f' and {len(failed) - 1} other(s)' if len(failed) > 1 else ''}: {message}"
         raise kinds.get(kind, RuntimeError)(message)
-    _check_alike(name, ds, comm)
+    _OPENED[(name, data_dir, num_samples, seed, seq_len)] = _check_alike(name, ds, comm)
     return ds
 
 
-def _check_alike(name: str, ds: Dataset, comm) -> None:
-    """ValueError on every rank where the ranks opened data of other sizes
-    (each node reads its own copy of the files: one missing a CIFAR batch,
-    a corpus of another install): a rank with fewer samples ran fewer steps
-    and left the others waiting in its last allreduce until the watchdog."""
+def _check_alike(name: str, ds: Dataset, comm) -> str:
+    """The data's :func:`fingerprint`, the same on every rank; ValueError on
+    every rank where the ranks opened other data (each node reads its own
+    copy of the files: one missing a CIFAR batch, a corpus of another
+    install, an MNIST-1D cache another mnist1d made, Fashion-MNIST's files
+    where MNIST's are): a rank with fewer samples ran fewer steps and left
+    the others waiting in its last allreduce until the watchdog, and data of
+    the same size trained each node on its own, silently."""
+    mine = fingerprint(ds)
     seen: dict[tuple, list[int]] = {}
-    for rank, sizes in enumerate(comm.allgather((len(ds.train), len(ds.test), tuple(ds.input_shape)))):
-        seen.setdefault(sizes, []).append(rank)
+    for rank, opened in enumerate(comm.allgather((len(ds.train), len(ds.test), tuple(ds.input_shape), mine))):
+        seen.setdefault(opened, []).append(rank)
     if len(seen) > 1:
-        said = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: {train} training and {test} "
-                         f"test samples of shape {shape}" for (train, test, shape), ranks in seen.items())
-        raise ValueError(f"the ranks opened different {name} data ({said}): each reads its own copy of the files, "
-                         "which must be the same on every node")
+        sizes = len({opened[:3] for opened in seen}) > 1
+        said = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
+                         + (f"{train} training and {test} test samples of shape {shape}" if sizes
+                            else f"data {digest[:12]}") for (train, test, shape, digest), ranks in seen.items())
+        raise ValueError(f"the ranks opened different {name} data ({said}"
+                         + ("" if sizes else "; the same sizes, other bytes") + "): each reads its own copy of the "
+                         "files (or of MNIST-1D's cache), which must be the same on every node")
+    return mine
 
 
 def load_dataset_of(cfg, comm=None) -> Dataset:
@@ -329,16 +377,5 @@ def _load(name: str, comm, data_dir, num_samples: int | None, seed: int, seq_len
         return _mnist(Path(data_dir)) if name == "mnist" else _cifar10(Path(data_dir))
     cache = Path(data_dir) if data_dir is not None else default_cache_dir()
     n = num_samples or DEFAULT_SAMPLES["mnist1d"]
-    target = mnist1d_cache.folder(cache, n, seed)
-    error = None
-    if comm is None or comm.Get_rank() == 0:
-        try:  # the look too: rank 0 must reach the bcast below whatever fails
-            if not target.exists():
-                mnist1d_cache.generate(target, n, seed)
-        except Exception as e:  # told to every rank below, then raised
-            error = f"generating MNIST-1D into {target} failed: {type(e).__name__}: {e}"
-    if comm is not None:
-        error = comm.bcast(error, root=0)
-    if error:
-        raise RuntimeError(error)
+    mnist1d_cache.make_where_missing(mnist1d_cache.folder(cache, n, seed), n, seed, comm)
     return _mnist1d(cache, n, seed)

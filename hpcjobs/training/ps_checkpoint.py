@@ -46,6 +46,7 @@ import torch
 from mpi4py import MPI
 
 from . import checkpoint
+from .data import opened_fingerprint
 from .ps_common import TAG_CKPT, TAG_FINAL, TAG_GO, PeerLost
 from .preempt import Stopped
 
@@ -163,7 +164,8 @@ def write(ctx, history: list[dict], states: list[dict], pushes: int, trim: bool 
             ranks[ctx.servers + w].update(workers.get(w, center))
     checkpoint.save_checkpoint(cfg.checkpoint, {
         "version": checkpoint.CHECKPOINT_VERSION, "epoch": epoch, "step": step,
-        "config": checkpoint.config_dict(cfg), "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
+        "config": checkpoint.config_dict(cfg), "data": opened_fingerprint(cfg),
+        "model": {k: v.clone() for k, v in ctx.model.state_dict().items()},
         "optimizer": {}, "history": history, "ranks": ranks, "scaler": None, "servers": ctx.servers,
         "metrics_bytes": checkpoint.metrics_size(cfg) if trim else None})
     return True

@@ -16,7 +16,7 @@ from hpcjobs.comm import private
 from hpcjobs.training import ps_worker
 from hpcjobs.training.checkpoint import CheckpointError, load_checkpoint
 from hpcjobs.training.config import TrainConfig
-from hpcjobs.training.data import steps_per_epoch
+from hpcjobs.training.data import opened_fingerprint, steps_per_epoch
 from hpcjobs.training.loop import train
 from hpcjobs.training.paramserver import reference_fixed_delay, run_async
 from hpcjobs.training.preempt import Stopped
@@ -119,6 +119,7 @@ def test_downpour_resumed_after_an_epoch_applies_every_push_of_the_run(tmp_path_
     if comm.rank == 0:
         state = load_checkpoint(cfg["checkpoint"])
         assert (state["epoch"], state["step"]) == (2, 0) and len(state["history"]) == 2
+        assert state["data"] == opened_fingerprint(TrainConfig(**cfg)) and len(state["data"]) == 32
         with open(cfg["metrics"]) as f:
             assert [int(line.split('"epoch": ')[1].split(",")[0]) for line in f] == [1, 2]
 

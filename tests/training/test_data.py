@@ -104,6 +104,71 @@ def test_ranks_that_open_data_of_other_sizes_fail_every_rank_naming_them(tmp_pat
         load_dataset("cifar10", comm=comm, data_dir=mine)
 
 
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_open_other_bytes_of_the_same_size_fail_every_rank_naming_them(tmp_path_factory):
+    """Each node reads its own copy, here of the same size: rank 0's has one
+    pixel more. Every rank trained on its own data, and nothing said so."""
+    comm = MPI.COMM_WORLD
+    mine = tmp_path_factory.mktemp("cifar-bytes")
+    for name in ("data_batch_1.bin", "test_batch.bin"):
+        rec = np.random.default_rng(len(name)).integers(0, 256, (4, 1 + 3 * 32 * 32), dtype=np.uint8)
+        rec[:, 0] %= 10
+        rec[2, 100] += comm.rank == 0 and name == "data_batch_1.bin"
+        rec.tofile(mine / name)
+    others = ", ".join(map(str, range(1, comm.size)))
+    with pytest.raises(ValueError) as refused:
+        load_dataset("cifar10", comm=comm, data_dir=mine)
+    found = re.fullmatch(rf"the ranks opened different cifar10 data \(rank 0: data ([0-9a-f]{{12}}); "
+                         rf"ranks? {others}: data ([0-9a-f]{{12}}); the same sizes, other bytes\): each reads its own "
+                         r"copy of the files \(or of MNIST-1D's cache\), which must be the same on every node",
+                         str(refused.value))
+    assert found and found[1] != found[2], str(refused.value)
+    alike = comm.bcast(str(mine) if comm.rank == 1 else None, root=1)  # rank 1's copy for everyone: opened alike
+    assert load_dataset("cifar10", comm=comm, data_dir=alike).train.x.row_shape == (3, 32, 32)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mnist1d_caches_of_their_own_are_each_made_and_must_agree(tmp_path_factory):
+    """A cache folder per rank (a node's local disk, HPCJOBS_DATA_DIR set per
+    rank): rank 0 alone made its own, and the others found no cache, called
+    "damaged" on every run. Each now makes the one it does not see; the
+    data must still be the same on every rank: one made from another seed
+    under this seed's name (another mnist1d's, say) is refused."""
+    from hpcjobs.training import mnist1d_cache
+    from hpcjobs.training.data import fingerprint
+
+    comm = MPI.COMM_WORLD
+    mine = tmp_path_factory.mktemp("mnist1d-own")
+    ds = load_dataset("mnist1d", comm=comm, data_dir=mine, num_samples=100, seed=7)
+    assert (mine / "mnist1d-n100-seed7").is_dir() and len(ds.train) == 80
+    assert len(set(comm.allgather(fingerprint(ds)))) == 1
+    if comm.rank == 1:
+        mnist1d_cache.generate(mine / "mnist1d-n100-seed8", 100, 8)
+        (mine / "mnist1d-n100-seed8").rename(mine / "mnist1d-n100-seed9")
+    else:
+        mnist1d_cache.generate(mine / "mnist1d-n100-seed9", 100, 9)
+    with pytest.raises(ValueError, match="the same sizes, other bytes"):
+        load_dataset("mnist1d", comm=comm, data_dir=mine, num_samples=100, seed=9)
+
+
+def test_labels_past_the_classes_are_refused_naming_the_file(tmp_path):
+    """EMNIST's letters under MNIST's names loaded, trained an epoch and
+    failed in the test with torch's "Target 26 is out of bounds"."""
+    rng = np.random.default_rng(0)
+    for prefix, n, top in (("train", 6, 10), ("t10k", 4, 27)):
+        write_idx(tmp_path / f"{prefix}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28)).astype(np.uint8))
+        write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte", np.arange(n, dtype=np.uint8) * (top - 1) // (n - 1))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: t10k labels run from 0 to 26; this dataset has "
+                                                   "10 classes")):
+        load_dataset("mnist", data_dir=tmp_path)
+    rec = rng.integers(0, 256, (4, 1 + 3 * 32 * 32), dtype=np.uint8)
+    rec[:, 0] = [0, 3, 99, 9]  # CIFAR-100's fine labels in a CIFAR-10 file
+    rec.tofile(tmp_path / "data_batch_1.bin")
+    rec.tofile(tmp_path / "test_batch.bin")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'data_batch_1.bin'}: labels run from 0 to 99")):
+        load_dataset("cifar10", data_dir=tmp_path)
+
+
 def test_cifar10_binary_batches(tmp_path):
     d = tmp_path / "cifar-10-batches-bin"
     d.mkdir()

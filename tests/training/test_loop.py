@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 from hpcjobs.training import checkpoint
+from hpcjobs.training.data import opened_fingerprint
 from hpcjobs.training.loop import (CHECKPOINT_VERSION, CheckpointError, TrainConfig, load_checkpoint, save_checkpoint,
                                    train)
 
@@ -183,6 +184,15 @@ def test_resuming_another_experiment_is_refused(tmp_path_factory):
     # the optimizer's saved settings would come back with its state and overrule the flag: refused, not ignored
     with pytest.raises(CheckpointError, match="another experiment: momentum 0.9 -> 0.5"):
         train(cfg(checkpoint=f"{d}/o.pt", resume=True, momentum=0.5), comm)
+    # the checkpoint records the data's fingerprint: other data (files changed since) is refused, saying so
+    if comm.rank == 0:
+        state = torch.load(f"{d}/o.pt", weights_only=False)
+        assert state["data"] == opened_fingerprint(cfg()) and len(state["data"]) == 32
+        torch.save(dict(state, data="0" * 32), f"{d}/d.pt")
+    comm.Barrier()
+    with pytest.raises(CheckpointError, match=r"d\.pt was trained on other synthetic data than this run opened "
+                                              r"\(fingerprint 000000000000, now [0-9a-f]{12}\): its files changed; "):
+        train(cfg(checkpoint=f"{d}/d.pt", resume=True, epochs=2), comm)
     # the bucket size may change without error feedback on a cast (a setting the optimizer does not take, as
     # plain SGD's trust coefficient, is refused by the configuration itself)
     history = train(cfg(checkpoint=f"{d}/o.pt", resume=True, epochs=2, fusion_bytes=4096), comm)
