@@ -39,7 +39,7 @@ from ..collectives.agreement import agree_or_raise
 from ..collectives.counting import CountingComm, message_algorithm, send_counted
 from ..collectives.watchdog import guard
 from ..comm import private
-from .base import Compressor
+from .base import Compressor, NoneCompressor
 from .error_feedback import ErrorFeedback
 
 __all__ = ["compressed_allreduce"]
@@ -69,7 +69,8 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
             compressor runs there, residuals stay there, payloads cross
             through host memory); the same shape and dtype on every rank.
             Not modified.
-        compressor: the same compressor on every rank.
+        compressor: the same compressor on every rank; None sends the
+            tensor whole (:class:`NoneCompressor`: ``make_compressor("none")``).
         memory: an :class:`ErrorFeedback` for this rank, or None.
         name: the tensor's name (parameter name), needed with ``memory`` and
             by random-k and PowerSGD to tell tensors apart.
@@ -90,10 +91,17 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
 def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step):
     comm = private(comm)
     size = comm.Get_size()
-    error = None
+    error, compressor = None, NoneCompressor() if compressor is None else compressor
     try:
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be an hpcjobs.compression.Compressor or None, got "
+                            f"{type(compressor).__name__}")
         if memory is not None and name is None:
             raise ValueError("error feedback keeps residuals by name: pass name= with memory=")
+        if memory is not None and getattr(compressor, "unbiased", False):  # (random-k's n/k scaling)
+            raise ValueError(f"{compressor!r} is no contraction: error feedback's residual grows without bound "
+                             "with it (700,000 times the gradient's norm after 30 steps at 1%); use unbiased=False "
+                             "with error feedback")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
         message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves

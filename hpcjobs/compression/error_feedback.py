@@ -60,6 +60,8 @@ class ErrorFeedback:
         if e.shape != tensor.shape or e.dtype != tensor.dtype:
             raise ValueError(f"error feedback for {name!r}: residual is {e.dtype}{tuple(e.shape)}, "
                              f"the tensor {tensor.dtype}{tuple(tensor.shape)}; one name, one tensor")
+        if e.device != tensor.device:  # loaded on another device (a state saved on a GPU read with map_location)
+            e = self.residuals[name] = e.to(tensor.device)
         return tensor + e
 
     def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor,

@@ -130,9 +130,11 @@ class PowerSGDCompressor(Compressor):
         q = q_local.clone()
         allreduce_mean(q)                                              # 5
         if self.warm_start:                                            # 7
-            if bool(torch.isfinite(q).all()):
+            if bool(torch.isfinite(q).all()) and bool(torch.linalg.vector_norm(q, dim=0).gt(0).all()):
                 self._q[name] = q
-            else:  # an overflowed step (skipped by the caller): start again from the seed's Q, not from NaN
+            else:  # start again from the seed's Q: not from an overflowed step's NaN (skipped by the caller),
+                # nor from a zero column (a gradient of zeros: a parameter unused in a step), whose P is zero
+                # and orthonormalised to a fixed basis, so Q = M^T e_1..e_r: zero for good where those rows are
                 self._q.pop(name, None)
         mean = (p @ q.t()).to(dtype).reshape(shape)                    # 6
         local = (p @ q_local.t()).to(dtype).reshape(shape)

@@ -7,6 +7,7 @@ import torch
 from mpi4py import MPI
 
 from hpcjobs.collectives import ring_allgatherv
+from hpcjobs.collectives.agreement import MismatchError
 from hpcjobs.compression import (BF16Compressor, ErrorFeedback, FP16Compressor, NoneCompressor,
                                  PowerSGDCompressor, QSGDCompressor, RandomKCompressor, SignCompressor,
                                  TopKCompressor, compressed_allreduce)
@@ -117,6 +118,35 @@ def test_qsgd_with_error_feedback_where_it_is_no_contraction_is_warned_about(cap
 def test_a_negative_step_is_refused_on_every_rank():
     with pytest.raises(ValueError, match="step must be an integer >= 0, got -1"):
         compressed_allreduce(torch.ones(8), RandomKCompressor(0.5), name="x", step=-1, comm=MPI.COMM_WORLD)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_no_compressor_sends_whole_and_unbiased_random_k_is_refused_with_error_feedback():
+    """make_compressor("none") gives None, which compressed_allreduce took
+    for a compressor (AttributeError: 'NoneType' object has no attribute
+    'compress'); it is the whole tensor now. Unbiased random-k scales what
+    it keeps by n/k, no contraction: with error feedback the residual of a
+    fixed gradient grew to over 700,000 times its norm in 30 steps, silently."""
+    comm = MPI.COMM_WORLD
+    t = torch.arange(12.0).reshape(3, 4) * (comm.rank + 1)
+    mean, sent = compressed_allreduce(t, None, comm=comm)
+    assert torch.equal(mean, torch.arange(12.0).reshape(3, 4) * (comm.size + 1) / 2)
+    assert mean.dtype == torch.float32 and (sent == 0) == (comm.size == 1)
+    with pytest.raises((TypeError, MismatchError), match="compressor must be an hpcjobs.compression.Compressor or "
+                                                         "None, got str"):
+        compressed_allreduce(t, "fp16", comm=comm)
+    unbiased, memory = RandomKCompressor(0.01, seed=1, unbiased=True), ErrorFeedback()
+    with pytest.raises(ValueError, match=r"unbiased=True\) is no contraction: error feedback's residual grows"):
+        compressed_allreduce(torch.ones(1000), unbiased, memory, name="g", comm=comm)
+    g = torch.ones(1000)  # what it would do: measured with the compressor alone
+    residual = torch.zeros(1000)
+    for step in range(30):
+        x = g + residual
+        payload, ctx = unbiased.compress(x, name="g", step=step)
+        residual = x - unbiased.decompress(payload, ctx)
+    assert residual.norm() > 7e5 * g.norm()
+    biased, _ = compressed_allreduce(torch.ones(1000), RandomKCompressor(0.01, seed=1), memory, name="g", comm=comm)
+    assert biased.sum() == 10 and memory.residuals["g"].sum() == 990  # the kept 10 sent, the rest kept
 
 
 @pytest.mark.mpi(min_size=1)

@@ -105,6 +105,23 @@ def test_a_non_finite_step_does_not_become_the_warm_start():
     assert torch.isfinite(after).all() and torch.equal(after, first)
 
 
+def test_a_step_of_zeros_does_not_become_the_warm_start():
+    """A parameter unused in a step has a gradient of zeros (the optimizer
+    fills them in), so the stored Q was zero; from then on P = M Q = 0,
+    orthonormalised to the fixed basis e_1..e_r, and Q = M^T [e_1..e_r]: the
+    first rows of M, zero for good for an embedding whose padding row is
+    row 0. Every later step sent zeros (and error feedback kept the rest
+    for ever). That step now starts the next one from the seed's Q."""
+    c, fresh = PowerSGDCompressor(1, seed=3), PowerSGDCompressor(1, seed=3)
+    m = _rank_r(50, 32, 1, seed=5)
+    m[:4] = 0  # rows never used, as a padding index's
+    c.reduce_mean(torch.zeros(50, 32), lambda buf: None, name="emb", step=0)
+    assert "emb" not in c.state_dict()["q"]
+    after, _ = c.reduce_mean(m, lambda buf: None, name="emb", step=1)
+    first, _ = fresh.reduce_mean(m, lambda buf: None, name="emb", step=1)
+    assert torch.equal(after, first) and torch.allclose(after, m, atol=1e-4 * m.abs().max().item())
+
+
 def test_empty_and_non_contiguous_tensors_and_the_seed_in_the_agreement():
     """A (0, m) tensor is sent whole (nothing to factor); a transposed view
     reduces like its contiguous copy; and two seeds are two compressors to

@@ -61,3 +61,17 @@ def test_compressed_allreduce_on_the_gpu_matches_the_host(spec, tolerance, feedb
         if tolerance == 0:
             np.testing.assert_array_equal(memories[1].residuals["w"].cpu().numpy(),
                                           memories[0].residuals["w"].numpy())
+
+
+def test_residuals_read_onto_the_host_follow_the_gradient_to_its_gpu():
+    """A state saved on a GPU and read with map_location="cpu" (as
+    load_checkpoint does) held its residuals on the host: the first
+    compensation raised torch's "Expected all tensors to be on the same
+    device". They move to the gradient's device."""
+    import torch
+
+    memory = ErrorFeedback()
+    memory.load_state_dict({"residuals": {"w": torch.full((4,), 0.5)}})
+    out = memory.compensate("w", torch.ones(4, device="cuda"))
+    assert out.device.type == "cuda" and torch.equal(out.cpu(), torch.full((4,), 1.5))
+    assert memory.residuals["w"].device.type == "cuda"
