@@ -260,6 +260,11 @@ def _start(run: _Run, user_comm: MPI.Comm) -> None:
                      for m in (cfg.milestones or ()) if m < cfg.warmup_epochs]
         for what in late:
             print(f"# train: warning: in a run of {cfg.epochs} epochs {what}", flush=True)
+        left = len(run.ds.train) - run.steps_per_epoch * run.global_batch  # (the last partial global batch)
+        if left > 0.05 * len(run.ds.train):
+            print(f"# train: warning: each epoch leaves out {left} of the {len(run.ds.train)} training samples "
+                  f"({100 * left / len(run.ds.train):.0f}%: the last partial global batch, other samples each epoch)",
+                  flush=True)
 
 
 def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float]:
