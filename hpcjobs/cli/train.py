@@ -57,7 +57,7 @@ def fill_experiment_samples(args) -> None:
     and the dataset takes one (the others refuse a count)."""
     from ..training.data import SIZED
 
-    if args.num_samples is None and args.dataset in SIZED:
+    if args.num_samples is None and args.dataset in SIZED and args.dataset != "text":  # (text: its whole corpus)
         args.num_samples = args.experiment_samples
 
 
@@ -73,11 +73,10 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
                    help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
                         "the files to read (default: hpcjobs' own source); not for digits, synthetic")
     g.add_argument("--num-samples", type=positive_int,
-                   help=(f"mnist1d samples to generate (tens), synthetic size, text sequences (default "
-                         f"{num_samples}); " if num_samples else "mnist1d samples to generate (tens; default 5000, "
-                         "80%% train), synthetic size "
-                         "(default 8192), text sequences (default: the whole corpus); ") + "not for digits, mnist, "
-                        "cifar10")
+                   help=(f"mnist1d samples to generate (tens), synthetic size (default {num_samples})"
+                         if num_samples else "mnist1d samples to generate (tens; default 5000, 80%% train), synthetic "
+                         "size (default 8192)") + ", text sequences (default: the whole corpus); not for digits, "
+                        "mnist, cifar10")
     if num_samples:
         p.set_defaults(experiment_samples=num_samples)  # given where the dataset takes it: fill_experiment_samples
     g.add_argument("--data-seed", type=seed_int, default=DEFAULTS.data_seed,

@@ -245,6 +245,9 @@ def _cifar10(data_dir: Path) -> Dataset:
 def _text(data_dir: str | os.PathLike | None, seq_len: int, num_samples: int | None) -> Dataset:
     data = text.corpus(data_dir)
     if num_samples is not None:
+        if num_samples * seq_len + 1 > len(data):  # (it was the whole corpus, said to be num_samples)
+            raise ValueError(f"--num-samples {num_samples} asks for more text than the corpus has ({len(data)} bytes: "
+                             f"{(len(data) - 1) // seq_len} sequences of {seq_len}); leave it out for the whole corpus")
         data = data[:num_samples * seq_len + 1]
     cut = int(0.9 * len(data))
     train, test = text.windows(data[:cut], seq_len), text.windows(data[cut:], seq_len)

@@ -323,3 +323,10 @@ def test_text_defaults_to_the_projects_source_and_refuses_too_little(tmp_path):
         load_dataset("text", data_dir=tmp_path, seq_len=4)
     with pytest.raises(FileNotFoundError, match="no such directory"):
         load_dataset("text", data_dir=tmp_path / "missing")
+    # more sequences than the corpus holds were the whole corpus, and the experiment's table said the number asked
+    (tmp_path / "short.txt").write_bytes(b"x" * 100)
+    with pytest.raises(ValueError, match=re.escape("--num-samples 13 asks for more text than the corpus has (100 "
+                                                   "bytes: 12 sequences of 8); leave it out for the whole corpus")):
+        load_dataset("text", data_dir=tmp_path, seq_len=8, num_samples=13)
+    ds = load_dataset("text", data_dir=tmp_path, seq_len=4, num_samples=24)  # 97 of its 100 bytes
+    assert (len(ds.train), len(ds.test)) == (21, 2)
