@@ -27,6 +27,7 @@ allreduce, which is elementwise, and whole for the rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,6 +59,12 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
         name: what the agreement check and the watchdog call this collective,
             e.g. "ring_allreduce".
 
+    The step runs with numpy's floating-point errors ignored, as MPI's own
+    reductions do: under ``np.seterr(all="raise")`` (a NaN hunt) the rank
+    whose sum overflowed raised alone and left the others in the collective
+    until the watchdog; an overflow is inf and an invalid sum NaN, alike on
+    every rank.
+
     Returns:
         ``buf``, reduced in place.
     """
@@ -80,15 +87,17 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
                 return buf
         if type(flat) is Flat:
             if flat.data.size and comm.Get_size() > 1:
-                if options:
-                    step(flat, op, comm, **options)
-                else:  # (a plain call: cheaper than unpacking an empty dict)
-                    step(flat, op, comm)
+                with np.errstate(all="ignore"):  # (quiet: below)
+                    if options:
+                        step(flat, op, comm, **options)
+                    else:  # (a plain call: cheaper than unpacking an empty dict)
+                        step(flat, op, comm)
         elif flat.count and comm.Get_size() > 1:
-            if getattr(step, "takes_device", False):
-                step(flat, op, comm, **options)
-            else:
-                _staged(flat, op, comm, name, step, options)
+            with np.errstate(all="ignore"):
+                if getattr(step, "takes_device", False):
+                    step(flat, op, comm, **options)
+                else:
+                    _staged(flat, op, comm, name, step, options)
     finally:
         leave(token)
     return buf
@@ -118,6 +127,7 @@ def prepare(buf, op: str, comm, name: str, **fields):
     return flat, comm
 
 
+_NO_CONTEXT = contextlib.nullcontext()
 _FIELDS = ("algorithm", "count", "dtype", "op", "device")  # what every collective's check compares, then its own
 _RUN_FIELDS = (*_FIELDS, "options")
 
@@ -147,9 +157,10 @@ def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Ca
         count = oneshot_next(flat, op, comm) if oneshot_next is not None else None
         if count is not None:
             carry = (flat, op)
-    carried = agree_values(comm, name, names, (*_values(name, buf, flat, op), *extra), error, carry)
-    if carried:
-        count()
+    with np.errstate(all="ignore") if carry is not None else _NO_CONTEXT:  # (the check reduces what it carries)
+        carried = agree_values(comm, name, names, (*_values(name, buf, flat, op), *extra), error, carry)
+        if carried:
+            count()
     return flat, comm, carried
 
 

@@ -71,3 +71,24 @@ def test_every_rank_ends_with_the_same_bits_where_order_picks_them(algorithm, dt
         allreduce(buf, op, algorithm, comm)
         everyone = comm.allgather(bits(buf))
         assert all(b == everyone[0] for b in everyone), (op, everyone)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "ring_pipelined", *FAMILY])
+def test_numpys_raise_setting_does_not_leave_the_other_ranks_waiting(algorithm):
+    """Under np.seterr(all="raise") (a NaN hunt) the rank whose sum
+    overflowed raised FloatingPointError alone and the others waited in the
+    collective until the watchdog ended the job. The reductions ignore
+    numpy's floating-point errors, as MPI's do: inf and NaN on every rank."""
+    from mpi4py import MPI
+
+    from hpcjobs.collectives.counting import counted_allreduce
+
+    comm = MPI.COMM_WORLD
+    x = np.array([3e38, np.inf if comm.rank == 0 else -np.inf, 1.0], np.float32)
+    with np.errstate(all="raise"):
+        allreduce(x, algorithm=algorithm)
+        assert np.isinf(x[0]) and np.isnan(x[1]) and x[2] == comm.size
+        y = np.full(5, 3e38, np.float32)
+        counted_allreduce(y, "avg", algorithm="ring")  # (compression's and the optimizer's path)
+        assert np.isinf(y).all()
