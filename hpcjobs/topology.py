@@ -61,6 +61,11 @@ class Topology:
         """Every node has the same number of ranks."""
         return len(set(self.local_sizes)) == 1
 
+    @property
+    def agreed(self) -> str:
+        """What every rank's copy must say alike (a collective's check compares it): the nodes and their ranks."""
+        return f"{self.num_nodes} nodes of {list(self.local_sizes)} ranks ({self.source})"
+
 
 def check_ranks_per_node(value) -> int | None:
     """``value`` (or, for None, ``HPCJOBS_RANKS_PER_NODE``) as a positive

@@ -169,7 +169,8 @@ def _flat_from_torch(t) -> Flat:
             "(copy with .cpu(), reduce, then copy back)"
         )
     if not t.is_contiguous():
-        raise ValueError(f"tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); use .contiguous()")
+        raise ValueError(f"tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass "
+                         "t.contiguous() and copy the result back (t.copy_(...)): a copy is reduced, not t")
     t = t.detach()
     if t.dtype == torch.bfloat16:
         data = t.view(torch.int16).numpy().reshape(-1).view(np.uint16)

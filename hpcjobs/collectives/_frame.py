@@ -49,7 +49,8 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     public collective ``name``.
 
     :func:`prepare` first (validate, and check that every rank agrees on
-    ``name``, count, dtype, op and the options that are numbers or strings;
+    ``name``, count, dtype, op and the options that are numbers or strings or say
+    what must agree (``agreed``: a topology's layout);
     an option left at None is left out of them, so a call that passes it and
     one that does not differ), then the step, unless there is nothing to do (one rank, or zero
     elements: every rank then returns at once, which is safe because the
@@ -74,13 +75,16 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
             # Checks off, a numpy array: nothing to agree on, and a bad buffer
             # or op raises on this rank as prepare() would -- minus its
             # bookkeeping, which on a small message costs as much as the step.
-            if op not in OP_TABLE:
+            if not isinstance(op, str) or op not in OP_TABLE:  # (MPI.SUM cannot be hashed: check_op names it)
                 check_op(op)
             flat, comm = as_flat(buf), private(comm)
         else:
             checked = ""
             if options and _agreement._enabled:
-                checked = {k: v for k, v in sorted(options.items()) if isinstance(v, (bool, int, str))}
+                # numbers and strings, and an object's own words where it has them (a topology's layout: one
+                # detected otherwise on one rank ran other nodes' stages there, and hung)
+                checked = {k: v if isinstance(v, (bool, int, str)) else v.agreed for k, v in sorted(options.items())
+                           if isinstance(v, (bool, int, str)) or hasattr(v, "agreed")}
                 checked = repr(checked) if checked else ""
             flat, comm, carried = _prepare(buf, op, comm, name, _RUN_FIELDS, (checked,), step)
             if carried:  # the check's exchange carried the message: done

@@ -100,7 +100,8 @@ def as_device_flat(t) -> DeviceFlat:
         raise ValueError(f"tensor is on {t.device} but this rank's GPU is cuda:{current}: each rank reduces on "
                          "its own GPU (torch.cuda.set_device(local_rank), or HPCJOBS_BIND_GPU=1)")
     if not t.is_contiguous():
-        raise ValueError(f"tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); use .contiguous()")
+        raise ValueError(f"tensor must be contiguous (shape {tuple(t.shape)}, stride {t.stride()}); pass "
+                         "t.contiguous() and copy the result back (t.copy_(...)): a copy is reduced, not t")
     name = str(t.dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")

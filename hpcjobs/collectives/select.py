@@ -76,8 +76,10 @@ def lookup(name: str) -> Algorithm:
     ``allreduce(buf, op, name, comm)`` makes.
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name; TypeError: not a name.
     """
+    if not isinstance(name, str):  # allreduce(buf, "sum", comm): the communicator where the name goes
+        raise TypeError(f"algorithm must be a name, got {type(name).__name__} (a communicator goes in comm=)")
     if name == "auto":
         return _AUTO_ALGORITHM
     try:
@@ -111,7 +113,7 @@ def allreduce(buf, op: str = "sum", algorithm: str = "auto", comm: MPI.Comm | No
         return run(buf, op, comm, AUTO, _auto)
     try:
         found = lookup(algorithm)
-    except ValueError as e:  # the others, calling a known one, wait in its check: raised there too
+    except (TypeError, ValueError) as e:  # the others, calling a known one, wait in its check: raised there too
         refuse(buf, op, comm, f"allreduce(algorithm={algorithm!r})", e)
     if found.name == "cuda_ipc":
         _device_only(buf, op, comm)

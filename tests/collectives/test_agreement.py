@@ -99,6 +99,21 @@ def test_an_unknown_algorithm_on_one_rank_is_an_error_on_every_rank():
                        "unknown algorithm 'ring-pipelined'", "allreduce(algorithm='ring-pipelined')")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_communicator_where_the_algorithm_goes_is_an_error_on_every_rank():
+    """allreduce(buf, "sum", comm) -- the order ring_allreduce takes --
+    raised TypeError: unhashable type 'Intracomm' on the rank that did it,
+    and the others waited in the check; MPI.SUM with the checks off raised
+    'unhashable type' where the refusal names the ops."""
+    comm = MPI.COMM_WORLD
+    buf = np.ones(8)
+    third = comm if comm.Get_rank() == 1 else "ring"
+    _raises_everywhere(lambda: allreduce(buf, "sum", third), MPI.COMM_WORLD, "rank 1: TypeError",
+                       "algorithm must be a name, got Intracomm (a communicator goes in comm=)")
+    with checking(False), pytest.raises(ValueError, match="unknown op .*MPI"):
+        ring_allreduce(np.ones(8), MPI.SUM, comm=MPI.COMM_SELF)
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda buf, bad, comm: ring_allreduce(buf, comm=comm, pipeline=True, segment_bytes=-8 if bad else 4096),
      "segment_bytes must be a positive integer, got -8"),

@@ -1,5 +1,7 @@
 """Hierarchical allreduce on simulated nodes: 2 and 3 nodes, even and uneven."""
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -109,6 +111,25 @@ def test_a_segment_size_on_some_ranks_only_is_a_mismatch_on_every_rank():
     buf = np.ones(4096)
     with pytest.raises(MismatchError, match="segment_bytes"):
         hierarchical_allreduce(buf, comm=comm, ranks_per_node=1, segment_bytes=None if comm.rank else 1 << 12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_topology_detected_otherwise_on_one_rank_is_a_mismatch_on_every_rank():
+    """A topology is an object, which the check left out: rank 0 passing
+    one of nodes of 1, the others one of one node (both detected by every
+    rank), ran other stages on the two sides and hung until the watchdog.
+    Its layout is compared now."""
+    from hpcjobs.collectives.agreement import MismatchError
+
+    comm = MPI.COMM_WORLD
+    apart, together = detect(comm, ranks_per_node=1), detect(comm, ranks_per_node=comm.size)
+    topology = apart if comm.rank == 0 else together
+    with pytest.raises(MismatchError, match=re.escape(f"'topology': '{comm.size} nodes of {[1] * comm.size} ranks "
+                                                      "(override)'")):
+        hierarchical_allreduce(np.ones(64), comm=comm, topology=topology)
+    buf = np.ones(64)
+    hierarchical_allreduce(buf, comm=comm, topology=apart)
+    assert (buf == comm.size).all()
 
 
 def test_the_pipelined_paths_thread_goes_with_its_communicator():
