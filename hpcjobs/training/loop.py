@@ -273,10 +273,7 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
     sums and the epoch's seconds, a resumed epoch's share included."""
     cfg, opt, ds = run.cfg, run.opt, run.ds
     spe, micro, passes = run.steps_per_epoch, cfg.batch_per_rank, cfg.backward_passes_per_step
-    idx = rank_batches(len(ds.train), micro * passes, run.rank, run.size, epoch, cfg.seed)
-    xs, ys = ds.batch(ds.train, idx.ravel())
-    xs = torch.from_numpy(xs).reshape(spe, passes, micro, *ds.input_shape)
-    ys = torch.from_numpy(ys).reshape(spe, passes, micro, *ys.shape[1:])
+    idx = rank_batches(len(ds.train), micro * passes, run.rank, run.size, epoch, cfg.seed)  # (steps, passes x b)
     opt.reset_stats()
     sums, first, elapsed = np.zeros(3), 0, 0.0
     if run.partial is not None and epoch == run.start_epoch:
@@ -292,11 +289,16 @@ def _epoch(run: _Run, epoch: int, progress: Progress) -> tuple[np.ndarray, float
         step = epoch * spe + s
         sched.set_lr(run.inner, sched.lr_at(step, spe, run.schedule), momentum_correction=cfg.momentum_correction)
         opt.zero_grad()
+        # a step's samples at a time: the epoch's at once held the rank's shard as float32 or int64 (the text
+        # dataset's: 16 bytes for each byte of the corpus, across the ranks)
+        xs, ys = ds.batch(ds.train, idx[s])
+        xs = torch.from_numpy(xs).reshape(passes, micro, *ds.input_shape)
+        ys = torch.from_numpy(ys).reshape(passes, micro, *ys.shape[1:])
         for k in range(passes):
             t_pass = time.perf_counter()
             with autocast(cfg.amp, run.device):
-                out = run.model(xs[s, k].to(run.device, non_blocking=True))
-            losses, correct = losses_of(out, ys[s, k].to(run.device, non_blocking=True))
+                out = run.model(xs[k].to(run.device, non_blocking=True))
+            losses, correct = losses_of(out, ys[k].to(run.device, non_blocking=True))
             loss = losses.mean()
             (run.scaler.scale(loss / passes) if run.scaler else loss / passes).backward()
             sums += [float(loss.detach()) * micro, correct, micro]

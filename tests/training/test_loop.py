@@ -247,6 +247,24 @@ def test_the_header_says_when_warmup_does_nothing_or_cannot_finish(capsys):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_an_epoch_takes_a_steps_samples_at_a_time(monkeypatch):
+    """The loop turned the rank's whole epoch into float32 or int64 before
+    its first step (the text dataset's: 16 bytes for each byte of the
+    corpus across the ranks); it takes each step's rows as it comes to it,
+    in the order the epoch's shard lists them (the tests against a single
+    process's training say the parameters are those it had)."""
+    from hpcjobs.training.data import Dataset, rank_batches
+
+    comm = MPI.COMM_WORLD
+    asked, batch = [], Dataset.batch
+    monkeypatch.setattr(Dataset, "batch", lambda self, split, index: (asked.append(np.array(index)),
+                                                                       batch(self, split, index))[1])
+    train(cfg(epochs=1, backward_passes_per_step=2), comm)
+    trained = [a for a in asked if len(a) == 16]  # the test set's are read in slices of up to 256
+    assert np.array_equal(np.stack(trained), rank_batches(480, 16, comm.rank, comm.size, 0, 3))
+
+
+@pytest.mark.mpi(min_size=1)
 def test_a_run_that_diverges_keeps_its_last_good_checkpoint(tmp_path_factory):
     """Resumed at a rate that diverges, the run stops; its NaN parameters
     used to overwrite the checkpoint it started from, the only good state."""
