@@ -172,7 +172,7 @@ def check_outputs(comm, outputs: list[tuple]) -> None:
         for flag, path, directory, *check in outputs:
             if path and problem is None:
                 problem = _output_problem(flag, path, directory)
-                if problem is None and check and os.path.isfile(path):
+                if problem is None and check and os.path.exists(path):  # (a pipe too: the check says)
                     problem = check[0](flag, path)
     if comm is not None:
         problem = comm.bcast(problem, root=0)

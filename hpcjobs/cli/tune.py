@@ -71,8 +71,12 @@ def run(args) -> int:
         print("# up to (B)   algorithm                 time(us)  runner-up (its time / this) "
               "  also timed by auto", flush=True)
         for row in table["rows"]:
-            last = row["measured"][-1]
             bound = "inf" if row["max_bytes"] is None else str(row["max_bytes"])
+            if not row["measured"]:  # above the sweep's largest size
+                print(f"{bound:>12}   {row['algorithm']:<20} {'-':>13}  {'(built-in table: not measured)':<30}  "
+                      f"{', '.join(row.get('candidates', [])[1:]) or '-'}", flush=True)
+                continue
+            last = row["measured"][-1]
             ratio = last["runner_up_ratio"]
             # under 1: the row's algorithm was kept, within STICKY of the size's fastest, to keep the rows few
             runner_up = f"{last['runner_up']} ({ratio:.2f}x{'' if ratio >= 1 else ', faster; kept'})"
