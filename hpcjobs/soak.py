@@ -29,7 +29,7 @@ import functools
 import gc
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -131,9 +131,10 @@ def _expected(values: np.ndarray, dtype: str, op: str, comm: MPI.Intracomm) -> n
 
 @dataclass
 class SoakResult:
-    """What :func:`soak` found: wrong results (summed over ranks, the warm-up's
-    included) and each rank's resident memory after the warm-up and the first
-    1% of operations, and at the end."""
+    """What :func:`soak` found: wrong results (the operations wrong on some
+    rank, the warm-up's included, and the first of them; the elements summed
+    over ranks) and each rank's resident memory after the warm-up and the
+    first 1% of operations, and at the end."""
 
     ops: int
     warmup: int  # allreduces at max_count before the random ones, one per algorithm
@@ -141,17 +142,21 @@ class SoakResult:
     elements: int  # per rank, over all operations
     seconds: float
     per_algorithm: dict
-    wrong_ops: int
-    wrong_elements: int
+    wrong_ops: int  # operations wrong on some rank, each once
+    wrong_elements: int  # summed over ranks
     rss: list  # (rank, bytes after 1%, bytes at the end), every rank's
+    seed: int = 0
+    max_count: int = 0
+    wrong: list = field(default_factory=list)  # the first wrong draws, as dicts: what to run again
 
     @property
     def worst_growth_percent(self) -> float:
         return max([0.0] + [100.0 * (e - s) / s for _, s, e in self.rss if s])
 
     def to_dict(self) -> dict:
-        return {"ranks": self.ranks, "ops": self.ops, "warmup_ops": self.warmup, "wrong_ops": self.wrong_ops,
-                "wrong_elements": self.wrong_elements,
+        return {"ranks": self.ranks, "ops": self.ops, "warmup_ops": self.warmup, "seed": self.seed,
+                "max_count": self.max_count, "wrong_ops": self.wrong_ops, "wrong_elements": self.wrong_elements,
+                "wrong": self.wrong,
                 "rss": [{"rank": r, "start": s, "end": e} for r, s, e in self.rss],
                 "max_rss_growth_percent": self.worst_growth_percent, "per_algorithm": self.per_algorithm}
 
@@ -171,14 +176,16 @@ def _warm_up(comm: MPI.Intracomm, names: list[str], max_count: int) -> tuple[int
     it has seen is then kept before the soak's baseline is read: with that
     baseline taken after 1% of the operations alone, a soak of few operations
     up to 20M elements read the first large message's scratch as 65% growth."""
-    ops, elements = 0, 0
+    wrong, elements = [], 0
     for alg in names:
         buf = np.ones(max_count)
         allreduce(buf, op="sum", algorithm=alg, comm=comm)
         bad = int(np.count_nonzero(buf != comm.Get_size()))
-        ops, elements = ops + (bad > 0), elements + bad
+        if bad:
+            wrong.append(("warm-up", alg, "float64", "sum", max_count, False))
+        elements += bad
         del buf
-    return ops, elements
+    return wrong, elements
 
 
 def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed: int = 0,
@@ -194,13 +201,13 @@ def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed:
     per_alg = {a: 0 for a in names}
     warm = max(1, ops // 100)
     t0 = time.perf_counter()
-    wrong_ops, wrong_elems = _warm_up(comm, names, max_count)
+    wrong, wrong_elems = _warm_up(comm, names, max_count)  # this rank's wrong draws, and elements
     rss_start = rss_bytes()
     for i in range(ops):
         alg = names[shared.integers(len(names))]
         dtype = DTYPES[shared.integers(len(DTYPES))]
         op = OPS[shared.integers(len(OPS))]
-        count = int(math.exp(shared.uniform(0, math.log(max_count + 1)))) - 1
+        count = int(math.exp(shared.uniform(0, math.log(max_count + 2)))) - 1  # 0..max_count, log-uniformly
         torch_buffer = bool(shared.integers(2))
         values = _values(mine, count, dtype, op, size)
         want = _expected(values, dtype, op, comm)  # first, so its wide copies are gone before the buffer is made
@@ -209,7 +216,8 @@ def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed:
         allreduce(buf, op=op, algorithm=alg, comm=comm)
         bad = int(np.count_nonzero(_as_numpy(buf) != want))
         wrong_elems += bad
-        wrong_ops += bad > 0
+        if bad:
+            wrong.append((i, alg, dtype, op, count, torch_buffer))
         elements += count
         per_alg[alg] += 1
         del buf, want
@@ -221,6 +229,12 @@ def soak(comm: MPI.Intracomm, ops: int = 10_000, max_count: int = 1 << 16, seed:
             progress(i + 1, time.perf_counter() - t0)
     rss_end = rss_bytes()
     rows = comm.allgather((rank, rss_start, rss_end))
-    wrong = comm.allreduce(np.array([wrong_ops, wrong_elems]), op=MPI.SUM)
-    return SoakResult(ops, len(names), size, elements, time.perf_counter() - t0, per_alg, int(wrong[0]), int(wrong[1]),
-                      rows)
+    # an operation wrong on every rank is one wrong operation (summed, it counted once a rank)
+    draws = sorted(set().union(*comm.allgather(wrong)),
+                   key=lambda d: (d[0] != "warm-up", names.index(d[1]) if d[0] == "warm-up" else d[0]))
+    first = [dict(zip(("op_index", "algorithm", "dtype", "op", "count", "torch"), d)) for d in draws[:WRONG_KEPT]]
+    return SoakResult(ops, len(names), size, elements, time.perf_counter() - t0, per_alg, len(draws),
+                      comm.allreduce(wrong_elems, op=MPI.SUM), rows, seed, max_count, first)
+
+
+WRONG_KEPT = 10  # wrong draws a result names

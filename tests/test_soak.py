@@ -55,6 +55,41 @@ def test_the_soak_counts_a_wrong_result(monkeypatch):
     assert 0 < result.wrong_ops <= 20 + result.warmup and result.wrong_elements >= 100 * result.warmup
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_wrong_operation_counts_once_and_is_named(monkeypatch):
+    """Wrong operations were summed over ranks (one bad allreduce at 3 ranks
+    counted 3) and nothing said which draw it was; the seed was not in the
+    JSON. Each counts once now, and the first are named."""
+    # 7 more, wrong at any rank count (1 more was right in the warm-up's ones at 2 ranks)
+    monkeypatch.setattr(hpcjobs.soak, "allreduce", lambda buf, op="sum", algorithm="auto", comm=None: buf.__iadd__(7))
+    seen, real = [], hpcjobs.soak._buffer
+    monkeypatch.setattr(hpcjobs.soak, "_buffer", lambda values, *rest: (seen.append(values.size), real(values, *rest))[1])
+    result = hpcjobs.soak.soak(private(), ops=20, max_count=100, seed=1)
+    assert result.wrong_ops == result.warmup + sum(n > 0 for n in seen)  # every non-empty one, once
+    assert result.wrong[0] == {"op_index": "warm-up", "algorithm": hpcjobs.soak.algorithms(private())[0],
+                               "dtype": "float64", "op": "sum", "count": 100, "torch": False}
+    assert len(result.wrong) == hpcjobs.soak.WRONG_KEPT
+    assert {k: result.to_dict()[k] for k in ("seed", "max_count")} == {"seed": 1, "max_count": 100}
+
+
+def test_counts_reach_max_count():
+    """The draw gave 0..max_count - 1: --max-count 1 soaked empty buffers only."""
+    seen = []
+    real = hpcjobs.soak._buffer
+
+    def recording(values, dtype, torch_buffer):
+        seen.append(values.size)
+        return real(values, dtype, torch_buffer)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hpcjobs.soak, "_buffer", recording)
+        assert hpcjobs.soak.soak(private(), ops=200, max_count=1, seed=2).wrong_ops == 0
+        assert set(seen) == {0, 1}
+        seen.clear()
+        hpcjobs.soak.soak(private(), ops=300, max_count=3, seed=2)
+        assert set(seen) == {0, 1, 2, 3}
+
+
 def test_a_wrong_result_makes_the_soak_command_fail(monkeypatch, capsys):
     import argparse
 
@@ -63,7 +98,9 @@ def test_a_wrong_result_makes_the_soak_command_fail(monkeypatch, capsys):
     monkeypatch.setattr(hpcjobs.soak, "allreduce", lambda buf, op="sum", algorithm="auto", comm=None: buf.__iadd__(1))
     args = argparse.Namespace(ops=20, max_count=100, seed=1, max_rss_growth=10.0, json=None, progress=False)
     assert command.run(args) == 1
-    assert "wrong results: 0 operations" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrong results: 0 operations" not in out
+    assert "# wrong: operation warm-up: " in out and "more (--seed 1)" in out
 
 
 def test_half_precision_sums_are_exact_in_any_order_at_many_ranks():

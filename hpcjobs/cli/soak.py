@@ -22,7 +22,8 @@ def configure(p) -> None:
     p.add_argument("--max-rss-growth", type=nonnegative_float, default=10.0,
                    help="fail when a rank's RSS grows more than this many percent (default 10)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON (rank 0)")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no line after each tenth of the operations")
 
 
 def run(args) -> int:
@@ -52,6 +53,11 @@ def run(args) -> int:
             print(f"  {r:4d} {s / 2**20:19.1f} {e / 2**20:17.1f} {100.0 * (e - s) / s if s else 0:6.1f}%")
         print(f"# wrong results: {result.wrong_ops} operations, {result.wrong_elements} elements (summed over "
               f"ranks); largest RSS growth {worst:.1f}% (limit {args.max_rss_growth:g}%)", flush=True)
+        for d in result.wrong:  # what to run again: the operation's draw (--seed {args.seed} draws it again)
+            print(f"# wrong: operation {d['op_index']}: {d['algorithm']} {d['op']} of {d['count']:,} {d['dtype']} "
+                  f"({'torch' if d['torch'] else 'numpy'})", flush=True)
+        if result.wrong_ops > len(result.wrong):
+            print(f"# wrong: ... and {result.wrong_ops - len(result.wrong)} more (--seed {args.seed})", flush=True)
         if args.json:
             with atomic_write(args.json) as f:
                 json.dump(result.to_dict(), f, indent=1)
