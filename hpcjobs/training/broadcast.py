@@ -90,7 +90,23 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, comm: MPI.Comm | No
     if rank != root_rank:
         try:
             with torch.serialization.safe_globals(_NUMPY_SCALARS):  # a rate given as np.float64, say
-                inner.load_state_dict(torch.load(io.BytesIO(payload.tobytes()), weights_only=True))
+                _load_in_place(inner, torch.load(io.BytesIO(payload.tobytes()), weights_only=True))
         except Exception as e:  # noqa: BLE001 -- as above: root would go on alone into its next collective
             error = f"{type(e).__name__}: {e}"
     raise_if_any(comm, error, f"broadcast_optimizer_state: rank {root_rank}'s state does not load")
+
+
+def _load_in_place(inner, state_dict: dict) -> None:
+    """``inner.load_state_dict(state_dict)``, its values put into the
+    optimizer's own ``param_groups`` dicts and ``state`` (torch's installs
+    new ones, as Horovod's broadcast does not): a learning-rate scheduler
+    made before holds the old groups, and on every rank but root went on
+    setting a rate that no step read (StepLR's halving on root alone)."""
+    groups, state = inner.param_groups, inner.state
+    inner.load_state_dict(state_dict)
+    for old, new in zip(groups, inner.param_groups):
+        old.update({k: v for k, v in new.items() if k != "params"})
+    state.clear()
+    state.update(inner.state)
+    inner.param_groups, inner.state = groups, state
+

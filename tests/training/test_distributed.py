@@ -311,6 +311,34 @@ def test_broadcast_parameters_and_optimizer_state_from_root(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_scheduler_made_before_the_broadcast_still_sets_the_rate_every_rank_steps_with():
+    """torch's load_state_dict installs new param_groups and state: a
+    scheduler made before held the old groups, and on every rank but root
+    its rate went where no step read it (lr 0.1 against root's 0.0125 after
+    three halvings, under the Horovod door too). The optimizer's own dicts
+    take the values now."""
+    comm = MPI.COMM_WORLD
+    model = torch.nn.Linear(3, 1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    opt = DistributedOptimizer(inner, model.named_parameters(), comm=comm)
+    groups, state = inner.param_groups, inner.state
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()  # momentum buffers to travel
+    broadcast_optimizer_state(opt, root_rank=0, comm=comm)
+    assert inner.param_groups is groups and inner.state is state and opt.param_groups is groups
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    assert comm.allgather(inner.param_groups[0]["lr"]) == [0.0125] * comm.Get_size()
+    for p in model.parameters():
+        assert same_on_every_rank(inner.state[p]["momentum_buffer"].double().reshape(-1), comm)
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_an_optimizer_state_that_does_not_travel_raises_on_every_rank():
     """Root went on alone into its next collective where the others could
     not load its state (or root could not save it): now every rank raises.
