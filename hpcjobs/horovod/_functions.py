@@ -87,20 +87,25 @@ def _initialize_state(optimizer) -> None:
 
 
 def broadcast_object(obj, root_rank: int = 0, name=None, process_set=global_process_set):
-    """Rank ``root_rank``'s ``obj`` on every rank of the set (pickled)."""
+    """Rank ``root_rank``'s ``obj`` on every rank of the set (pickled).
+    Unnamed, it is the n-th unnamed broadcast_object (Horovod names it by the
+    object's type, so ``broadcast_object(cfg if rank == 0 else None)`` waited
+    for good there, and here until the watchdog)."""
     comm, ranks = resolve(process_set)[1:]
     root = [None]
 
     def check():
         root[0] = set_rank(process_set, root_rank)
 
-    return run("broadcast_object", name if name is not None else type(obj).__name__,
+    return run("broadcast_object", name,
                lambda: C.broadcast_object(obj, root[0], comm), process_set=process_set, meta={"root": root_rank},
                check=check)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set) -> list:
-    """Every rank's ``obj`` (pickled), as a list in rank order."""
+    """Every rank's ``obj`` (pickled), as a list in rank order (unnamed: the
+    n-th unnamed one, as :func:`broadcast_object`; objects of other types on
+    other ranks are gathered)."""
     comm = resolve(process_set)[1]
-    return run("allgather_object", name if name is not None else type(obj).__name__,
+    return run("allgather_object", name,
                lambda: C.allgather_object(obj, comm), process_set=process_set)

@@ -282,6 +282,11 @@ def test_objects_barrier_and_join():
     hvd.barrier()
     last = hvd.join()
     assert 0 <= last < size and hvd.allgather_object(last) == [last] * size
+    # the usual idiom, objects of other types on the other ranks: named by its type (as Horovod does), rank 0's
+    # broadcast_object.dict waited for the others' broadcast_object.NoneType until the watchdog
+    config = {"lr": 0.1} if rank == 0 else None
+    assert hvd.broadcast_object(config) == {"lr": 0.1}
+    assert hvd.allgather_object(config) == [{"lr": 0.1}] + [None] * (size - 1)
 
 
 @pytest.mark.mpi(min_size=2)
