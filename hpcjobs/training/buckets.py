@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from ..comm import agree, signature
 
-__all__ = ["Slot", "Bucket", "layout", "check_layout", "changed_grads"]
+__all__ = ["Slot", "Bucket", "layout", "check_layout", "changed_grads", "stray_grads"]
 
 
 PROBES = 8  # values of each gradient compared before it is overwritten with the average (Bucket.edited)
@@ -35,6 +35,22 @@ EDITED = ("the gradient of {names} changed between backward and step() (a GradSc
           "scaler.step(opt) calls, or clip_grad_norm_?); the average was taken of the gradients backward made and "
           "would overwrite the change. Change the averages instead: call opt.synchronize() after backward, then "
           "unscale or clip, then opt.step() or scaler.step(opt), which reduce no second time (docs/training.md)")
+# and where a parameter it does not reduce has a gradient (stray_grads)
+STRAY = ("{names} got a gradient that this DistributedOptimizer does not average: they did not require grad when "
+         "it was made (unfrozen since?), and each rank would step on its own gradient, the replicas drifting apart "
+         "silently; make the DistributedOptimizer again after changing which parameters train")
+
+
+def listed(names: list[str]) -> str:
+    """Up to three of ``names``, or, where this rank has none, that another rank found them."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else "a parameter on another rank"
+
+
+def stray_grads(param_groups: list[dict], reduced: dict, names: dict) -> list[str]:
+    """The optimizer's parameters that require grad and have one but no place in a bucket (``reduced``: by
+    ``id``): unfrozen after the buckets were laid out, so Horovod, too, never averages them."""
+    return [names.get(id(p), "a parameter") for g in param_groups for p in g["params"]
+            if p.requires_grad and p.grad is not None and id(p) not in reduced]
 
 
 @dataclass

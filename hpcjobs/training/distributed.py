@@ -71,7 +71,7 @@ from ..collectives import ALGORITHMS, MESSAGE_ALGORITHMS, allreduce
 from ..collectives.counting import counted_allreduce
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
-from .buckets import EDITED, Bucket, changed_grads, check_layout, layout
+from .buckets import EDITED, STRAY, Bucket, changed_grads, check_layout, layout, listed, stray_grads
 from .communicators import any_rank, communicator, dropped, serve, weakly
 from .optimizer_state import OptimizerState
 from .config import DEFAULT_FUSION_BYTES, NONFINITE, OVERLAPS
@@ -183,7 +183,7 @@ class DistributedOptimizer(OptimizerState):
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"named_parameters has duplicate names: {', '.join(dup)}")
-        by_id = {id(p): n for n, p in named}
+        self._names = by_id = {id(p): n for n, p in named}
         opt_params = [p for g in optimizer.param_groups for p in g["params"]]
         missing = [p for p in opt_params if id(p) not in by_id]
         if missing:
@@ -316,13 +316,13 @@ class DistributedOptimizer(OptimizerState):
             if self.memory is not None:
                 self.memory.discard()
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
-        edited = changed_grads(self._buckets)  # the averages would overwrite a change: GradScaler's 65,536x step
+        stray = stray_grads(self._optimizer.param_groups, self._slot_of, self._names)  # a parameter none averages
+        edited = stray or changed_grads(self._buckets)  # the averages would overwrite a change: GradScaler's 65,536x
         if self._any_rank(bool(edited)):  # alike on every rank: one whose probed values were zeros saw none
             self._reset_buckets()
             if self.memory is not None:
                 self.memory.discard()
-            raise RuntimeError(EDITED.format(names=", ".join(edited[:3]) + (", ..." if len(edited) > 3 else "")
-                                             if edited else "a parameter on another rank"))
+            raise RuntimeError((STRAY if stray else EDITED).format(names=listed(edited)))
         if self.memory is not None:  # a step skipped as a whole counts for no bucket's residual
             self.memory.commit(self.skips_whole_steps)
         for bucket in self._buckets:

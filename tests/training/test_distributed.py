@@ -339,6 +339,37 @@ def test_a_scheduler_made_before_the_broadcast_still_sets_the_rate_every_rank_st
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_parameter_unfrozen_after_wrapping_is_refused_not_stepped_alone():
+    """Fine-tuning's habit: train the head, then unfreeze the backbone. The
+    backbone had no place in a bucket, so each rank stepped on its own
+    gradient (backbone sums 0.37 and 1.01 on two ranks, as under Horovod);
+    step() now raises on every rank, naming the parameters."""
+    comm = MPI.COMM_WORLD
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), comm=comm)
+    x = torch.full((2, 3), float(comm.rank + 1))
+    model(x).sum().backward()
+    opt.step()
+    for p in model[0].parameters():
+        p.requires_grad_(True)
+    opt.zero_grad()
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^0\.weight, 0\.bias got a gradient that this DistributedOptimizer does "
+                                           r"not average: they did not require grad when it was made"):
+        opt.step()
+    for p in model[0].parameters():  # frozen again: a gradient left on it (zero_grad(set_to_none=False)) is not one
+        p.requires_grad_(False)
+    opt.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    opt.step()
+    assert same_on_every_rank(model[1].weight.detach().double().reshape(-1), comm)
+    opt.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_an_optimizer_state_that_does_not_travel_raises_on_every_rank():
     """Root went on alone into its next collective where the others could
     not load its state (or root could not save it): now every rank raises.
