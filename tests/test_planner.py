@@ -317,6 +317,8 @@ def test_an_algorithm_a_gathered_payload_never_runs_is_not_checked_against_the_l
              "100", "--inter-bw", "10", "--algorithm", "tree"]
     r = hpcjobs("plan", *flags, "--compression", "topk:0.01")
     assert r.returncode == 0 and "| allgather |" in r.stdout, r.stderr
+    # said, not silent: the rows cost no tree
+    assert "--compression topk:0.01 sends through an allgather: --algorithm tree is not used" in r.stderr
     r = hpcjobs("plan", *flags)
     assert r.returncode == 2 and "tree has no two-level formula for 4 devices" in r.stderr, r.stderr
 
@@ -388,6 +390,34 @@ def test_a_runs_line_without_its_numbers_is_refused_naming_it(tmp_path, field, v
         r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1", flag,
                     str(path))
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_plan_says_which_counts_it_left_out_and_refuses_runs_that_are_not_its_kind(tmp_path):
+    """A range's counts that are not whole nodes were dropped without a word
+    (the JSON's inputs still listed them, and --against a run on one said to
+    add it); --runs at one device count printed a constant 'fit' (perfect
+    scaling); an async run's metrics were held against the synchronous
+    prediction, and as --metrics got advice about its fit, not its mode."""
+    out = tmp_path / "plan.json"
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1-10", "--devices-per-node", "3",
+                "--intra-bw", "10", "--inter-bw", "10", "--json", str(out))
+    assert r.returncode == 0 and "# plan: --devices: left out 4, 5, 7, 8, 10 (not whole nodes of 3)" in r.stderr
+    data = json.loads(out.read_text())
+    assert data["inputs"]["devices"] == [1, 2, 3, 6, 9] == [row["devices"] for row in data["rows"]]
+    p2, q2 = _run(tmp_path / "p2.jsonl", 2, [(9.0, 5.0), (2.0, 1.0)]), _run(tmp_path / "q2.jsonl", 2, [(2.0, 1.0)])
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1", "--runs",
+                f"{p2},{q2}")
+    assert r.returncode == 2 and "--runs: the black-box fit needs runs on two device counts at least, got [2]" \
+        in r.stderr, r.stderr
+    lines = [dict(json.loads(line), mode="local", loss=2.0 / k, global_batch=64)
+             for k, line in enumerate(open(p2).read().splitlines(), 1)]
+    (tmp_path / "local.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines * 3))
+    for flag in ("--against", "--runs", "--metrics"):
+        extra = ["--target-loss", "0.5"] if flag == "--metrics" else []
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "10", "--devices", "1,2", "--inter-bw", "1", flag,
+                    str(tmp_path / "local.jsonl"), *extra)
+        assert r.returncode == 2 and "a run of --mode local; plan predicts synchronous training" in r.stderr, \
+            (flag, r.stderr)
 
 
 def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):

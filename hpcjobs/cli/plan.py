@@ -248,6 +248,13 @@ def predict(args) -> tuple:
         if not devices:
             raise UsageError(f"--devices: no count fills whole nodes of {args.devices_per_node} "
                              "(--devices-per-node)")
+        if len(devices) < len(args.devices):  # a range's: said, and the JSON's inputs list what was planned
+            print(f"# plan: --devices: left out {', '.join(str(p) for p in args.devices if p not in devices)} "
+                  f"(not whole nodes of {args.devices_per_node})", file=sys.stderr)
+            args.devices = devices
+        if args.algorithm != "auto" and not _reduced(args.compression):  # (train takes it and uses it not)
+            print(f"# plan: --compression {args.compression} sends through an allgather: --algorithm "
+                  f"{args.algorithm} is not used, in this plan or in train", file=sys.stderr)
         if _reduced(args.compression):  # a gathered payload never runs the algorithm: no layout of its to check
             for P in devices:  # every layout costed before anything is measured
                 allreduce_s(1, P, net, args.algorithm)
@@ -283,7 +290,7 @@ def run(args) -> int:
               f"{target.noise_scale / workload.batch:.3g} devices at {workload.batch}/device; beyond it each doubling "
               "cuts the steps by a quarter or less and adds half or more to the samples")
     print(table(rows))
-    print(f"# fastest: {best['fastest']} devices; cheapest within 10% of it: {best['cheapest']} devices "
+    print(f"# fastest: {_devices(best['fastest'])}; cheapest within 10% of it: {_devices(best['cheapest'])} "
           f"(by {best['by']})")
     if checks:
         print("# against measured runs, per step (median over epochs 2 on): error = predicted / measured - 1; "
@@ -305,6 +312,10 @@ def run(args) -> int:
     if args.plot:
         _plot(rows, args.plot, what)
     return 0
+
+
+def _devices(n: int) -> str:
+    return f"{n} device{'s' * (n != 1)}"
 
 
 def table(rows: list[dict]) -> str:

@@ -39,6 +39,9 @@ def measured(path: str) -> dict:
     recs = last_run(lines(path))
     if not recs or any(not isinstance(r, dict) or any(k not in r for k in NEEDED) for r in recs):
         raise ValueError(f"{path}: not a train --metrics file (each line needs {', '.join(NEEDED)})")
+    if recs[-1].get("mode", "sync") != "sync":  # its steps are a worker's pushes, its ranks servers too
+        raise ValueError(f"{path}: a run of --mode {recs[-1]['mode']}; plan predicts synchronous training: give "
+                         "a --mode sync run")
     for r in recs:
         for k in NEEDED:
             if not is_number(r[k]) or r[k] <= 0 or (k == "ranks" and r[k] != int(r[k])):
@@ -72,6 +75,9 @@ def fit(spec: str | None):
     if not spec:
         return None, []
     points = [(m["devices"], m["step_s"]) for m in map(measured, _paths(spec))]
+    if len({p for p, _ in points}) < 2:  # one count fits the compute term alone: perfect scaling, printed as a fit
+        raise ValueError(f"--runs: the black-box fit needs runs on two device counts at least, got "
+                         f"{sorted({p for p, _ in points})}")
     _, predict = fit_runs(points)
     return predict, points
 
@@ -83,7 +89,7 @@ def read_against(spec: str | None, devices: list[int]) -> list[dict]:
     for m in runs:
         if m["devices"] not in devices:
             raise ValueError(f"--against {m['run']}: a run on {m['devices']} devices, which --devices does not "
-                             f"plan; add {m['devices']} to --devices")
+                             f"plan; add {m['devices']} to --devices (a count of whole nodes)")
     return runs
 
 
@@ -134,6 +140,13 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
     from ..planner import Target
 
     epochs, losses = fit_metrics(path)  # checks the file: JSON lines with epoch and loss
+    run = last_run(lines(path))  # what the run was, before what its fit says: advice on a fit is moot otherwise
+    last = run[-1]
+    if last.get("mode", "sync") != "sync":  # (its lines count workers and samples, not a global batch)
+        raise ValueError(f"{path}: a run of --mode {last['mode']}; plan predicts synchronous training: give the "
+                         "metrics of a --mode sync run")
+    if not all(is_number(last.get(k)) and last[k] > 0 for k in ("global_batch", "step", "epoch")):
+        raise ValueError(f"{path}: the last line needs numeric global_batch, step and epoch (a train --metrics file)")
     if loss >= losses[0]:
         raise ValueError(f"--target-loss {loss}: {path} was at {losses[0]:.4g} after epoch {epochs[0]}, so "
                          "its run reached the target within its first epoch; give a lower target")
@@ -149,13 +162,6 @@ def target(path: str, loss: float, model: str, noise_scale: float | None):
         raise ValueError(f"--target-loss {loss}: the {FITS[model]} fit of {path} puts it at {p.epochs:.3g} epochs, "
                          f"before the run's first line (epoch {epochs[0]}, loss {losses[0]:.4g}): the fit does not "
                          f"follow the run's start; try --loss-model {other}")
-    run = last_run(lines(path))
-    last = run[-1]
-    if last.get("mode", "sync") != "sync":  # (its lines count workers and samples, not a global batch)
-        raise ValueError(f"{path}: a run of --mode {last['mode']}; plan predicts synchronous training: give the "
-                         "metrics of a --mode sync run")
-    if not all(is_number(last.get(k)) and last[k] > 0 for k in ("global_batch", "step", "epoch")):
-        raise ValueError(f"{path}: the last line needs numeric global_batch, step and epoch (a train --metrics file)")
     if noise_scale is None:
         seen = [r["noise_scale"] for r in run if is_number(r.get("noise_scale")) and r["noise_scale"] > 0]
         noise_scale = statistics.median(seen) if seen else None
