@@ -89,6 +89,9 @@ def run(args) -> int:
             raise ValueError(f"--num-classes shapes the classifiers, not {args.model} (its outputs: --vocab)")
         if args.image_size is not None and args.model not in IMAGE_MODELS:
             raise ValueError(f"--image-size shapes the ResNets ({', '.join(IMAGE_MODELS)}), not {args.model}")
+        if args.batch_size == 1 and (args.model in IMAGE_MODELS or args.model == "mlp" and args.batch_norm):
+            raise ValueError(f"--batch-size 1: {args.model} normalizes over the batch, and one sample gives "
+                             "BatchNorm one value per channel (a traceback, before; as train refuses); give 2 or more")
     args.width, args.input_size, args.image_size = args.width or 1024, args.input_size or 40, args.image_size or 224
     args.num_classes = args.num_classes or 10
     check_outputs(comm, [("--json", args.json, False)])

@@ -45,6 +45,10 @@ def test_bench_train_on_resnet18_images(tmp_path):
 def test_bench_train_refuses_images_a_resnet_cannot_take():
     out = _mpirun(2, "bench", "train", "--model", "resnet18", "--image-size", "16")
     assert out.returncode == 2 and "needs images of at least 32x32" in out.stderr
+    # one sample a rank gives BatchNorm one value per channel: torch's traceback, as train refuses it
+    out = _mpirun(2, "bench", "train", "--model", "mlp", "--batch-norm", "--batch-size", "1", "--impl", "single")
+    assert out.returncode == 2 and "--batch-size 1: mlp normalizes over the batch" in out.stderr and \
+        "Traceback" not in out.stderr, out.stderr
 
 
 def test_bench_train_on_gpt_mini_tokens_with_bf16_autocast(tmp_path):
