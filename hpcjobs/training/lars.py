@@ -59,8 +59,9 @@ class LARS(torch.optim.Optimizer):
                 if not group["lars_exclude"]:
                     w_norm = torch.linalg.vector_norm(p)
                     g_norm = torch.linalg.vector_norm(g)
-                    if w_norm > 0 and g_norm > 0:
-                        d.mul_(group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"]))
+                    # on the tensor's device: an `if` on the norms waited for a GPU twice per tensor per step
+                    trust = group["trust_coefficient"] * w_norm / (g_norm + wd * w_norm + group["eps"])
+                    d.mul_(torch.where((w_norm > 0) & (g_norm > 0), trust, torch.ones_like(trust)))
                 if m:
                     state = self.state[p]
                     buf = state.get("momentum_buffer")

@@ -37,6 +37,17 @@ def test_zero_weights_fall_back_to_plain_sgd():
     w.grad = torch.ones(3)
     opt.step()
     torch.testing.assert_close(w.detach(), torch.full((3,), -0.5))
+    # a zero gradient with weight decay and no eps: the ratio's 0/0 is not taken, the decay steps plainly
+    v = torch.nn.Parameter(torch.ones(2))
+    opt = LARS([v], lr=0.5, momentum=0.0, weight_decay=0.1, eps=0.0)
+    v.grad = torch.zeros(2)
+    opt.step()
+    assert torch.equal(v.detach(), torch.full((2,), 1 - 0.5 * 0.1))
+    z = torch.nn.Parameter(torch.zeros(2))  # both zero: 0/0 in the ratio, not taken
+    opt = LARS([z], lr=0.5, momentum=0.0, eps=0.0)
+    z.grad = torch.zeros(2)
+    opt.step()
+    assert torch.equal(z.detach(), torch.zeros(2))
 
 
 def test_bad_arguments():
