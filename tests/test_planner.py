@@ -471,6 +471,7 @@ def test_plan_refuses_a_run_it_does_not_plan_for_or_cannot_read(tmp_path):
     (["--params", "1M", "--throughput", "10", "--width", "64"], "--width shapes one of our models"),
     (["--model", "resnet18", "--throughput", "10", "--width", "64"], "--width shapes mlp and cnn1d, not resnet18"),
     (["--model", "mlp", "--throughput", "10", "--image-size", "32"], "--image-size shapes the ResNets, not mlp"),
+    (["--model", "resnet18", "--throughput", "10", "--image-size", "512"], "--image-size sets the images --measure"),
     (["--params", "1M", "--throughput", "10", "--threads", "2", "--measure-steps", "3"],
      "--threads, --measure-steps say how --measure times the step"),
     # a format matplotlib cannot write failed after the plan, with a traceback; no extension wrote PATH.png

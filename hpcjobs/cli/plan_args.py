@@ -132,6 +132,9 @@ def _shaping_flags(args) -> None:
         raise UsageError(f"--width shapes mlp and cnn1d, not {args.model}")
     elif args.image_size is not None and not args.model.startswith("resnet"):
         raise UsageError(f"--image-size shapes the ResNets, not {args.model}")
+    elif args.image_size is not None and not args.measure:  # a ResNet's parameters do not depend on it
+        raise UsageError("--image-size sets the images --measure times the step on, and a ResNet's gradient is the "
+                         "same at any size: give --measure, or leave it out")
     timing = [f for f, v in (("--threads", args.threads), ("--measure-steps", args.measure_steps)) if v is not None]
     if timing and not args.measure:
         raise UsageError(f"{', '.join(timing)} say{'s' if len(timing) == 1 else ''} how --measure times the step: "
