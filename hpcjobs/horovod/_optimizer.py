@@ -176,13 +176,14 @@ class _EngineReducer(_Engine):
         if out is not bucket.buffer:
             bucket.buffer.copy_(out.reshape(-1))
 
-    def _any_rank(self, mine: bool) -> bool:
+    def _any_rank(self, mine: int) -> int:
         if not self._by_controller:
             return super()._any_rank(mine)
-        flag = torch.tensor([float(mine)])  # through the controller, as the step's buckets: a joined rank adds 0
-        allreduce_(flag, name=f"DistributedOptimizer.edited.{self._buckets[0].slots[0].name}", op=Sum,
+        # through the controller, as the step's buckets: a joined rank adds 0; how many ranks saw each level
+        flags = torch.tensor([float(mine == level) for level in (1, 2)])
+        allreduce_(flags, name=f"DistributedOptimizer.edited.{self._buckets[0].slots[0].name}", op=Sum,
                    process_set=self.process_set)
-        return flag.item() > 0
+        return 2 if flags[1] > 0 else 1 if flags[0] > 0 else 0
 
     def _stepping(self) -> int:
         """How many ranks take this step: a one-element sum through the controller, to which a rank in

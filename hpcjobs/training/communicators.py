@@ -105,9 +105,10 @@ def dropped(owner, handles: list, q) -> None:
     weakref.finalize(owner, _end, handles, q)
 
 
-def any_rank(comm: MPI.Intracomm, mine: bool, what: str) -> bool:
-    """Whether ``mine`` holds on some rank of ``comm`` (collective, watched as ``what``): one integer's MAX."""
+def any_rank(comm: MPI.Intracomm, mine: int, what: str) -> int:
+    """The largest of the ranks' ``mine`` (a bool: whether it holds on some rank; a level, 0 for none: the
+    highest any rank saw), collective over ``comm``, watched as ``what``: one integer's MAX."""
     flag = np.array([int(mine)], np.int32)
     with guard(what, comm):
         comm.Allreduce(MPI.IN_PLACE, flag, op=MPI.MAX)
-    return bool(flag[0])
+    return int(flag[0])

@@ -289,11 +289,10 @@ class DistributedOptimizer(OptimizerState):
     def synchronize(self) -> None:
         """Finish this step's reductions and leave the averages in ``.grad``.
 
-        Parameters whose gradient never arrived contribute ``.grad`` if they
-        have one, else zeros. Called by :meth:`step`, unless it ran since the
-        last gradient arrived (``synchronize()``, clip the averages,
-        ``step()``: one reduction, as Horovod's ``skip_synchronize`` would
-        give; a second would average, and compress, the averages again).
+        Parameters whose gradient never arrived contribute ``.grad`` if they have one, else zeros. Called by
+        :meth:`step`, unless it ran since the last gradient arrived (``synchronize()``, clip the averages,
+        ``step()``: one reduction, as Horovod's ``skip_synchronize`` would give; a second would average, and
+        compress, the averages again).
         """
         t0 = time.perf_counter()
         if self._alone:
@@ -318,11 +317,12 @@ class DistributedOptimizer(OptimizerState):
             raise RuntimeError(f"allreduce of gradients failed on rank {self.rank}: {error}") from error
         stray = stray_grads(self._optimizer.param_groups, self._slot_of, self._names)  # a parameter none averages
         edited = stray or changed_grads(self._buckets)  # the averages would overwrite a change: GradScaler's 65,536x
-        if self._any_rank(bool(edited)):  # alike on every rank: one whose probed values were zeros saw none
+        seen = self._any_rank(2 if stray else 1 if edited else 0)  # one refusal on every rank, whatever each saw
+        if seen:
             self._reset_buckets()
             if self.memory is not None:
                 self.memory.discard()
-            raise RuntimeError((STRAY if stray else EDITED).format(names=listed(edited)))
+            raise RuntimeError((STRAY if seen == 2 else EDITED).format(names=listed(stray if seen == 2 else edited)))
         if self.memory is not None:  # a step skipped as a whole counts for no bucket's residual
             self.memory.commit(self.skips_whole_steps)
         for bucket in self._buckets:
@@ -330,7 +330,7 @@ class DistributedOptimizer(OptimizerState):
         self._synced = True
         self._finish_step(t0)
 
-    def _any_rank(self, mine: bool) -> bool:  # (the Horovod door's goes by its controller while a rank has joined)
+    def _any_rank(self, mine: int) -> int:  # the highest on any rank (the Horovod door's: by its controller)
         return any_rank(self._comm, mine, "DistributedOptimizer.synchronize")
 
     @contextlib.contextmanager

@@ -367,6 +367,19 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_not_stepped_alone():
     opt.step()
     assert same_on_every_rank(model[1].weight.detach().double().reshape(-1), comm)
     opt.close()
+    # a branch unfrozen since and run on rank 0 alone: every rank gives that refusal (the others had blamed a
+    # GradScaler), naming it where it was seen
+    a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    b.requires_grad_(False)
+    named = [(f"a.{n}", p) for n, p in a.named_parameters()] + [(f"b.{n}", p) for n, p in b.named_parameters()]
+    opt = DistributedOptimizer(torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1), named, comm=comm)
+    b.requires_grad_(True)
+    (a(x) + (b(x) if comm.rank == 0 else 0)).sum().backward()
+    with pytest.raises(RuntimeError) as refused:
+        opt.step()
+    said = "b.weight, b.bias" if comm.rank == 0 else "a parameter on another rank"
+    assert str(refused.value).startswith(f"{said} got a gradient that this DistributedOptimizer does not average")
+    opt.close()
 
 
 @pytest.mark.mpi(min_size=2)
