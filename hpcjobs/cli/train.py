@@ -73,7 +73,7 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
                    help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
                         "the files to read (default: hpcjobs' own source); not for digits, synthetic")
     g.add_argument("--num-samples", type=positive_int,
-                   help=(f"mnist1d samples to generate (tens), synthetic size (default {num_samples})"
+                   help=(f"mnist1d samples to generate (tens) and synthetic size (default {num_samples} for both)"
                          if num_samples else "mnist1d samples to generate (tens; default 5000, 80%% train), synthetic "
                          "size (default 8192)") + ", text sequences (default: the whole corpus); not for digits, "
                         "mnist, cifar10")

@@ -106,7 +106,8 @@ def _load_in_place(inner, state_dict: dict) -> None:
     inner.load_state_dict(state_dict)
     for old, new in zip(groups, inner.param_groups):
         old.update({k: v for k, v in new.items() if k != "params"})
-    state.clear()
-    state.update(inner.state)
+    if inner.state is not state:  # (a subclass's own load may fill it in place)
+        state.clear()
+        state.update(inner.state)
     inner.param_groups, inner.state = groups, state
 

@@ -293,9 +293,9 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
 
     Args:
         name: one of :data:`DATASETS`.
-        comm: an MPI communicator; for ``mnist1d`` each node's first rank
-            generates the cache where the node does not see it and the others
-            wait for it. None: this process alone. With it, every rank
+        comm: an MPI communicator; for ``mnist1d`` rank 0 generates the
+            cache when missing, and each node's first rank where its node
+            does not see it, while the others wait. None: this process alone. With it, every rank
             checks that all opened the same data (:func:`fingerprint`).
         data_dir: where ``mnist``/``cifar10`` files are, where ``mnist1d``
             is cached (default :func:`default_cache_dir`), the ``text``
@@ -315,9 +315,10 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
     """
     if comm is None:
         return _load(name, None, data_dir, num_samples, seed, seq_len)
-    ds, error = None, None
+    ds, digest, error = None, None, None
     try:
         ds = _load(name, comm, data_dir, num_samples, seed, seq_len)
+        digest = fingerprint(ds)  # (reads every byte: a read error here is said on every rank too)
     except Exception as e:  # noqa: BLE001 -- told to every rank, raised there (a truncated .gz: EOFError)
         error = (type(e).__name__, str(e))
     failed = [(r, e) for r, e in enumerate(comm.allgather(error)) if e]
@@ -327,19 +328,19 @@ def load_dataset(name: str, *, comm=None, data_dir: str | os.PathLike | None = N
         if not (alike and len(failed) == comm.Get_size()):  # not every rank alike: say which
             message = f"on rank {rank}{f' and {len(failed) - 1} other(s)' if len(failed) > 1 else ''}: {message}"
         raise kinds.get(kind, RuntimeError)(message)
-    _OPENED[(name, data_dir, num_samples, seed, seq_len)] = _check_alike(name, ds, comm)
+    _check_alike(name, ds, digest, comm)
+    _OPENED[(name, data_dir, num_samples, seed, seq_len)] = digest
     return ds
 
 
-def _check_alike(name: str, ds: Dataset, comm) -> str:
-    """The data's :func:`fingerprint`, the same on every rank; ValueError on
+def _check_alike(name: str, ds: Dataset, mine: str, comm) -> None:
+    """``mine``, the data's :func:`fingerprint`, the same on every rank; ValueError on
     every rank where the ranks opened other data (each node reads its own
     copy of the files: one missing a CIFAR batch, a corpus of another
     install, an MNIST-1D cache another mnist1d made, Fashion-MNIST's files
     where MNIST's are): a rank with fewer samples ran fewer steps and left
     the others waiting in its last allreduce until the watchdog, and data of
     the same size trained each node on its own, silently."""
-    mine = fingerprint(ds)
     seen: dict[tuple, list[int]] = {}
     for rank, opened in enumerate(comm.allgather((len(ds.train), len(ds.test), tuple(ds.input_shape), mine))):
         seen.setdefault(opened, []).append(rank)
@@ -348,10 +349,12 @@ def _check_alike(name: str, ds: Dataset, comm) -> str:
         said = "; ".join(f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}: "
                          + (f"{train} training and {test} test samples of shape {shape}" if sizes
                             else f"data {digest[:12]}") for (train, test, shape, digest), ranks in seen.items())
+        made = {"mnist1d": "; MNIST-1D made on other kinds of node can differ: give --data-dir a folder the nodes "
+                           "share, or copy one node's cache to the others",
+                "synthetic": "; synthetic data made on other kinds of node can differ in a label"}.get(name, "")
         raise ValueError(f"the ranks opened different {name} data ({said}"
                          + ("" if sizes else "; the same sizes, other bytes") + "): each reads its own copy of the "
-                         "files (or of MNIST-1D's cache), which must be the same on every node")
-    return mine
+                         "files (or of MNIST-1D's cache), which must be the same on every node" + made)
 
 
 def load_dataset_of(cfg, comm=None) -> Dataset:

@@ -1,6 +1,6 @@
-"""MNIST-1D's cache: made once by each node's first rank where the node
-does not see it (``mnist1d.data.make_dataset``, offline, ~9 s per 40,000
-samples) and memory-mapped by every rank.
+"""MNIST-1D's cache: made once, by rank 0, and again by each node's first
+rank where the node does not see it (``mnist1d.data.make_dataset``,
+offline, ~9 s per 40,000 samples), and memory-mapped by every rank.
 
 The cache is a folder per (sample count, seed) of ``.npy`` files, written in
 a folder of its own and renamed into place, its files flushed to the disk
@@ -75,32 +75,32 @@ def generate(target: Path, num_samples: int, seed: int) -> None:
 
 def make_where_missing(target: Path, num_samples: int, seed: int, comm=None) -> None:
     """Make the cache ``target`` wherever a rank of ``comm`` does not see it
-    (collective; None: this process). Each node's first rank makes it where
-    its node does not see it: once for the job on a file system the nodes
-    share, else once per node (rank 0's alone left the other nodes a cache
-    they could not see, "damaged" every time); a rank that still does not
-    see it (a data directory of its own) makes its own. Whether the copies
-    hold the same data is the data's fingerprint's to say
+    (collective; None: this process): rank 0 first, once for the job on a
+    file system the nodes share; then each node's first rank where its node
+    does not see rank 0's (rank 0's alone had left the other nodes a cache
+    they could not see, "damaged" every time); then a rank that still does
+    not see it (a data directory of its own). Whether the copies hold the
+    same data is the data's fingerprint's to say
     (:func:`hpcjobs.training.data.load_dataset`).
 
     Raises:
-        RuntimeError: the generation failed (on the node's ranks alike).
+        RuntimeError: the generation failed (on the ranks that waited for it alike).
     """
-    error, node = None, None
-    if comm is not None:
+    if comm is None:
+        error = _make_unless_there(target, num_samples, seed)
+    else:
         from mpi4py import MPI  # comm exists: MPI is up
 
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        if node is None or node.Get_rank() == 0:
-            error = _make_unless_there(target, num_samples, seed)  # the look too: the bcast comes whatever fails
-        if node is not None:
-            error = node.bcast(error, root=0)
-    finally:
-        if node is not None:
-            node.Free()
-    if not error:
-        error = _make_unless_there(target, num_samples, seed)
+        error = comm.bcast(_make_unless_there(target, num_samples, seed) if comm.Get_rank() == 0 else None, root=0)
+        if not error:
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # (every rank: the error above was every rank's)
+            try:
+                error = node.bcast(_make_unless_there(target, num_samples, seed) if node.Get_rank() == 0 else None,
+                                   root=0)
+            finally:
+                node.Free()
+        if not error:
+            error = _make_unless_there(target, num_samples, seed)
     if error:
         raise RuntimeError(error)
 
