@@ -63,7 +63,7 @@ def test_a_wrong_operation_counts_once_and_is_named(monkeypatch):
     # 7 more, wrong at any rank count (1 more was right in the warm-up's ones at 2 ranks)
     monkeypatch.setattr(hpcjobs.soak, "allreduce", lambda buf, op="sum", algorithm="auto", comm=None: buf.__iadd__(7))
     seen, real = [], hpcjobs.soak._buffer
-    monkeypatch.setattr(hpcjobs.soak, "_buffer", lambda values, *rest: (seen.append(values.size), real(values, *rest))[1])
+    monkeypatch.setattr(hpcjobs.soak, "_buffer", lambda values, *a: (seen.append(values.size), real(values, *a))[1])
     result = hpcjobs.soak.soak(private(), ops=20, max_count=100, seed=1)
     assert result.wrong_ops == result.warmup + sum(n > 0 for n in seen)  # every non-empty one, once
     assert result.wrong[0] == {"op_index": "warm-up", "algorithm": hpcjobs.soak.algorithms(private())[0],
