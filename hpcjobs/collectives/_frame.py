@@ -27,7 +27,6 @@ allreduce, which is elementwise, and whole for the rest.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -71,33 +70,32 @@ def run(buf, op: str, comm, name: str, step: Callable, **options):
     """
     token = enter(name, comm)  # the stall watchdog's registration (not a `with guard`: cheaper, on every call)
     try:
-        if not _agreement._enabled and type(buf) is np.ndarray:
-            # Checks off, a numpy array: nothing to agree on, and a bad buffer
-            # or op raises on this rank as prepare() would -- minus its
-            # bookkeeping, which on a small message costs as much as the step.
-            if not isinstance(op, str) or op not in OP_TABLE:  # (MPI.SUM cannot be hashed: check_op names it)
-                check_op(op)
-            flat, comm = as_flat(buf), private(comm)
-        else:
-            checked = ""
-            if options and _agreement._enabled:
-                # numbers and strings, and an object's own words where it has them (a topology's layout: one
-                # detected otherwise on one rank ran other nodes' stages there, and hung)
-                checked = {k: v if isinstance(v, (bool, int, str)) else v.agreed for k, v in sorted(options.items())
-                           if isinstance(v, (bool, int, str)) or hasattr(v, "agreed")}
-                checked = repr(checked) if checked else ""
-            flat, comm, carried = _prepare(buf, op, comm, name, _RUN_FIELDS, (checked,), step)
-            if carried:  # the check's exchange carried the message: done
-                return buf
-        if type(flat) is Flat:
-            if flat.data.size and comm.Get_size() > 1:
-                with np.errstate(all="ignore"):  # (quiet: below)
+        with np.errstate(all="ignore"):  # the step's reductions, and the check's of a message it carries
+            if not _agreement._enabled and type(buf) is np.ndarray:
+                # Checks off, a numpy array: nothing to agree on, and a bad buffer
+                # or op raises on this rank as prepare() would -- minus its
+                # bookkeeping, which on a small message costs as much as the step.
+                if not isinstance(op, str) or op not in OP_TABLE:  # (MPI.SUM is unhashable: check_op names it)
+                    check_op(op)
+                flat, comm = as_flat(buf), private(comm)
+            else:
+                checked = ""
+                if options and _agreement._enabled:
+                    # numbers and strings, and an object's own words where it has them (a topology's layout: one
+                    # detected otherwise on one rank ran other nodes' stages there, and hung)
+                    checked = {k: v if isinstance(v, (bool, int, str)) else v.agreed for k, v in sorted(options.items())
+                               if isinstance(v, (bool, int, str)) or hasattr(v, "agreed")}
+                    checked = repr(checked) if checked else ""
+                flat, comm, carried = _prepare(buf, op, comm, name, _RUN_FIELDS, (checked,), step)
+                if carried:  # the check's exchange carried the message: done
+                    return buf
+            if type(flat) is Flat:
+                if flat.data.size and comm.Get_size() > 1:
                     if options:
                         step(flat, op, comm, **options)
                     else:  # (a plain call: cheaper than unpacking an empty dict)
                         step(flat, op, comm)
-        elif flat.count and comm.Get_size() > 1:
-            with np.errstate(all="ignore"):
+            elif flat.count and comm.Get_size() > 1:
                 if getattr(step, "takes_device", False):
                     step(flat, op, comm, **options)
                 else:
@@ -131,7 +129,6 @@ def prepare(buf, op: str, comm, name: str, **fields):
     return flat, comm
 
 
-_NO_CONTEXT = contextlib.nullcontext()
 _FIELDS = ("algorithm", "count", "dtype", "op", "device")  # what every collective's check compares, then its own
 _RUN_FIELDS = (*_FIELDS, "options")
 
@@ -161,10 +158,9 @@ def _prepare(buf, op: str, comm, name: str, names: tuple, extra: tuple, step: Ca
         count = oneshot_next(flat, op, comm) if oneshot_next is not None else None
         if count is not None:
             carry = (flat, op)
-    with np.errstate(all="ignore") if carry is not None else _NO_CONTEXT:  # (the check reduces what it carries)
-        carried = agree_values(comm, name, names, (*_values(name, buf, flat, op), *extra), error, carry)
-        if carried:
-            count()
+    carried = agree_values(comm, name, names, (*_values(name, buf, flat, op), *extra), error, carry)
+    if carried:
+        count()
     return flat, comm, carried
 
 
