@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import _mpirun_prefix, hpcjobs as _hpcjobs, launch_env, mpirun as _mpirun, mpirun_script, run
+from launch import _mpirun_prefix, hpcjobs as _hpcjobs, hpcjobs_here, launch_env, mpirun as _mpirun, mpirun_script, run
 from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.auto import DEFAULT_TABLE
 from hpcjobs.comm import SETTINGS, install
@@ -416,3 +416,24 @@ sys.exit(main(["info"]))
     assert r.returncode != 0, r.stdout + r.stderr
     assert ("hpcjobs: rank 1: hpcjobs info: error: refused on rank 1 alone (a test); some ranks did not refuse it: "
             "aborting the job") in r.stderr, r.stderr
+
+
+
+@pytest.mark.parametrize("command,flag,words", [
+    (["plan", "--params", "1M", "--throughput", "10"], "--json", "give a path, or /dev/stdout"),
+    (["plan-check"], "--json", "give a path, or /dev/stdout"),
+])
+def test_a_dash_for_an_output_is_refused_not_made_a_file_named_dash(tmp_path, monkeypatch, command, flag, words):
+    """`plan --json -` wrote a file named "-" in the working directory and printed the table (train's
+    --metrics - is standard output; these outputs are files)."""
+    monkeypatch.chdir(tmp_path)
+    out = hpcjobs_here(*command, flag, "-")
+    assert out.returncode == 2 and f"{flag} -: " in out.stderr and words in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == [] and "| devices |" not in out.stdout
+
+
+def test_a_dash_for_an_output_directory_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = _mpirun(2, "bench", "allreduce", "-e", "64", "--out", "-")
+    assert out.returncode == 2 and '--out -: would be a directory named "-" here' in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == [] and "size(B)" not in out.stdout

@@ -139,6 +139,9 @@ def apply_placement(args) -> None:
 
 def _output_problem(flag: str, path: str, directory: bool) -> str | None:
     """Why ``path`` cannot be written, after creating the directories it needs; None if it can."""
+    if path == "-":  # (train's --metrics takes it for standard output; these wrote a file named "-")
+        return (f"{flag} -: would be a {'directory' if directory else 'file'} named \"-\" here; give a path"
+                + ("" if directory else ", or /dev/stdout for standard output"))
     p = Path(path)
     folder = p if directory else p.parent
     try:
