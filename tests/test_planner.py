@@ -713,3 +713,16 @@ def test_plan_with_a_cost_model_starts_no_mpi(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
     assert (proc.stdout.splitlines() or [""])[-1] == "rc 0 mpi False", proc.stdout + proc.stderr
     assert "| devices |" in proc.stdout
+
+
+@pytest.mark.parametrize("per_node,rows", [(None, [1]), ("4", [1, 2, 4])])
+def test_a_plan_with_no_network_says_it_plans_one_node(tmp_path, per_node, rows):
+    out = tmp_path / "plan.json"
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--json", str(out),
+                     *(["--devices-per-node", per_node, "--intra-bw", "100"] if per_node else []))
+    assert r.returncode == 0, r.stderr
+    assert f"no network given (--inter-bw, or a --cost-model measured across nodes): one node, up to its " \
+           f"{rows[-1]} device" in r.stderr, r.stderr
+    assert [row["devices"] for row in json.loads(out.read_text())["rows"]] == rows
+    r = hpcjobs_here("plan", "--params", "1M", "--throughput", "10", "--inter-bw", "10")
+    assert r.returncode == 0 and "no network given" not in r.stderr, r.stderr

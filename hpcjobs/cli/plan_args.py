@@ -118,6 +118,9 @@ def check_flags(args) -> None:
         args.devices = default_counts(args.devices_per_node)
         if not two_level and args.inter_bw is None:  # no network: one node's counts
             args.devices = Counts(p for p in args.devices if p <= args.devices_per_node)
+            print(f"# plan: no network given (--inter-bw, or a --cost-model measured across nodes): one node, up "
+                  f"to its {args.devices_per_node} device{'s' if args.devices_per_node > 1 else ''}", file=sys.stderr,
+                  flush=True)  # (a bare plan had one row, silently)
 
 
 def _shaping_flags(args) -> None:
