@@ -293,7 +293,14 @@ def test_bench_report_with_gloo_and_bad_baselines(tmp_path):
     for name in ("report.md", "busbw.png", "latency.png", "records.json", "records.csv"):
         assert (tmp_path / "rep" / name).stat().st_size > 0, name
     assert (tmp_path / "rep" / "busbw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "gloo" in (tmp_path / "rep" / "report.md").read_text()
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert "gloo" in report
+    # what was asked for and not run, and the verdicts, are in the saved records too (they were printed only)
+    env = json.loads((tmp_path / "rep" / "records.json").read_text())["environment"]
+    assert env["skipped"].startswith("nccl: no CUDA GPU is visible here") and f"- skipped: {env['skipped']}" in report
+    verdicts = [l[2:] for l in out.stdout.splitlines() if l.startswith("# our best vs ")]
+    assert [v.split(" (")[0] for v in verdicts] == ["our best vs mpi", "our best vs gloo"], out.stdout
+    assert env["verdicts"] == verdicts and "## Verdicts\n\n" + "\n".join(f"- {v}" for v in verdicts) in report
     assert (tmp_path / "r.csv").read_text().splitlines()[0].startswith("size_bytes,count,dtype,op,impl")
     bad = _mpirun(2, "bench", "allreduce", "--baselines", "mpi,mkl")
     assert bad.returncode == 2 and "unknown baseline 'mkl'" in bad.stderr

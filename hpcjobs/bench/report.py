@@ -142,7 +142,8 @@ def write_report(out_dir: str, records: list, env: dict, title: str, command: st
         plot(records, paths["busbw.png"], "busbw_gbps", f"allreduce bus bandwidth, {env['ranks']} ranks")
         plot(records, paths["latency.png"], "time_us", f"allreduce time, {env['ranks']} ranks")
     lines = [f"# {title}", "", f"Command: `{command}`", "", "## Environment", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- {k}: {v}" for k, v in env.items() if k != "verdicts"]
+    lines += ["", "## Verdicts", "", *(f"- {v}" for v in env["verdicts"])] if env.get("verdicts") else []
     lines += ["", "## Results", "", "Time is the slowest rank's median; busbw = algbw·2(P−1)/P; "
               "`#wrong` counts elements that differ from the exact result, after every call (the inputs "
               "take turns among three variants), over all calls and ranks.", "", "```",

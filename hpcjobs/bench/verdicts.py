@@ -1,5 +1,5 @@
 """One-line verdicts on a sweep's records: what ``auto`` kept, how far it
-ran from the best of our algorithms, and how our best did against each
+ran from the best of our algorithms, and how ``auto`` did against each
 baseline (``hpcjobs bench allreduce`` prints them after each pass)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ..collectives import ALGORITHMS, DEVICE_ALGORITHMS
 from ..collectives import auto as auto_
 from .sweep import Record, format_bytes
 
-__all__ = ["kept_summary", "auto_against_best", "best_against"]
+__all__ = ["kept_summary", "auto_against_best", "ours_against"]
 
 
 def kept_summary(records: list[Record], label: str, dtype: str, op: str, comm, device: bool = False) -> str:
@@ -76,22 +76,30 @@ def drift_corrected(records: list[Record], baseline: str) -> list[Record] | None
             else r for r in records]
 
 
-def best_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4 << 10, 1 << 20, 16 << 20, 64 << 20)
-                 ) -> str | None:
-    """The one-line verdict: the fastest of our algorithms (``auto``
-    included) at each size against ``baseline``'s time there, as the
-    baseline's time over ours (above 1: we are faster), at the sizes ``at``
-    that the table has, and how many sizes we win, e.g. "0.45x at 8, 0.52x
-    at 4K, 1.21x at 1M, 2.13x at 16M, 3.04x at 64M; faster at 12 of 24
+def ours_against(records: list[Record], baseline: str, at: Iterable[int] = (8, 4 << 10, 1 << 20, 16 << 20, 64 << 20),
+                 within: float = 1.10) -> tuple[str, str] | None:
+    """The one-line verdict against ``baseline``, as ``(who, line)``: who
+    is ``auto`` where the table has it (the call a user makes), else "our
+    best" (the fastest of our rows at each size, picked after the fact: of
+    ten rows as fast as the baseline, the luckiest median wins, so it leans
+    our way); line is the baseline's time over ours (above 1: we are faster)
+    at the sizes ``at`` that the table has, and at how many sizes we are
+    faster, slower and within ``within`` of it, e.g. "0.45x at 8, 1.21x at
+    1M, 3.04x at 64M; faster at 12, slower at 6, within 10% at 6 of 24
     sizes". None when the table has no such row."""
-    ratios = []
+    ratios, picked = [], set()
     for size, times in _times_by_size(records).items():
-        ours = [*_algorithm_rows(times).values(), *([times["auto"]] if "auto" in times else [])]
+        ours = {"auto": times["auto"]} if "auto" in times else _algorithm_rows(times)
         if baseline in times and ours:
-            ratios.append((size, times[baseline] / min(ours)))
+            picked.add("auto" if "auto" in ours else "best" if len(ours) > 1 else next(iter(ours)))
+            ratios.append((size, times[baseline] / min(ours.values())))
     if not ratios:
         return None
     at = set(at)
     shown = [(s, x) for s, x in ratios if s in at] or list(dict.fromkeys([ratios[0], ratios[-1]]))  # once if one
-    return (", ".join(f"{x:.2f}x at {format_bytes(s)}" for s, x in shown)
-            + f"; faster at {sum(x > 1 for _, x in ratios)} of {len(ratios)} sizes")
+    faster, slower = sum(x > within for _, x in ratios), sum(x * within < 1 for _, x in ratios)
+    who = picked.pop() if len(picked) == 1 else "best"
+    return ("our best" if who == "best" else who,
+            ", ".join(f"{x:.2f}x at {format_bytes(s)}" for s, x in shown)
+            + f"; faster at {faster}, slower at {slower}, within {round((within - 1) * 100)}% at "
+            f"{len(ratios) - faster - slower} of {len(ratios)} sizes")

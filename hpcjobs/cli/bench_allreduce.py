@@ -162,9 +162,15 @@ def run(args) -> int:
         print0(f"# auto's tuning table: {auto.table_used(comm)}")
     for name, reason in skipped.items():
         print0(f"# {name}: skipped: {reason}")
-    for label, impl in impls.items():
-        if not impl.supports(args.dtype):
-            print0(f"# {label}: has no {args.dtype} allreduce; its rows are left out")
+    left_out = [f"{label}: has no {args.dtype} allreduce; its rows are left out"
+                for label, impl in impls.items() if not impl.supports(args.dtype)]
+    for line in left_out:
+        print0(f"# {line}")
+    # (the saved records had no trace of a baseline asked for and not run, but the echoed command line)
+    if skipped:
+        env["skipped"] = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+    if left_out:
+        env["left out"] = "; ".join(left_out)
     print0(header(meter is not None))
     settings = dict(dtype=args.dtype, op=args.op, iters=args.iters, warmup=args.warmup, framework=args.framework,
                     buffers=args.buffers, device=device, wire=meter)
@@ -189,7 +195,7 @@ def run(args) -> int:
                 if impl.settled is not None:  # auto, with or without +check
                     summary = verdicts.kept_summary(records, label, args.dtype, args.op, comm, device != "cpu")
                     print0(f"# {label} kept: {summary}")
-            _verdicts(records, impls)
+            env["verdicts"] = _verdicts(records, impls)
             passes.append(records)
     finally:
         shutdown()  # stop Gloo's and Horovod's threads before the interpreter does
@@ -200,7 +206,7 @@ def run(args) -> int:
         print0(header(meter is not None))
         for r in records:
             print0(row(r))
-        _verdicts(records, impls, f", medians over {args.passes} passes")
+        env["verdicts"] = _verdicts(records, impls, f", medians over {args.passes} passes")
     wrong = sum(r.wrong for r in records)
     print0(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if comm.Get_rank() == 0:
@@ -237,20 +243,26 @@ def _device_env(comm, device: str) -> dict:
                           f"{staged.SLOTS} pinned"}
 
 
-def _verdicts(records, impls: dict, over: str = "") -> None:
-    """How auto did against the best of ours, and our best against each baseline."""
+def _verdicts(records, impls: dict, over: str = "") -> list[str]:
+    """How auto did against the best of ours, and auto (our best where it
+    was not run) against each baseline: printed, and returned for the
+    saved records."""
     from ..bench import verdicts
     from ..comm import print0
 
+    lines = []
     line = verdicts.auto_against_best(records) if "auto" in impls else None
     if line:
-        print0(f"# auto vs the best of ours{over}: {line}")
+        lines.append(f"auto vs the best of ours{over}: {line}")
     for label in impls:
         if label in BASELINES or label.startswith("mpi/"):  # mpi/tuned:N: a forced Open MPI algorithm
-            line = verdicts.best_against(records, label)
-            if line:
-                print0(f"# our best vs {label}{over} (its time / ours; above 1 we are faster): {line}")
+            said = verdicts.ours_against(records, label)
+            if said:
+                lines.append(f"{said[0]} vs {label}{over} (its time / ours; above 1 we are faster): {said[1]}")
             corrected = verdicts.drift_corrected(records, label)  # a late row: its pass ran in other conditions
-            if line and corrected is not None:
-                print0(f"# our best vs {label}{over}, its times divided by its anchor's drift: "
-                       f"{verdicts.best_against(corrected, label)}")
+            if said and corrected is not None:
+                lines.append(f"{said[0]} vs {label}{over}, its times divided by its anchor's drift: "
+                             f"{verdicts.ours_against(corrected, label)[1]}")
+    for line in lines:
+        print0(f"# {line}")
+    return lines
