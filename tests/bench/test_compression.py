@@ -61,3 +61,42 @@ def test_the_training_table_at_one_rank_has_no_byte_ratio_and_does_not_fail():
     row = dict(compressor="none", error_feedback=False, test_acc=0.5, test_acc_sd=0.0, accs=[0.5], diverged=0,
                sent_bytes=0.0, delta_points=0.0, fewer_bytes=None, time_ratio=1.0)
     assert "| none | no | 50.00 ± 0.00 | +0.00 | 0 | - | 1.00 |" in train_table([row])
+
+
+def test_the_training_cells_are_warmed_up_then_timed_in_turned_rounds(monkeypatch):
+    """The cells ran in one fixed order, "none" always first, each seed's run timed whole: the data's first load
+    and torch's first calls landed on "none" (0.72 s against 0.04 s the same run again), and every "time vs none"
+    leaned the compressors' way. Each cell now has an untimed epoch, then rounds whose order turns."""
+    from mpi4py import MPI
+
+    from hpcjobs.bench import compression
+
+    calls = []
+
+    def train(cfg, comm):
+        calls.append((cfg.compression, cfg.error_feedback, cfg.seed, cfg.epochs))
+        return [dict(test_acc=0.5, loss=1.0, sent_bytes=10.0)] * cfg.epochs
+
+    monkeypatch.setattr(compression, "train", train)
+    rows = compression.train_rows(MPI.COMM_SELF, ["bf16"], "mlp", 100, 3, 8, 0.01, seeds=3)
+    cells = [("none", False), ("bf16", False), ("bf16", True)]
+    assert calls[:3] == [(*c, 0, 1) for c in cells]  # the untimed epochs
+    assert [c[:3] for c in calls[3:]] == [(*c, s) for s, order in enumerate([cells, cells[1:] + cells[:1],
+                                                                           cells[2:] + cells[:2]]) for c in order]
+    assert all(c[3] == 3 for c in calls[3:])
+    assert [(r["compressor"], r["error_feedback"], r["accs"]) for r in rows] == [(*c, [0.5] * 3) for c in cells]
+
+
+def test_an_fp32_row_that_is_not_the_average_counts_as_differing():
+    """The fp32 rows were checked for agreement across ranks only: a ring that summed and did not divide
+    agreed on every rank and passed. Here it is made to sum; auto's row still averages."""
+    out = mpirun_script(2, """
+from mpi4py import MPI
+from hpcjobs.bench import compression
+plain = compression.counted_allreduce
+compression.counted_allreduce = lambda buf, op, *a: plain(buf, "sum", *a)
+rows = {r["compressor"]: r["differ"] for r in compression.tensor_rows(MPI.COMM_WORLD, [3000], ["fp16"], 2, "ring")}
+print("differ", rows["fp32 ring"], rows["fp32 auto"], rows["fp16"])
+""", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines().count("differ 2 0 0") == 2, out.stdout
