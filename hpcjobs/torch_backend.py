@@ -15,7 +15,9 @@ How it works:
    ``env://``, which wants ``MASTER_ADDR``. This backend needs no TCP
    store: where ``MASTER_ADDR`` is unset, the ``env://`` handler installed
    here takes rank and size from ``MPI_COMM_WORLD`` and gives torch a
-   process-local store (which nothing of ours reads). Where it is set,
+   process-local store (which nothing of ours reads; asked for a key only
+   another rank could set, as a Gloo side group's rendezvous does, it says
+   at once that MASTER_ADDR is needed). Where it is set,
    torch's own handler runs, so Gloo or NCCL groups beside ours keep working.
    Without ``MASTER_ADDR`` only this backend can start: ``init_process_group``
    with another (gloo, nccl, none named) raises ValueError at once saying
@@ -121,10 +123,86 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
                          "size from MPI, no store); gloo and nccl need MASTER_ADDR and MASTER_PORT (rank 0's host and "
                          "a free port there, e.g. mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500)")
     world = MPI.COMM_WORLD
-    store = dist.HashStore()
-    store.set_timeout(timeout)
+    store = _LocalStore()
+    _stores.append(store)  # torch holds the C++ side only: its calls find the Python methods while this lives
     yield store, world.Get_rank(), world.Get_size()
     raise RuntimeError("the hpcjobs env:// rendezvous cannot re-rendezvous")
+
+
+class _LocalStore(dist.Store):
+    """The store of a job started without ``MASTER_ADDR``: this process's
+    alone, which says so when asked for a key only another rank could have
+    set. A Gloo side group (``new_group(backend="gloo")``) or a ``get``
+    between ranks had waited on a process-local HashStore for its timeout,
+    30 minutes by default, and then failed naming a store key."""
+
+    def __init__(self):
+        super().__init__()
+        self._keys: dict[str, bytes] = {}
+
+    def _missing(self, keys) -> RuntimeError:
+        return RuntimeError(
+            f"the hpcjobs backend started without MASTER_ADDR, so torch's store is this process's alone, and "
+            f"{', '.join(map(repr, keys))} could only come from another rank: a gloo or nccl group "
+            "(new_group(backend=...)) or the store between ranks needs MASTER_ADDR and MASTER_PORT (rank 0's host "
+            "and a free port there, e.g. mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500)")
+
+    def set(self, key, value):
+        self._keys[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        if key not in self._keys:
+            raise self._missing([key])
+        return self._keys[key]
+
+    def add(self, key, value):
+        total = int(self._keys.get(key, b"0")) + value
+        self._keys[key] = str(total).encode()
+        return total
+
+    def compare_set(self, key, expected, desired):
+        current = self._keys.get(key)
+        if current == (expected if isinstance(expected, bytes) else str(expected).encode()) or (
+                current is None and not expected):
+            self._keys[key] = desired if isinstance(desired, bytes) else str(desired).encode()
+            return self._keys[key]
+        return current if current is not None else expected
+
+    def wait(self, keys, timeout=None):
+        missing = [k for k in keys if k not in self._keys]
+        if missing:
+            raise self._missing(missing)
+
+    def check(self, keys):
+        return all(k in self._keys for k in keys)
+
+    def delete_key(self, key):
+        return self._keys.pop(key, None) is not None
+
+    def num_keys(self):
+        return len(self._keys)
+
+    def set_timeout(self, timeout):
+        pass  # (nothing waits: a missing key is said at once)
+
+    def clone(self):
+        return self  # (Gloo takes a clone for its own threads: the same keys)
+
+    def multi_get(self, keys):
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys, values):
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def append(self, key, value):
+        self._keys[key] = self._keys.get(key, b"") + (value if isinstance(value, bytes) else str(value).encode())
+
+    def has_extended_api(self):
+        return True
+
+
+_stores: list = []
 
 
 def _backend_asked():

@@ -327,24 +327,42 @@ dist.init_process_group("cpu:hpcjobs")  # a device map of this backend alone nee
 x = torch.ones(2)
 dist.all_reduce(x)
 print("rank", MPI.COMM_WORLD.Get_rank(), "has", x.tolist(), flush=True)
+t0 = time.monotonic()
+try:  # a Gloo side group beside it (a ported script's CPU group) had waited on the local store for its timeout
+    dist.new_group(backend="gloo", timeout=timedelta(seconds=60))
+except RuntimeError as e:
+    print("rank", MPI.COMM_WORLD.Get_rank(), "side group refused in", round(time.monotonic() - t0), "s:",
+          str(e).replace("\\n", " "), flush=True)
+dist.all_reduce(x)  # the group goes on
+print("rank", MPI.COMM_WORLD.Get_rank(), "then has", x.tolist(), flush=True)
 """
 
 
 def test_gloo_without_master_addr_is_refused_at_once_saying_what_it_needs():
     """With the backend imported, env:// without MASTER_ADDR gives torch a
-    process-local store: a Gloo group waited on it for its timeout (30
-    minutes by default), then failed naming a store key."""
+    process-local store: a Gloo group, as the default group or beside ours,
+    waited on it for its timeout (30 minutes by default), then failed naming
+    a store key."""
     from launch import mpirun_script
 
     out = mpirun_script(2, _GLOO_WITHOUT_MASTER_ADDR, timeout=120, env={"MASTER_ADDR": ""})
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    lines = sorted(l for l in out.stdout.splitlines() if "refused" in l)
+    lines = sorted(l for l in out.stdout.splitlines() if " refused in " in l and "side group" not in l)
     assert len(lines) == 2, out.stdout
-    assert sorted(l for l in out.stdout.splitlines() if "has" in l) == [f"rank {r} has [2.0, 2.0]" for r in range(2)]
+    assert sorted(l for l in out.stdout.splitlines() if " has " in l and "then" not in l) == [
+        f"rank {r} has [2.0, 2.0]" for r in range(2)]
     for r, line in enumerate(lines):
         took = re.match(rf"rank {r} refused in (\d+) s: init_process_group\(backend='gloo'\) without MASTER_ADDR", line)
         assert took and int(took.group(1)) < 30, line  # not its 60 s timeout
         assert "gloo and nccl need MASTER_ADDR and MASTER_PORT" in line
+    side = sorted(l for l in out.stdout.splitlines() if "side group refused" in l)
+    assert len(side) == 2, out.stdout
+    for r, line in enumerate(side):
+        took = re.match(rf"rank {r} side group refused in (\d+) s: .*the hpcjobs backend started without "
+                        r"MASTER_ADDR, so torch's store is this process's alone", line)
+        assert took and int(took.group(1)) < 30 and "needs MASTER_ADDR and MASTER_PORT" in line, line
+    assert sorted(l for l in out.stdout.splitlines() if "then has" in l) == [
+        f"rank {r} then has [4.0, 4.0]" for r in range(2)]
 
 
 _SUBGROUP_DDP = """
