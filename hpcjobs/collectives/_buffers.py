@@ -57,6 +57,7 @@ _NUMPY_DTYPES = {
     "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
 }
 DTYPES = tuple(_NUMPY_DTYPES) + ("bfloat16",)
+_NUMPY_OF = {name: np.dtype(name) for name in _NUMPY_DTYPES}
 # Keyed by the dtype object: numpy computes dtype.name in Python, slowly, and
 # this lookup runs on every collective call. Native byte order only.
 _BY_DTYPE = {np.dtype(name): name for name in _NUMPY_DTYPES}
@@ -173,21 +174,47 @@ def _flat_from_torch(t) -> Flat:
                          "t.contiguous() and copy the result back (t.copy_(...)): a copy is reduced, not t")
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        data = t.view(torch.int16).numpy().reshape(-1).view(np.uint16)
+        data = _numpy_view(t, _NUMPY_OF["uint16"])
         if not data.flags.aligned:
             raise ValueError(_UNALIGNED)
         return Flat(data, data, "bfloat16")
     name = str(t.dtype).removeprefix("torch.")
     if name not in _NUMPY_DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
-    try:
-        data = t.numpy().reshape(-1)
-    except RuntimeError as e:  # a negative or conjugate view, a wrapped tensor: this rank's own, said on every rank
-        raise ValueError(f"the tensor does not give its memory to numpy ({e}); pass t.resolve_neg() or "
-                         "t.resolve_conj(), or a plain copy") from None
+    data = _numpy_view(t, _NUMPY_OF[name])
     if not data.flags.aligned:
         raise ValueError(_UNALIGNED)
     return Flat(data, None, name)
+
+
+class _Memory:
+    """A contiguous CPU tensor's memory as numpy sees it (``__array_interface__``),
+    holding the tensor while a view of it lives."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+
+def _numpy_view(t, dtype) -> np.ndarray:
+    """A 1-D numpy view of contiguous CPU tensor ``t``'s memory as ``dtype``
+    (its width). Not ``t.numpy()``: torch marks the storage of a tensor it
+    gives numpy as never to be resized again, and a tensor that had been
+    through one collective could no longer be ``resize_``d, nor its storage
+    freed with ``untyped_storage().resize_(0)`` as sharded training does."""
+    if t.is_neg() or t.is_conj():  # this rank's own: said on every rank by the agreement
+        raise ValueError("the tensor is a negative or conjugate view, whose memory holds other values; pass "
+                         "t.resolve_neg() or t.resolve_conj(), or a plain copy")
+    if type(t) is not _torch_tensor():  # (detached: a Parameter is a Tensor) a fake or wrapped tensor, a subclass
+        raise ValueError(f"the tensor is a {type(t).__name__}, not a plain torch.Tensor with memory of its own; "
+                         "pass a plain copy")
+    memory = _Memory()
+    memory.tensor = t
+    memory.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),), "version": 3,
+                                  "typestr": dtype.str}
+    return np.asarray(memory)
+
+
+def _torch_tensor():
+    return sys.modules["torch"].Tensor
 
 
 def check_op(op: str) -> str:

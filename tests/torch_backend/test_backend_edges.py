@@ -141,3 +141,25 @@ def test_calls_the_ranks_disagree_on_fail_on_every_rank(pg):
     t = torch.ones(3)
     pg.reduce([t], _opts("ReduceOptions", rootRank=0)).wait()
     assert t.tolist() == ([p] * 3 if r == 0 else [1.0] * 3)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_tensor_through_a_call_can_still_be_resized_and_its_storage_freed(pg):
+    """torch marks the storage of a tensor it hands numpy (``t.numpy()``) as never to be resized: after one
+    call, ``t.resize_`` and ``t.untyped_storage().resize_(0)`` (how sharded training frees a gathered
+    parameter) raised "Trying to resize storage that is not resizable", where Gloo's calls leave it."""
+    from hpcjobs.collectives import allreduce
+
+    t = torch.ones(3)
+    pg.allreduce([t]).wait()
+    pg.broadcast([t], _opts("BroadcastOptions", rootRank=0)).wait()
+    t.resize_(5)
+    t.fill_(1.0)
+    pg.allreduce([t]).wait()
+    assert t.tolist() == [pg.size()] * 5
+    u = torch.ones(4, dtype=torch.bfloat16)
+    allreduce(u, op="sum")
+    assert u.tolist() == [pg.size()] * 4
+    for x in (t, u):
+        x.untyped_storage().resize_(0)
+        assert x.untyped_storage().nbytes() == 0
