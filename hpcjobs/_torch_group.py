@@ -115,10 +115,11 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             self._queue.put((run, fut, result, what))
         return _Work(fut)
 
-    def _submit_requests(self, post, result, tensors=(), finish=None) -> dist.Work:
+    def _submit_requests(self, post, result, tensors=(), finish=None, statuses=None) -> dist.Work:
         """Queue ``post`` (it starts nonblocking MPI requests and returns them)
         in order with the collectives; the Work completes when the requests
-        have, then ``finish()``, waited for on a thread of its own. Blocking
+        have (their ``statuses`` filled, where given), then ``finish()``,
+        waited for on a thread of its own. Blocking
         there instead would let a queued isend hold the worker while the
         matching irecv waits behind it: an exchange both ways deadlocked."""
         what = f"torch.distributed {sys._getframe(1).f_code.co_name} (hpcjobs backend)"
@@ -129,7 +130,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
         fut: Future = Future()
 
         def complete(reqs):
-            MPI.Request.Waitall(reqs)
+            MPI.Request.Waitall(reqs, statuses)
             if finish is not None:
                 with torch.cuda.device(next(iter(devices))) if len(devices) == 1 else contextlib.nullcontext():
                     finish()

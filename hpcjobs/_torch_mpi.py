@@ -90,6 +90,17 @@ class _Work(dist._Work):
         self.wait()
         return self._fut.value()
 
+    source = None  # a receive from any source: () -> the rank it came from
+
+    def _source_rank(self) -> int:
+        """The rank a receive from any source came from, once it is done (``dist.recv`` reads it)."""
+        if self.source is None:
+            raise ValueError("_source_rank: this Work is not a receive from any source")
+        self.wait()
+        return self.source()
+
+    source_rank = _source_rank
+
 
 def future_value(fut: Future):
     """A future's value, as a callback: ``fut.then(future_value)`` makes DDP
@@ -213,4 +224,19 @@ class MPIOps:
         return self._submit_requests(post, tensors, tensors, finish)
 
     def recv_anysource(self, tensors, tag: int):
-        raise NotImplementedError("the hpcjobs backend does not implement recv from any source; name the source")
+        """``dist.recv(t)`` without ``src``: from whichever rank sends first;
+        the Work's ``_source_rank()`` names it (it had raised on this rank
+        alone, and the sender's message went to the next receive)."""
+        works, statuses = [], []
+
+        def post():
+            works.extend(_cpu(t) for t in tensors)
+            statuses.extend(MPI.Status() for _ in works)
+            return [self._comm.Irecv(_host(w), source=MPI.ANY_SOURCE, tag=tag) for w in works]
+
+        def finish():
+            for t, work in zip(tensors, works):
+                _into(t, work)
+        work = self._submit_requests(post, tensors, tensors, finish, statuses)
+        work.source = lambda: statuses[0].Get_source()
+        return work

@@ -105,6 +105,16 @@ if r == P - 1:
     x = torch.zeros(3)
     dist.recv(x, src=0)
     assert x.tolist() == [0, 1, 2]
+# a receive from any source returns the rank it came from (it had raised on the receiver alone)
+if P > 1 and r > 0:
+    dist.send(full(float(r), 2), dst=0, tag=7)
+elif P > 1:
+    got = {}
+    for _ in range(P - 1):
+        x = torch.zeros(2)
+        source = dist.recv(x, tag=7)
+        got[source] = x.tolist()
+    assert got == {q: [float(q)] * 2 for q in range(1, P)}, got
 req = dist.isend(full(float(r), 1), dst=(r + 1) % P)
 x = torch.zeros(1)
 dist.irecv(x, src=(r - 1) % P).wait()

@@ -508,8 +508,8 @@ def test_bitwise_reductions_of_floats_are_refused(pg):
 def test_unimplemented_calls_say_so(pg):
     with pytest.raises(NotImplementedError, match="allgather_coalesced"):
         pg.allgather_coalesced([], [])
-    with pytest.raises(NotImplementedError, match="recv from any source"):
-        pg.recv_anysource([torch.zeros(1)], 0)
+    with pytest.raises(ValueError, match="not a receive from any source"):
+        pg.allreduce([torch.zeros(1)])._source_rank()
 
 
 @pytest.mark.mpi(min_size=1)
