@@ -375,15 +375,6 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def gather(self, output_lists, input_tensors, opts):
-        root = opts.rootRank
-
-        def run():  # an allgather that only the root keeps
-            inp = input_tensors[0]
-            outs = list(output_lists[0]) if self.rank() == root else [torch.empty_like(inp) for _ in range(self.size())]
-            self._allgather_into(outs, inp)
-        return self._submit(run, output_lists, [*input_tensors])
-
 
 def _refuse(name: str):
     def refuse(self, *args, **kwargs):

@@ -130,6 +130,39 @@ class MPIOps:
             _into(out, work)
         return self._submit(run, output_tensors, [*output_tensors])
 
+    def gather(self, output_lists, input_tensors, opts):
+        """MPI_Gatherv to the root, the ranks' sizes as they are (it had been
+        an allgather that only the root kept: every rank held every rank's
+        tensor, and a ``dst`` the ranks disagreed on passed)."""
+        root = opts.rootRank
+
+        def run():
+            inp = input_tensors[0]
+            outs = list(output_lists[0]) if self.rank() == root else []
+
+            def check():
+                if self.rank() == root and len(outs) != self.size():
+                    raise ValueError(f"gather: the root has {len(outs)} output tensors for {self.size()} ranks")
+                if self.rank() == root and any(o.dtype != inp.dtype for o in outs):
+                    raise TypeError(f"gather: the root's outputs and its input differ in dtype ({inp.dtype})")
+            self._agree("gather", check, dtype=str(inp.dtype), root=root)
+            counts = self._comm.allgather(inp.numel())
+            problem = None
+            if self.rank() == root and [o.numel() for o in outs] != counts:
+                problem = (f"gather: the root's output tensors hold {[o.numel() for o in outs]} elements, the "
+                           f"ranks' inputs {counts}")
+            problem = self._comm.bcast(problem, root=root)
+            if problem:
+                raise ValueError(problem)
+            got = torch.empty(sum(counts) if self.rank() == root else 0, dtype=inp.dtype)
+            self._comm.Gatherv(_host(_cpu(inp).reshape(-1)), [_host(got), counts] if self.rank() == root else None,
+                               root=root)
+            offset = 0
+            for o, n in zip(outs, counts):
+                o.copy_(got[offset:offset + n].view_as(o))
+                offset += n
+        return self._submit(run, output_lists, [*input_tensors, *(output_lists[0] if output_lists else [])])
+
     def broadcast(self, tensors, opts):
         root = opts.rootRank
 
