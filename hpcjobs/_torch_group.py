@@ -28,6 +28,12 @@ _BITWISE = {ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.B
 _UNSUPPORTED = ("allgather_coalesced", "monitored_barrier", "split_group", "merge_remote_group")
 
 
+def _op_name(op) -> str:
+    """An op as hpcjobs' collectives name it in their agreement ("sum", "bor"): a rank's SUM there against
+    another's BOR here read "op differs: sum; RedOpType.BOR", and "int32; torch.int32" for one dtype."""
+    return _OPS.get(op) or str(op).rsplit(".", 1)[-1].lower()
+
+
 def _op_code(opts) -> object:
     if opts is None:
         return ReduceOp.SUM
@@ -216,14 +222,14 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             def check():
                 if op == ReduceOp.AVG:
                     raise NotImplementedError("all_reduce of bool tensors with AVG: there is no bool average")
-            self._agree("allreduce", check, dtype="torch.bool", op=str(op))
+            self._agree("allreduce", check, dtype="bool", op=_op_name(op))  # (spelt as the collectives spell them)
             op = {ReduceOp.SUM: ReduceOp.MAX, ReduceOp.PRODUCT: ReduceOp.MIN}.get(op, op)
             t = t.view(torch.uint8)
         if op in _BITWISE:
             def bits():  # on a float's bits they give nonsense; Gloo refuses them too
                 if t.dtype.is_floating_point or t.dtype.is_complex:
                     raise TypeError(f"all_reduce with {op}: bitwise, for integer and bool tensors, not {t.dtype}")
-            self._agree("allreduce", bits, count=t.numel(), dtype=str(t.dtype), op=str(op))
+            self._agree("allreduce", bits, count=t.numel(), dtype=str(t.dtype).removeprefix("torch."), op=_op_name(op))
             work = _cpu(t)
             self._comm.Allreduce(MPI.IN_PLACE, _host(work), op=_BITWISE[op])
             _into(t, work)

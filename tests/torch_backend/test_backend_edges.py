@@ -4,6 +4,8 @@ forever), a hook's error as DDP shows it, a hook made by hand, fused
 residuals after DDP rebuilds its buckets, a copy into a Parameter under
 no_grad, Work.result(), and calls the ranks disagree on."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,3 +187,15 @@ def test_gather_sends_to_the_root_alone_and_refuses_roots_the_ranks_disagree_on(
     t = torch.ones(2)
     pg.allreduce([t]).wait()  # the group goes on
     assert t.tolist() == [p] * 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bitwise_reduction_against_a_sum_names_the_ops_as_the_collectives_do(pg):
+    """A rank's SUM (through the collectives) against another's BOR (on MPI) said "dtype differs: rank 0:
+    int32; rank 1: torch.int32" for one dtype, and "op differs: sum; RedOpType.BOR"."""
+    r = pg.rank()
+    op = dist.ReduceOp.BOR if r == 1 else dist.ReduceOp.SUM
+    with pytest.raises(MismatchError) as caught:
+        pg.allreduce([torch.ones(4, dtype=torch.int32)], _opts("AllreduceOptions", reduceOp=op)).wait()
+    said = str(caught.value)
+    assert re.search(r"op differs: ranks? 0[,\d]*: sum; rank 1: bor", said) and "dtype differs" not in said, said
