@@ -174,14 +174,14 @@ def _flat_from_torch(t) -> Flat:
                          "t.contiguous() and copy the result back (t.copy_(...)): a copy is reduced, not t")
     t = t.detach()
     if t.dtype == torch.bfloat16:
-        data = _numpy_view(t, _NUMPY_OF["uint16"])
+        data = numpy_view(t, _NUMPY_OF["uint16"])
         if not data.flags.aligned:
             raise ValueError(_UNALIGNED)
         return Flat(data, data, "bfloat16")
     name = str(t.dtype).removeprefix("torch.")
     if name not in _NUMPY_DTYPES:
         raise TypeError(f"unsupported dtype {t.dtype}; supported: {', '.join(DTYPES)}")
-    data = _numpy_view(t, _NUMPY_OF[name])
+    data = numpy_view(t, _NUMPY_OF[name])
     if not data.flags.aligned:
         raise ValueError(_UNALIGNED)
     return Flat(data, None, name)
@@ -194,27 +194,34 @@ class _Memory:
     __slots__ = ("__array_interface__", "tensor")
 
 
-def _numpy_view(t, dtype) -> np.ndarray:
-    """A 1-D numpy view of contiguous CPU tensor ``t``'s memory as ``dtype``
-    (its width). Not ``t.numpy()``: torch marks the storage of a tensor it
-    gives numpy as never to be resized again, and a tensor that had been
-    through one collective could no longer be ``resize_``d, nor its storage
-    freed with ``untyped_storage().resize_(0)`` as sharded training does."""
-    if t.is_neg() or t.is_conj():  # this rank's own: said on every rank by the agreement
+def numpy_view(t, dtype) -> np.ndarray:
+    """A 1-D numpy view of contiguous CPU tensor ``t``'s memory as numpy
+    ``dtype`` (its width). Not ``t.numpy()``: torch marks the storage of a
+    tensor it gives numpy as never to be resized again, and a tensor that had
+    been through one collective could no longer be ``resize_``d, nor its
+    storage freed with ``untyped_storage().resize_(0)`` as sharded training
+    does. ValueError (which the agreement says on every rank) where ``t`` has
+    no memory of its own to give."""
+    torch = sys.modules["torch"]
+    if t.is_neg() or t.is_conj():
         raise ValueError("the tensor is a negative or conjugate view, whose memory holds other values; pass "
                          "t.resolve_neg() or t.resolve_conj(), or a plain copy")
-    if type(t) is not _torch_tensor():  # (detached: a Parameter is a Tensor) a fake or wrapped tensor, a subclass
-        raise ValueError(f"the tensor is a {type(t).__name__}, not a plain torch.Tensor with memory of its own; "
-                         "pass a plain copy")
+    if type(t) is not torch.Tensor:  # (detached, a Parameter is one)
+        if getattr(type(t), "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+            raise ValueError(f"the tensor is a {type(t).__name__}, whose memory is not its values (a fake or "
+                             "wrapped tensor); pass a plain copy")
+        t = t.as_subclass(torch.Tensor)  # a plain subclass: its memory is its values
+    try:
+        address = t.data_ptr()
+    except RuntimeError as e:  # functorch's wrapped tensors (grad, vmap): raised on this rank alone
+        raise ValueError(f"the tensor does not give its memory ({e}); pass a plain copy") from None
+    if not address and t.numel():  # (a ZeroTensor)
+        raise ValueError("the tensor has no memory of its own; pass a plain copy")
     memory = _Memory()
     memory.tensor = t
-    memory.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),), "version": 3,
+    memory.__array_interface__ = {"data": (address, False), "shape": (t.numel(),), "version": 3,
                                   "typestr": dtype.str}
     return np.asarray(memory)
-
-
-def _torch_tensor():
-    return sys.modules["torch"].Tensor
 
 
 def check_op(op: str) -> str:

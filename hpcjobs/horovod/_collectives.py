@@ -43,6 +43,7 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import allreduce as allreduce_, chunk_bounds, ring_allgatherv, ring_reduce_scatter
+from ..collectives._buffers import numpy_view
 from ..collectives.agreement import raise_if_any
 from ..collectives.watchdog import guard
 from ._state import OPS, Average
@@ -84,8 +85,9 @@ def dense(tensors, contiguous: bool = False, min_dim: int = 0) -> None:
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The memory of the contiguous CPU tensor ``t`` as uint8 (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    """The memory of the contiguous CPU tensor ``t`` as uint8 (no copy; the
+    storage stays resizable, as with Horovod: ``t.numpy()`` marks it not)."""
+    return numpy_view(t.detach().reshape(-1).view(torch.uint8), np.dtype(np.uint8))
 
 
 def _tensor(raw: np.ndarray, like: torch.Tensor, rows: int) -> torch.Tensor:

@@ -82,6 +82,22 @@ def test_a_bad_buffer_on_one_rank_is_an_error_on_every_rank():
     # torch refuses numpy() on a negative view (RuntimeError): raised on rank 1 alone, the others waited
     arg = t.reshape(-1)._neg_view() if comm.Get_rank() == 1 else t.reshape(-1)
     _raises_everywhere(lambda: ring_allreduce(arg, comm=comm), comm, "rank 1: ValueError", "resolve_neg")
+    # inside torch.func.grad rank 0's tensor is functorch's, with no storage: data_ptr's RuntimeError was raised
+    # on rank 0 alone (since numpy views are made from the memory, not t.numpy())
+    from torch.func import grad
+
+    def reduced(x):
+        _raises_everywhere(lambda: ring_allreduce(x, comm=comm), comm, "ValueError", "does not give its memory")
+        return x.sum()
+    if comm.Get_rank() == 0:
+        grad(reduced)(torch.ones(4))
+    else:
+        reduced(torch.ones(4))
+    # a plain subclass of torch.Tensor has its memory as its values: reduced, as t.numpy() allowed it
+    mine = type("Mine", (torch.Tensor,), {})
+    sub = torch.ones(3).as_subclass(mine)
+    ring_allreduce(sub, comm=comm)
+    assert sub.as_subclass(torch.Tensor).tolist() == [comm.Get_size()] * 3
     # unaligned on rank 0 (mpi4py's KeyError in its first send, the others waiting in theirs)
     raw = np.frombuffer(bytearray(8 * 6 + 1), dtype=np.float64, offset=1, count=6)
     _raises_everywhere(lambda: ring_allreduce(raw if comm.Get_rank() == 0 else np.ones(6), comm=comm), comm,

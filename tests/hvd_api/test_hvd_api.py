@@ -523,3 +523,17 @@ def test_horovod_fusion_threshold_sets_the_bucket_size(monkeypatch):
     with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a number of bytes"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                  named_parameters=model.named_parameters())
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_tensor_broadcast_or_gathered_can_still_be_resized():
+    """The door's byte views were t.numpy(), which marks a storage as never to be resized: after
+    hvd.broadcast_ or broadcast_parameters a resize_ raised, where real Horovod leaves it."""
+    t = torch.full((3,), float(hvd.rank()))
+    hvd.broadcast_(t, root_rank=0)
+    hvd.allgather(t)
+    model = torch.nn.Linear(2, 2)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x in (t, model.weight.data):
+        x.resize_(7)
+        x.untyped_storage().resize_(0)
