@@ -123,6 +123,11 @@ def _env_rendezvous(url: str, timeout: timedelta = timedelta(minutes=30), **kwar
                          "size from MPI, no store); gloo and nccl need MASTER_ADDR and MASTER_PORT (rank 0's host and "
                          "a free port there, e.g. mpirun -x MASTER_ADDR=$(hostname) -x MASTER_PORT=29500)")
     world = MPI.COMM_WORLD
+    if world.Get_size() > 1 and os.environ.get("TORCH_DIST_INIT_BARRIER", "0") not in ("", "0"):
+        # (its barrier waits on torch's store for keys from the other ranks: it spun a core for the timeout)
+        raise ValueError("TORCH_DIST_INIT_BARRIER asks for a barrier on torch's store, and without MASTER_ADDR the "
+                         "hpcjobs backend's store is each process's alone: unset it (the ranks meet over MPI), or "
+                         "set MASTER_ADDR and MASTER_PORT")
     store = _LocalStore()
     _stores.append(store)  # torch holds the C++ side only: its calls find the Python methods while this lives
     yield store, world.Get_rank(), world.Get_size()
@@ -200,6 +205,14 @@ class _LocalStore(dist.Store):
 
     def has_extended_api(self):
         return True
+
+    def list_keys(self):
+        return list(self._keys)
+
+    # torch's C++ side looks these two up by its own names
+    getNumKeys = num_keys  # noqa: N815
+    deleteKey = delete_key  # noqa: N815
+    listKeys = list_keys  # noqa: N815
 
 
 _stores: list = []

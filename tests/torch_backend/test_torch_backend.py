@@ -335,6 +335,10 @@ except RuntimeError as e:
           str(e).replace("\\n", " "), flush=True)
 dist.all_reduce(x)  # the group goes on
 print("rank", MPI.COMM_WORLD.Get_rank(), "then has", x.tolist(), flush=True)
+store = dist.distributed_c10d._get_default_store()  # torch's C++ asks it by its own names (getNumKeys, deleteKey)
+store.set("k", "v")
+print("rank", MPI.COMM_WORLD.Get_rank(), "store", store.num_keys() >= 1, store.delete_key("k"), store.check(["k"]),
+      flush=True)
 """
 
 
@@ -363,6 +367,26 @@ def test_gloo_without_master_addr_is_refused_at_once_saying_what_it_needs():
         assert took and int(took.group(1)) < 30 and "needs MASTER_ADDR and MASTER_PORT" in line, line
     assert sorted(l for l in out.stdout.splitlines() if "then has" in l) == [
         f"rank {r} then has [4.0, 4.0]" for r in range(2)]
+    assert sorted(l for l in out.stdout.splitlines() if " store True" in l) == [
+        f"rank {r} store True True False" for r in range(2)]
+
+
+def test_torchs_init_barrier_without_master_addr_is_refused_at_once():
+    """TORCH_DIST_INIT_BARRIER=1 waits on torch's store for keys from the other ranks: the local store said
+    they were missing, torch's barrier caught that and tried again, a core spinning for the timeout."""
+    from launch import mpirun_script
+
+    script = ("import time, datetime\nimport torch.distributed as dist\nimport hpcjobs.torch_backend\n"
+              "from mpi4py import MPI\nt0 = time.monotonic()\ntry:\n"
+              "    dist.init_process_group('hpcjobs', timeout=datetime.timedelta(seconds=60))\n"
+              "except ValueError as e:\n"
+              "    print('rank', MPI.COMM_WORLD.Get_rank(), 'refused in', round(time.monotonic() - t0), e)\n")
+    out = mpirun_script(2, script, timeout=120, env={"MASTER_ADDR": "", "TORCH_DIST_INIT_BARRIER": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = sorted(l for l in out.stdout.splitlines() if "refused in" in l)
+    assert [l.split(" refused")[0] for l in lines] == ["rank 0", "rank 1"], out.stdout
+    assert all(int(l.split()[4]) < 30 and "TORCH_DIST_INIT_BARRIER asks for a barrier on torch's store" in l
+               for l in lines), lines
 
 
 _SUBGROUP_DDP = """
