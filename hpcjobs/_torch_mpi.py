@@ -140,15 +140,14 @@ class MPIOps:
             inp = input_tensors[0]
             outs = list(output_lists[0]) if self.rank() == root else []
 
-            def check():
-                if self.rank() == root and len(outs) != self.size():
-                    raise ValueError(f"gather: the root has {len(outs)} output tensors for {self.size()} ranks")
-                if self.rank() == root and any(o.dtype != inp.dtype for o in outs):
-                    raise TypeError(f"gather: the root's outputs and its input differ in dtype ({inp.dtype})")
-            self._agree("gather", check, dtype=str(inp.dtype), root=root)
+            self._agree("gather", dtype=str(inp.dtype).removeprefix("torch."), root=root)
             counts = self._comm.allgather(inp.numel())
-            problem = None
-            if self.rank() == root and [o.numel() for o in outs] != counts:
+            problem = None  # the root's alone, said on every rank (with the checks off too)
+            if self.rank() == root and len(outs) != self.size():
+                problem = f"gather: the root has {len(outs)} output tensors for {self.size()} ranks"
+            elif self.rank() == root and any(o.dtype != inp.dtype for o in outs):
+                problem = f"gather: the root's outputs and its input differ in dtype ({inp.dtype})"
+            elif self.rank() == root and [o.numel() for o in outs] != counts:
                 problem = (f"gather: the root's output tensors hold {[o.numel() for o in outs]} elements, the "
                            f"ranks' inputs {counts}")
             problem = self._comm.bcast(problem, root=root)
