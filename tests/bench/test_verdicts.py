@@ -73,3 +73,10 @@ def test_a_late_rows_times_are_corrected_by_its_anchors_drift():
     assert ours_against(drift_corrected(records, "horovod"), "horovod")[1] == \
         "2.00x at 8, 0.60x at 1M; faster at 1, slower at 1, within 10% at 0 of 2 sizes"
     assert drift_corrected(records, "mpi") is None  # no anchor: nothing to correct
+
+
+def test_a_size_where_auto_was_wrong_is_left_out_not_given_our_best():
+    wrong_auto = Record(8, 2, "float32", "sum", "auto", 2, 10, 1.0, 0.0, 0.0, 3)
+    records = [rec(8, "ring", 2), rec(8, "tree", 1), wrong_auto, rec(8, "mpi", 4),
+               rec(64, "ring", 10), rec(64, "auto", 10), rec(64, "mpi", 5)]
+    assert ours_against(records, "mpi") == ("auto", "0.50x at 64; faster at 0, slower at 1, within 10% at 0 of 1 sizes")
