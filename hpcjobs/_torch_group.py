@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from .collectives.agreement import agree_or_raise
 from .collectives.watchdog import guard
-from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _same_shapes, _Work
+from ._torch_mpi import MPIOps, _bytes, _cpu, _host, _into, _multiple, _real, _same_shapes, _Work
 from .comm import closed_at_exit, private, setting
 
 BACKEND = "hpcjobs"
@@ -29,8 +29,7 @@ _UNSUPPORTED = ("allgather_coalesced", "monitored_barrier", "split_group", "merg
 
 
 def _op_name(op) -> str:
-    """An op as hpcjobs' collectives name it in their agreement ("sum", "bor"): a rank's SUM there against
-    another's BOR here read "op differs: sum; RedOpType.BOR", and "int32; torch.int32" for one dtype."""
+    """An op as the collectives' agreement names it ("sum", "bor"; it had read "sum; RedOpType.BOR")."""
     return _OPS.get(op) or str(op).rsplit(".", 1)[-1].lower()
 
 
@@ -267,6 +266,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             # ranks' tensors are left as they were (the root agreed first: a rank naming another kept the sum)
             self._agree("reduce", root=root)
             for t in tensors:
+                t = _real(t, op)
                 keep = None if self.rank() == root else t.detach().clone()
                 self._allreduce_one(t, op)
                 if keep is not None:
@@ -275,6 +275,9 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
 
     def _reduce_scatter_flat(self, out: torch.Tensor, flat: torch.Tensor, op) -> None:
         from .collectives import ring_reduce_scatter
+
+        if flat.is_complex() and out.is_complex():
+            flat, out = _real(flat, op).reshape(-1), _real(out, op)
 
         def check():
             if flat.numel() != out.numel() * self.size():

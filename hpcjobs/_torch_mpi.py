@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from torch.distributed import ReduceOp
 from torch.futures import Future
 
 from .collectives._buffers import as_flat
@@ -26,6 +27,12 @@ def _host(t: torch.Tensor) -> np.ndarray:
     """The bytes MPI moves for a contiguous CPU tensor: the collectives'
     wire view (bfloat16 and bool too), without a copy."""
     return as_flat(_bytes(t)).wire
+
+
+def _real(t: torch.Tensor, op) -> torch.Tensor:
+    """A complex tensor as its real pairs where ``op`` sums them (as torch's all_reduce hands them to a backend;
+    its reduce and reduce_scatter do not, and Gloo takes them); else ``t``."""
+    return torch.view_as_real(t) if t.is_complex() and op in (ReduceOp.SUM, ReduceOp.AVG) else t
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -199,3 +199,17 @@ def test_a_bitwise_reduction_against_a_sum_names_the_ops_as_the_collectives_do(p
         pg.allreduce([torch.ones(4, dtype=torch.int32)], _opts("AllreduceOptions", reduceOp=op)).wait()
     said = str(caught.value)
     assert re.search(r"op differs: ranks? 0[,\d]*: sum; rank 1: bor", said) and "dtype differs" not in said, said
+
+
+@pytest.mark.mpi(min_size=1)
+def test_complex_tensors_are_summed_by_reduce_and_reduce_scatter_as_by_all_reduce(pg):
+    """torch's all_reduce hands a complex tensor to the backend as its real pairs; its reduce and reduce_scatter
+    hand it whole, and the backend refused it (Gloo sums it)."""
+    r, p = pg.rank(), pg.size()
+    z = torch.full((3,), complex(r, 1), dtype=torch.complex64)
+    pg.reduce([z], _opts("ReduceOptions", rootRank=0)).wait()
+    assert z.tolist() == ([complex(p * (p - 1) / 2, p)] * 3 if r == 0 else [complex(r, 1)] * 3)
+    out = torch.zeros(2, dtype=torch.complex128)
+    inp = torch.tensor([complex(q, r) for q in range(2 * p)], dtype=torch.complex128)
+    pg.reduce_scatter_single(out, inp, _opts("ReduceScatterOptions", reduceOp=dist.ReduceOp.AVG)).wait()
+    assert out.tolist() == [complex(2 * r + i, (p - 1) / 2) for i in range(2)]
