@@ -4,11 +4,13 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 import sys
 
 import pytest
 
-from launch import _mpirun_prefix, hpcjobs as _hpcjobs, hpcjobs_here, launch_env, mpirun as _mpirun, mpirun_script, run
+from launch import (_mpirun_prefix, clean_env, hpcjobs as _hpcjobs, hpcjobs_here, launch_env, mpirun as _mpirun,
+                    mpirun_script, run)
 from hpcjobs.collectives import ALGORITHMS
 from hpcjobs.collectives.auto import DEFAULT_TABLE
 from hpcjobs.comm import SETTINGS, install
@@ -444,3 +446,14 @@ def test_a_dash_for_an_output_directory_is_refused_before_anything_is_measured(t
     out = _mpirun(2, "bench", "allreduce", "-e", "64", "--out", "-")
     assert out.returncode == 2 and '--out -: would be a directory named "-" here' in out.stderr, out.stderr
     assert list(tmp_path.iterdir()) == [] and "size(B)" not in out.stdout
+
+
+def test_a_command_run_without_mpirun_starts_mpi_with_no_shared_memory_file():
+    """Open MPI 5 left a 16 MiB /dev/shm/sm_segment.* file behind every singleton start (open-mpi/ompi#13261):
+    a command run without mpirun starts with the loopback transport alone (a launched rank keeps its own, as
+    every mpirun test here shows). Asked of the process's own mappings: another job's files may come and go."""
+    maps = "any('/sm_segment.' in line for line in open('/proc/self/maps'))"
+    code = (f"import os, hpcjobs.cli as cli\ncli._start_mpi()\nprint({maps}, 'OMPI_MCA_btl' in os.environ)\n"
+            f"from mpi4py import MPI\nprint(MPI.COMM_WORLD.Get_size())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 0 and out.stdout.split() == ["False", "False", "1"], out.stdout + out.stderr

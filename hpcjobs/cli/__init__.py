@@ -288,9 +288,32 @@ def _shared_settings(args) -> dict:
     return shared_settings() | {"HPCJOBS_RANKS_PER_NODE": "unset" if nodes is None else nodes}
 
 
+# Set by a launcher (mpirun, srun with PMIx or PMI-2): without one the process is MPI's singleton
+_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE")
+
+
+def _start_mpi() -> None:
+    """Start MPI. A singleton (a command run without mpirun) starts it with
+    Open MPI's loopback transport alone, unless the user set ``OMPI_MCA_btl``:
+    Open MPI 5's shared-memory transport left a 16 MiB file in /dev/shm
+    behind every such run (open-mpi/ompi#13261; 1,262 of them had piled up
+    on this project's machine), and one process has no peer to reach. Set for
+    the start only: a job this command launches gets the user's environment."""
+    alone = not ("mpi4py.MPI" in sys.modules or "OMPI_MCA_btl" in os.environ
+                 or any(v in os.environ for v in _LAUNCHED))
+    if alone:
+        os.environ["OMPI_MCA_btl"] = "self"
+    try:
+        import_module("mpi4py.MPI")  # MPI_Init, which reads the variable
+    finally:
+        if alone:
+            del os.environ["OMPI_MCA_btl"]
+
+
 def _run_ranks(command: Command, run, args, prog: str) -> int:
     """A command on every rank: the environment checked, the GPU bound, MPI
     started, then ``run``; errors mapped to exit codes."""
+    _start_mpi()
     problem, settings = None, {}
     try:
         from ..collectives import agreement, watchdog
