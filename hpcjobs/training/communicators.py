@@ -7,7 +7,9 @@ thread of their own during backward, and on one communicator their
 collectives met the other's: wrong averages that differed by rank, an
 IndexError, or a hang. So an optimizer made while another one not closed
 reduces on that communicator gets a duplicate of its own, which its
-``close()`` frees. Two threads in MPI at once need ``MPI_THREAD_MULTIPLE``;
+``close()`` frees; so does one that reduces on a thread (``overlap="thread"``),
+whose buckets had met a metric's average that the main thread ran on the
+same communicator between backward and ``step()``. Two threads in MPI at once need ``MPI_THREAD_MULTIPLE``;
 below it the second optimizer is refused (taking turns under a lock held
 across blocking collectives could deadlock: which thread takes it first
 differs by rank).
@@ -36,10 +38,13 @@ __all__ = ["communicator", "weakly", "serve", "dropped", "any_rank"]
 _LIVE: dict[int, weakref.WeakSet] = {}  # id of a private communicator -> the optimizers made on it
 
 
-def communicator(owner, comm: MPI.Comm | None) -> tuple[MPI.Comm, MPI.Intracomm, MPI.Comm | None]:
+def communicator(owner, comm: MPI.Comm | None, own: bool = False
+                 ) -> tuple[MPI.Comm, MPI.Intracomm, MPI.Comm | None]:
     """``(user communicator, private communicator, own duplicate or None)``
     for the optimizer ``owner`` (collective over ``comm``; None:
     COMM_WORLD). ``owner`` has a ``_closed`` flag, True once closed.
+    ``own``: a duplicate whatever else is live (a communication thread's,
+    beside the main thread's calls on the user's communicator).
 
     Raises:
         ValueError: another optimizer is live there and this MPI gives less
@@ -51,10 +56,10 @@ def communicator(owner, comm: MPI.Comm | None) -> tuple[MPI.Comm, MPI.Intracomm,
     if any(not o._closed for o in live):  # one dropped but not yet collected
         gc.collect()
     busy = comm.allreduce(any(not o._closed for o in live), op=MPI.LOR)
-    if not busy:
+    if not busy and not own:
         live.add(owner)
         return comm, shared, None
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+    if busy and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise ValueError("another DistributedOptimizer on this communicator is not closed, and two reducing at "
                          f"once need MPI_THREAD_MULTIPLE (this MPI gives level {MPI.Query_thread()}): close() the "
                          "other first")

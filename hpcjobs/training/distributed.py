@@ -47,9 +47,9 @@ compressor's state and the step count into checkpoints.
 
 BatchNorm statistics are not reduced: each rank normalises over its own b samples (Goyal et al. 2017).
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
-Optimizers alive at once reduce on communicators of their own (:mod:`~hpcjobs.training.communicators`).
-The communication thread needs ``MPI_THREAD_SERIALIZED`` or better (mpi4py asks for ``MULTIPLE``); the
-main thread makes no MPI call on this communicator between backward and ``step()``. With a lower thread
+Optimizers alive at once, and a communication thread, reduce on communicators of their own
+(:mod:`~hpcjobs.training.communicators`; ``close()`` frees them). The thread needs ``MPI_THREAD_SERIALIZED``
+or better (mpi4py asks for ``MULTIPLE``, which the main thread's calls beside it need). With a lower thread
 level, or a rank with less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one machine
 share its cores, emulated hosts and containers included), ``overlap="auto"`` chooses ``"none"``.
 """
@@ -69,6 +69,7 @@ from mpi4py import MPI
 
 from ..collectives import ALGORITHMS, MESSAGE_ALGORITHMS, allreduce
 from ..collectives.counting import counted_allreduce
+from ..comm import private
 from ..compression import Compressor, ErrorFeedback, compressed_allreduce
 from ..runtime import cores_per_rank
 from .buckets import EDITED, STRAY, Bucket, changed_grads, check_layout, layout, listed, stray_grads
@@ -108,11 +109,9 @@ class DistributedOptimizer(OptimizerState):
             rank 0 naming the parameters) or "abort" (raise
             :class:`NonFiniteGradientError` naming them). The averages are
             bitwise the same on every rank, so every rank decides alike.
-        overlap: "thread" (reduce buckets during backward on a communication
-            thread), "none" (reduce in ``step()``), or "auto": the thread when
-            the MPI thread level allows it and this rank may use two or more
-            cores; with one core the thread only competes with backward for
-            it (``hpcjobs bench train``: "none" was 1.18x faster there).
+        overlap: "thread" (reduce buckets during backward on a thread), "none" (reduce in ``step()``), or
+            "auto": the thread where the MPI thread level allows it and this rank may use two or more cores
+            (with one, the thread competes with backward for it: "none" was 1.18x faster in ``bench train``).
         noise_scale: sum squared norms of this rank's gradient and of the average in ``stats`` (for the
             gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks (``reset_stats``).
 
@@ -151,7 +150,15 @@ class DistributedOptimizer(OptimizerState):
             raise ValueError("error_feedback needs a compression")
         self._optimizer = optimizer
         self._closed = False  # (close() ran: another optimizer may take the shared communicator)
-        self._user_comm, self._comm, self._own_comm = communicator(self, comm)
+        if overlap == "auto":
+            overlap = ("thread" if MPI.Query_thread() >= MPI.THREAD_SERIALIZED
+                       and cores_per_rank(private(comm if comm is not None else MPI.COMM_WORLD)) >= 2 else "none")
+        elif overlap == "thread" and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise ValueError("overlap='thread' needs MPI_THREAD_SERIALIZED or better; this MPI gives "
+                             f"level {MPI.Query_thread()}; use overlap='none'")
+        self.overlap = overlap
+        # a thread reduces on a duplicate of its own (a metric averaged before step() met its buckets)
+        self._user_comm, self._comm, self._own_comm = communicator(self, comm, own=overlap == "thread")
         self.size = self._comm.Get_size()
         self.rank = self._comm.Get_rank()
         if noise_scale and (compression is not None or self.size < 2):
@@ -170,13 +177,6 @@ class DistributedOptimizer(OptimizerState):
         self._counted = compression is not None or algorithm in MESSAGE_ALGORITHMS
         self.fusion_bytes = int(fusion_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
-        if overlap == "auto":
-            overlap = ("thread" if MPI.Query_thread() >= MPI.THREAD_SERIALIZED and cores_per_rank(self._comm) >= 2
-                       else "none")
-        elif overlap == "thread" and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-            raise ValueError("overlap='thread' needs MPI_THREAD_SERIALIZED or better; this MPI gives "
-                             f"level {MPI.Query_thread()}; use overlap='none'")
-        self.overlap = overlap
 
         named = [(n, p) for n, p in named_parameters]
         names = [n for n, _ in named]
