@@ -118,7 +118,7 @@ class HpcjobsProcessGroup(MPIOps, dist.ProcessGroup):
             self._run(run, fut, result, what)
         else:
             self._queue.put((run, fut, result, what))
-        return _Work(fut)
+        return _Work(fut, self)
 
     def _submit_requests(self, post, result, tensors=(), finish=None, statuses=None) -> dist.Work:
         """Queue ``post`` (it starts nonblocking MPI requests and returns them)

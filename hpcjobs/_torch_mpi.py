@@ -5,6 +5,8 @@ helpers both halves use, and the Work both return."""
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import numpy as np
@@ -66,14 +68,28 @@ class _Work(dist._Work):
     """A queued operation: ``wait()`` blocks until the worker has run it and
     raises what it raised (torch's future-wrapping Work does not)."""
 
-    def __init__(self, fut: Future):
+    def __init__(self, fut: Future, group=None):
         super().__init__()
-        self._fut = fut
+        self._fut, self._group = fut, group  # group: whose worker runs it (a collective's, not a send's)
 
     def wait(self, timeout=None) -> bool:
         """Block until done (raising the operation's error); with a
         ``timeout`` (a timedelta or seconds, 0: none), raise RuntimeError if
-        it is not done by then (the operation itself goes on)."""
+        it is not done by then (the operation itself goes on). Called on the
+        group's worker (a callback chained on another of its futures), first
+        run what is queued up to it, in order: the worker had waited for
+        itself, with no collective in flight for the watchdog to see."""
+        group = self._group
+        while group is not None and threading.current_thread() is group._worker and not self._fut.done():
+            try:
+                item = group._queue.get_nowait()
+            except queue.Empty:
+                raise RuntimeError("the hpcjobs backend: a callback waits on its group's worker for an operation "
+                                   "that worker is not running") from None
+            if item is None:  # shut down behind it
+                group._queue.put(None)
+                raise RuntimeError("the hpcjobs backend: the process group was shut down before the operation ran")
+            group._run(*item)
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
         if seconds:
             deadline = time.monotonic() + seconds

@@ -213,3 +213,20 @@ def test_complex_tensors_are_summed_by_reduce_and_reduce_scatter_as_by_all_reduc
     inp = torch.tensor([complex(q, r) for q in range(2 * p)], dtype=torch.complex128)
     pg.reduce_scatter_single(out, inp, _opts("ReduceScatterOptions", reduceOp=dist.ReduceOp.AVG)).wait()
     assert out.tolist() == [complex(2 * r + i, (p - 1) / 2) for i in range(2)]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_callback_that_waits_for_a_later_operation_runs_it_in_order(pg):
+    """A then-callback runs on the group's worker; one that waited there for an operation queued behind
+    it waited for ever, with no collective in flight for the watchdog to see (3 of 3 runs)."""
+    import time
+
+    p = pg.size()
+    a, b = torch.ones(1000), torch.ones(10)
+    w1, w2 = pg.allreduce([a]), pg.allreduce([b])
+    done = w1.get_future().then(lambda fut: (w2.wait(), b.sum().item())[1])
+    deadline = time.monotonic() + 30
+    while not done.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done.done(), "the callback's wait never returned"
+    assert done.value() == 10.0 * p and a.tolist() == [p] * 1000
