@@ -209,7 +209,7 @@ class _LocalStore(dist.Store):
     def list_keys(self):
         return list(self._keys)
 
-    # torch's C++ side looks these two up by its own names
+    # torch's C++ side looks these up by its own names
     getNumKeys = num_keys  # noqa: N815
     deleteKey = delete_key  # noqa: N815
     listKeys = list_keys  # noqa: N815
