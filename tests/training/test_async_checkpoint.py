@@ -89,8 +89,13 @@ def test_fixed_delay_stopped_by_a_signal_and_resumed_is_the_run_never_stopped(tm
     assert pushes[0] == (0 if comm.rank < servers else 2 * spe - pause)
     assert [h["epoch"] for h in history] == [1, 2] and history[-1]["pushes_applied"] == 2 * spe * workers
     assert history[-1]["pushes_by_worker"] == [2 * spe] * workers and history[-1]["audit_max_diff"] <= 1e-12
-    for key in ("sent_bytes", "received_bytes"):  # which epoch a message falls in is the machine's; the sum is not
-        assert sum(h[key] for h in history) == pytest.approx(sum(h[key] for h in unbroken), rel=1e-12)
+    # Which epoch a message falls in is the machine's; the sum is not -- but sent_bytes, a count, is each epoch's
+    # mean per worker written as a whole number (truncated), so with 3 workers the sums of two epochs' lines can
+    # differ by a byte (CI at 5 ranks: 148,736 against 148,735); received_bytes is written unrounded.
+    sent = [sum(h["sent_bytes"] for h in run) for run in (history, unbroken)]
+    assert sent[0] == pytest.approx(sent[1], rel=0, abs=len(history) - 1) and sent[0] > 0
+    assert sum(h["received_bytes"] for h in history) == pytest.approx(sum(h["received_bytes"] for h in unbroken),
+                                                                      rel=1e-12)
     assert history[1]["epoch_s"] >= 0.3 * (pause - spe)
     if comm.rank == 0:
         reference = reference_fixed_delay(TrainConfig(**{**cfg.__dict__, "checkpoint": None,
