@@ -224,6 +224,14 @@ def numpy_view(t, dtype) -> np.ndarray:
     return np.asarray(memory)
 
 
+def byte_view(t) -> np.ndarray:
+    """The memory of contiguous CPU tensor ``t`` as a 1-D uint8 array (no
+    copy; :func:`numpy_view`'s, so the storage stays resizable): what a
+    broadcast or an all-to-all moves as bytes, whatever ``t``'s dtype."""
+    torch = sys.modules["torch"]
+    return numpy_view(t.detach().reshape(-1).view(torch.uint8), np.dtype(np.uint8))
+
+
 def check_op(op: str) -> str:
     """Return ``op`` if it is a supported reduction, else raise ValueError."""
     if not isinstance(op, str) or op not in OPS:  # (MPI.SUM: a name is taken, as on every rank the check compares)

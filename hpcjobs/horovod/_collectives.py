@@ -43,7 +43,7 @@ import torch
 from mpi4py import MPI
 
 from ..collectives import allreduce as allreduce_, chunk_bounds, ring_allgatherv, ring_reduce_scatter
-from ..collectives._buffers import numpy_view
+from ..collectives._buffers import byte_view
 from ..collectives.agreement import raise_if_any
 from ..collectives.watchdog import guard
 from ._state import OPS, Average
@@ -82,12 +82,6 @@ def dense(tensors, contiguous: bool = False, min_dim: int = 0) -> None:
         if t.dim() < min_dim:
             raise ValueError(f"tensor of shape {tuple(t.shape)}: this collective splits or joins along the "
                              "first dimension and needs at least one")
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """The memory of the contiguous CPU tensor ``t`` as uint8 (no copy; the
-    storage stays resizable, as with Horovod: ``t.numpy()`` marks it not)."""
-    return numpy_view(t.detach().reshape(-1).view(torch.uint8), np.dtype(np.uint8))
 
 
 def _tensor(raw: np.ndarray, like: torch.Tensor, rows: int) -> torch.Tensor:
@@ -155,7 +149,7 @@ def allgather(tensors: list, comm: MPI.Intracomm) -> tuple[list, np.ndarray]:
     """
     host = [t.detach().contiguous().cpu() for t in tensors]
     dims = np.array([t.shape[0] for t in tensors], dtype=np.int64)
-    rows = ring_allgatherv([dims, *(_bytes(h) for h in host)], comm)
+    rows = ring_allgatherv([dims, *(byte_view(h) for h in host)], comm)
     dims = np.stack([row[0] for row in rows])
     outputs = [_tensor(np.concatenate([row[i + 1] for row in rows]), t, int(dims[:, i].sum()))
                for i, t in enumerate(tensors)]
@@ -169,7 +163,7 @@ def broadcast(tensors: list, root: int, comm: MPI.Intracomm) -> None:
     for t in tensors:
         t = t.detach()
         host = t if t.device.type == "cpu" else t.cpu()
-        comm.Bcast(_bytes(host), root=root)
+        comm.Bcast(byte_view(host), root=root)
         if host is not t:
             t.copy_(host)
 
@@ -209,7 +203,7 @@ def alltoall(tensor: torch.Tensor, send: np.ndarray, comm: MPI.Intracomm) -> tup
     comm.Alltoall(send, received)
     row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
     out = np.empty(int(received.sum()) * row_bytes, dtype=np.uint8)
-    comm.Alltoallv([_bytes(tensor.detach().contiguous().cpu()), _counts(send * row_bytes), MPI.BYTE],
+    comm.Alltoallv([byte_view(tensor.detach().contiguous().cpu()), _counts(send * row_bytes), MPI.BYTE],
                    [out, _counts(received * row_bytes), MPI.BYTE])
     return _tensor(out, tensor, int(received.sum())), received
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..collectives._buffers import numpy_view
+from ..collectives._buffers import byte_view
 from ..collectives.agreement import raise_if_any
 from ..comm import agree, private, signature
 from .distributed import DistributedOptimizer
@@ -20,9 +20,7 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     if not t.is_contiguous():
         raise ValueError("broadcast needs contiguous tensors")
-    # as bytes, without t.numpy(): that marks the storage as never to be resized (a model's tensors could not
-    # be resize_d after the broadcast)
-    return numpy_view(t.detach().reshape(-1).view(torch.uint8), np.dtype(np.uint8))
+    return byte_view(t)  # not t.numpy(), which marks the storage as never to be resized
 
 
 def broadcast_parameters(params, root_rank: int = 0, comm: MPI.Comm | None = None) -> None:
