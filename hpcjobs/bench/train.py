@@ -22,9 +22,11 @@ train`` runs it).
    (hvd-hpcjobs' controller polls every millisecond on rank 0) do not run
    beside it either. Every implementation takes one untimed step at the
    start of each round.
-6. After timing, each implementation's parameters are compared across ranks
-   (data parallelism keeps them identical); ranks that disagree count as
-   ``#wrong`` and make the command exit non-zero.
+6. Each implementation's first step (untimed) is held against
+   ``MPI_Allreduce``'s average (:func:`~.workload.update_error`); after
+   timing, its parameters are compared across ranks. Ranks that disagree, or
+   a first step over :data:`AVERAGED_WITHIN` off where the gradients travel
+   whole or as fp16/bf16, count as ``#wrong``: the command exits non-zero.
 
 Launch::
 
@@ -54,7 +56,7 @@ from ..training import DistributedOptimizer
 from ..training.config import OVERLAPS
 from . import horovod
 from .baselines import available, ensure_process_group, shutdown
-from .workload import Workload, data, model, stepper
+from .workload import AVERAGED_WITHIN, Workload, data, flat_parameters, model, reference_update, stepper, update_error
 
 __all__ = ["Workload", "Result", "check_impl", "unavailable", "parameters", "bench_train", "table"]
 
@@ -65,6 +67,7 @@ class Result:
     per_rank_sps: list[float] = field(default_factory=list)  # one per round: samples/s per rank
     comm_shares: list[float] = field(default_factory=list)  # ours: per round, the share of time in allreduce
     wrong: int = 0
+    update_error: float | None = None  # the first step's distance from the average's (module docstring, 6.)
 
     @property
     def median(self) -> float:
@@ -231,8 +234,12 @@ def _auto_settled(opt, algorithm: str, compression: str | None):
 
 
 def _params_agree(runner: _Runner, comm) -> bool:
-    flat = torch.cat([p.detach().reshape(-1).double() for p in runner.model.parameters()]).cpu().numpy()
-    return bool(agree(flat, comm).all())
+    return bool(agree(flat_parameters(runner.model).numpy(), comm).all())
+
+
+def _held(name: str) -> bool:
+    """Whether ``name``'s update_error can make it wrong: its gradients travel whole or as fp16/bf16."""
+    return (check_impl(name) or ("", "none", ""))[1] in ("none", "fp16", "bf16")
 
 
 def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: int, iters: int, rng,
@@ -325,10 +332,16 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     # millisecond on rank 0) must not run beside it, as Horovod's does not run beside them (docstring, 5.)
     names = list(dict.fromkeys(names))  # a name given twice is one runner, measured once a round
     first, rest = [n for n in names if n == "horovod"], [n for n in names if n != "horovod"]
+    with _oom_ends_the_job(w, comm, "the reference step, MPI_Allreduce's average"):
+        reference = reference_update(w, _make_model(w, seed_state), x, y, comm) if comm.Get_size() > 1 else None
+    errors = {}
     for group, told in ((first, None), (rest, progress)):  # (progress: the rounds of the shuffled ones)
         for n in group:
             with _oom_ends_the_job(w, comm, n):
                 built[n] = _build(n, w, comm, seed_state, x, y)
+                if reference is not None and not built[n].alone:  # its first step, held against the average
+                    built[n].step()
+                    errors[n] = update_error(built[n].model, reference, comm)
         _measure([built[n] for n in group], comm, w, warmup_batches, batches_per_iter, iters, rng, results, told)
     runners = [built.pop(n) for n in names]
     wrong = {r.name: int(not _params_agree(r, comm)) for r in runners if not r.alone}
@@ -341,7 +354,8 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     comm.Barrier()
     shutdown()
     for name, res in results.items():
-        res.wrong = wrong.get(name, 0)
+        res.update_error = errors.get(name)
+        res.wrong = wrong.get(name, 0) + int(_held(name) and (res.update_error or 0.0) > AVERAGED_WITHIN)
     return results
 
 
@@ -367,10 +381,16 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
 
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
                          efficiency=num(eff), vs_ddp=num(vs_ddp), vs_horovod=num(vs_hvd), wrong=res.wrong,
+                         update_error=res.update_error,
                          rounds=res.per_rank_sps, comm_share=share))
     lines.append("# samples/s/rank: median over rounds; +-95%: 1.96 x the rounds' standard deviation (one round's "
                  "spread, as Horovod's synthetic benchmark prints it, not the median's interval); "
                  "efficiency = total / (ranks x single); ratios are of medians from this run")
+    errors = {n: results[n].update_error for n in order if results[n].update_error is not None and _held(n)}
+    if errors:
+        lines.append(f"# #wrong: 1 where the ranks' parameters differ after timing, +1 where the first step lands over "
+                     f"{AVERAGED_WITHIN:g} of its size from MPI_Allreduce's average (update_error; lossy compressions "
+                     f"not held; the largest held here: {max(errors.values()):.1g})")
     if any(results[n].comm_shares for n in order):
         lines.append("# comm: our optimizer's time in allreduce over the step time, median over rounds "
                      "(overlapped with backward where it runs /thread)")

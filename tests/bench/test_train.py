@@ -22,6 +22,8 @@ def test_bench_train_measures_every_implementation(tmp_path):
     assert 0 < rows["ours:auto"]["comm_share"] < 1 and rows["ddp"]["comm_share"] is None
     assert "# comm: our optimizer's time in allreduce over the step time" in out.stdout
     assert "No backend of type" not in out.stderr  # torch's warning for a group without a default backend
+    assert rows["single"]["update_error"] is None and rows["ours:auto"]["update_error"] < 1e-6
+    assert 0 < rows["ours:auto+bf16"]["update_error"] < 0.05 and "+1 where the first step lands over 0.05" in out.stdout
 
 
 def test_bench_train_refuses_unknown_implementations():
@@ -149,13 +151,47 @@ def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank():
     """One rank out of GPU memory while the other waits in the step's
     allreduce: the job ends (no hang) with the model, batch, device and
     implementation on stderr; alone, the rank raises that MemoryError."""
-    words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank (ours:auto): lower "
+    words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank ({}): lower "
              "--batch-size or use --amp bf16 (CUDA out of memory. Tried to allocate 2.00 GiB)")
-    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)"))
-    assert out.returncode != 0 and "hpcjobs: " + words.format(1) + "; ending the job" in out.stderr, out.stderr
+    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)"))  # first in the reference step (none alone)
+    assert out.returncode != 0 and "hpcjobs: " + words.format(1, "the reference step, MPI_Allreduce's average") + \
+        "; ending the job" in out.stderr, out.stderr
     assert "raised:" not in out.stdout
     alone = mpirun_script(1, _GREEDY.replace("GREEDY", "(0,)"))
-    assert alone.returncode == 0 and "raised: " + words.format(0) in alone.stdout, alone.stderr
+    assert alone.returncode == 0 and "raised: " + words.format(0, "ours:auto") in alone.stdout, alone.stderr
+
+
+def test_an_implementation_that_sums_the_gradients_is_wrong():
+    """Every implementation's first step is held against MPI_Allreduce's
+    average: one whose gradients come in P times too large (a sum, not an
+    average; here a hook scales them) lands P - 1 updates away and counts
+    as wrong, where the ranks still agree. The others land on it (bf16
+    within its rounding); a lossy compressor's distance is given, not held."""
+    out = mpirun_script(3, """
+import torch
+from mpi4py import MPI
+import hpcjobs.bench.train as bench
+real = bench._build
+def build(name, w, comm, *rest):
+    runner = real(name, w, comm, *rest)
+    if name == "ours:ring":
+        for p in runner.model.parameters():
+            p.register_hook(lambda g: g * comm.Get_size())
+    return runner
+bench._build = build
+torch.set_num_threads(1)
+w = bench.Workload(model="mlp", width=16, batch_norm=False, input_size=8, image_size=0, num_classes=3, batch_size=4,
+                   fusion_bytes=1 << 20, lr=0.01, seed=0)
+names = ["single", "ours:ring", "ours:ring/none", "ours:auto+bf16", "ours:ring+qsgd:3", "ddp-hpcjobs", "hvd-hpcjobs"]
+r = bench.bench_train(MPI.COMM_WORLD, names, w, 1, 1, 1)
+assert abs(r["ours:ring"].update_error - 2) < 1e-4 and r["ours:ring"].wrong == 1, r["ours:ring"]
+assert r["single"].update_error is None and 0 < r["ours:auto+bf16"].update_error < 0.05
+assert r["ours:ring+qsgd:3"].update_error > 0.05 and r["ours:ring+qsgd:3"].wrong == 0, r["ours:ring+qsgd:3"]
+assert all(r[n].update_error < 1e-5 for n in ("ours:ring/none", "ddp-hpcjobs", "hvd-hpcjobs")), r
+assert sum(x.wrong for x in r.values()) == 1, r
+print("ok", MPI.COMM_WORLD.Get_rank())
+""", timeout=240)
+    assert out.returncode == 0 and out.stdout.count("ok") == 3, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_auto_rows_are_timed_after_auto_has_settled():
