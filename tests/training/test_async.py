@@ -274,25 +274,43 @@ def test_async_easgd_applies_every_elastic_step():
 
 
 @pytest.mark.mpi(min_size=3)
-def test_async_easgd_workers_step_at_the_runs_rate_not_at_their_own_count():
+def test_async_easgd_workers_step_at_the_runs_rate_not_at_their_own_count(monkeypatch):
     """A worker 4x slower than the others takes fewer steps; under a cosine
     decay its own count would still give it a high rate at the end. Its rate
-    follows the run's moves instead: its last step's rate is below what its
-    count gives. On their own counts (the code before) the two are equal."""
+    follows the run's moves instead: its last step's rate is the one the
+    center's moves at its last pull give, below what its count gives where
+    the run has moved further. On their own counts (the code before) the two
+    are equal."""
+    from hpcjobs.training import ps_worker
+
     comm = MPI.COMM_WORLD
     servers, workers = _layout(comm.Get_size())
     cfg = TrainConfig(**TINY, epochs=3, mode="easgd", easgd_form="async", servers=servers, local_steps=2,
                       decay="cosine", straggler=f"{servers}:4")
+    moves, pull = [], ps_worker.Worker._pull
+
+    def recording(self, clock, wanted):  # the center's moves at each answered pull (server 0's version)
+        heads = pull(self, clock, wanted)
+        if heads is not None:
+            moves.append(int(heads[0][0]))
+        return heads
+
+    monkeypatch.setattr(ps_worker.Worker, "_pull", recording)
     last = train(cfg)[-1]
     spe = steps_per_epoch(400, cfg.batch_per_rank * workers)
     rates, pushes = last["lr_by_worker"], last["pushes_by_worker"]
     assert len(rates) == workers and all(r is not None for r in rates)
-    # The slow worker moved the center less than the fastest did, so the run's moves outrun its own count. Not
-    # "least": with 5 ranks on 2 cores the scheduler starved a worker of normal speed once (pushes [21, 50, 2]).
-    assert pushes[0] < max(pushes[1:]), pushes
-    # its steps: 2 per push, and the 2 before the pull that was told to stop
-    own = sched.lr_at((pushes[0] + 1) * 2 - 1, spe, cfg.schedule(workers))
-    assert rates[0] < own
+    if comm.rank != servers:  # worker 0's rank knows its pulls
+        return
+    # its last steps: the 2 after its last answered pull, the run's clock then counting from the moves applied
+    # and its own; on its own count (the code before) the last would be step 2 x pushes + 1. At 3 ranks the run's
+    # clock had reached the schedule's end (rate 0) where its own count gave step 43 of 75 (pushes [21, 54]).
+    # Which one is further is the scheduler's (5 ranks on 2 cores once starved a worker of normal speed:
+    # pushes [21, 50, 2]), so the rate is held to the clock of its own last pull, not to "below its own".
+    clock = (moves[-1] + 1) * cfg.local_steps // workers
+    assert len(moves) == pushes[0] and rates[0] == pytest.approx(sched.lr_at(clock + 1, spe, cfg.schedule(workers)))
+    own = sched.lr_at(pushes[0] * cfg.local_steps + 1, spe, cfg.schedule(workers))
+    assert rates[0] < own or clock + 1 <= pushes[0] * cfg.local_steps + 1 or own == 0  # (cosine: decreasing to 0)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -305,7 +323,10 @@ def test_hogwild_alone_is_sgd_and_together_it_learns():
     alone.Free()
     assert hogwild[0]["test_loss"] == pytest.approx(sgd[0]["test_loss"], rel=1e-6)
     together = train(TrainConfig(**dict(common, epochs=2), mode="hogwild", hogwild_lock=True))
-    assert together[-1]["loss"] < together[0]["loss"] < np.log(10)  # below chance, and lower again
+    # lower again, and below chance by the end (at 5 ranks on 2 cores epoch 1's mean loss, 10 steps a rank on
+    # reads some versions old, lies within 0.03 of chance, log 10 = 2.303: the review simulated 2.275 to 2.307;
+    # epoch 2 was 1.99 to 2.05 at 5 ranks here)
+    assert together[-1]["loss"] < min(together[0]["loss"], np.log(10) - 0.05)
     # each update took the lock (a fetch-and-add on its counter, flushed), every rank's, each epoch
     spe = steps_per_epoch(400, TINY["batch_per_rank"] * comm.Get_size())
     assert [r["locked_updates"] for r in together] == [spe * comm.Get_size(), 2 * spe * comm.Get_size()]
