@@ -93,9 +93,9 @@ def serve(ref, q) -> None:
                 owner._reduce(bucket)
         except BaseException as e:  # handed to the main thread in synchronize()
             owner._error = e
-        finally:
-            bucket.done.set()
+        finally:  # the optimizer let go before the main thread wakes: dropped then, it is collected at once
             owner = None
+            bucket.done.set()
 
 
 def _end(handles: list, q) -> None:

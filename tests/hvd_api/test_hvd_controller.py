@@ -448,14 +448,15 @@ print("rank 0 went on", flush=True)
 def test_a_rank_that_fails_ends_the_job_at_once():
     """Rank 1 raised: its exit's shutdown waited for every rank to ask, rank 0
     waited in its allreduce for rank 1, and the job ended only at the
-    watchdog's HPCJOBS_TIMEOUT (60 s here). Horovod shuts every rank down
+    watchdog's HPCJOBS_TIMEOUT (90 s here). Horovod shuts every rank down
     when one does; the failing rank ends the job now."""
     import time
 
     t0 = time.monotonic()
-    out = mpirun_script(2, _ONE_RANK_FAILS, timeout=120, env={"HPCJOBS_TIMEOUT": "60"})
+    out = mpirun_script(2, _ONE_RANK_FAILS, timeout=150, env={"HPCJOBS_TIMEOUT": "90"})
     seconds = time.monotonic() - t0
     assert out.returncode != 0 and "rank 0 went on" not in out.stdout, out.stdout + out.stderr[-2000:]
     assert "RuntimeError: rank 1 fails mid-run" in out.stderr, out.stderr[-2000:]
     assert "hpcjobs.horovod: rank 1 is ending on RuntimeError; ending the job" in out.stderr, out.stderr[-2000:]
-    assert seconds < 45, seconds  # not the watchdog's 60 s
+    # not the watchdog (its report, or its 90 s: two imports of torch on a loaded machine take well under 80)
+    assert "did not complete" not in out.stderr and seconds < 80, (seconds, out.stderr[-2000:])
