@@ -16,7 +16,9 @@ import json
 import pytest
 
 RATE_BITS = 20e6
-N = 1 << 18  # bytes: recursive doubling sends all of it at each of log2(4) = 2 steps
+# bytes: recursive doubling sends all of it at each of log2(4) = 2 steps; 512 KiB (0.42 s on the wire), where
+# 256 KiB left 31-42 ms between the bar and 1.05x for the scheduling of 4 ranks on 2 cores (now 63-84)
+N = 1 << 19
 
 SCRIPT = """
 import json, sys, time
