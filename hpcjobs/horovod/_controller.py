@@ -263,15 +263,15 @@ class Controller:
                 self._send(wires, 0, _REQUEST)
             if self.comm.Iprobe(0, _RESPONSE):
                 responses = self.comm.recv(source=0, tag=_RESPONSE)
-        for response in responses or ():
-            self._run(response)
-        if new or responses:
+        if new or responses:  # counted first: running a response wakes its caller, who may read them at once
             st = self.stats
             st["cycles"] += 1
             st["requests"] += len(new)
             ran = [r for r in responses or () if r[1] not in ("join", "shutdown")]
             st["responses"] += len(ran)
             st["tensors"] += sum(len(r[2]) for r in ran)
+        for response in responses or ():
+            self._run(response)
         return bool(new or responses)
 
     def _send(self, obj, dest: int, tag: int) -> None:

@@ -57,7 +57,7 @@ class HorovodMismatchError(HorovodInternalError, MismatchError):
 
 _lock = threading.Lock()
 _jobs: dict[int, Request] = {}  # handle -> request
-_in_use: set[tuple] = set()  # (process set, key) submitted and not yet complete on this rank
+_in_use: dict[tuple, Request] = {}  # (process set, key) -> its request, submitted and not yet complete here
 _counter = itertools.count()
 _unnamed: dict[tuple, itertools.count] = {}
 
@@ -106,9 +106,9 @@ def submit(kind: str, name, job: Callable, tensors=(), *, process_set=None, meta
                                  f"currently being processed: {name!r}")
         meta.setdefault("name", request.key)
         handle = next(_counter)
-        _in_use.add((set_id, request.key))
+        _in_use[(set_id, request.key)] = request
         _jobs[handle] = request
-    request.future.add_done_callback(lambda _: _release((set_id, request.key)))
+    request.future.add_done_callback(lambda _: _release(request))
     w.controller.submit(request)
     return handle
 
@@ -119,9 +119,11 @@ def restart_unnamed() -> None:
         _unnamed.clear()
 
 
-def _release(entry: tuple) -> None:
+def _release(request: Request) -> None:
+    """Free ``request``'s name (not one submitted again since under it)."""
     with _lock:
-        _in_use.discard(entry)
+        if _in_use.get((request.set_id, request.key)) is request:
+            del _in_use[(request.set_id, request.key)]
 
 
 def run(kind: str, name, job: Callable, tensors=(), **kwargs):
@@ -164,9 +166,11 @@ def synchronize(handle: int):
         raise
     except Exception as e:
         raise HorovodInternalError(f"{request.key} failed: {type(e).__name__}: {e}") from e
-    finally:
+    finally:  # the name is free once synchronize returns (the future's callback that frees it may come later)
         with _lock:
             _jobs.pop(handle, None)
+        if request.future.done():
+            _release(request)
 
 
 def _await_join(request: Request):

@@ -49,6 +49,34 @@ def test_a_name_is_in_use_until_its_operation_completes():
     assert hvd.synchronize(again).tolist() == [float(hvd.size())] * 4
 
 
+@pytest.mark.mpi(min_size=2)
+def test_a_name_is_free_once_synchronize_returns(monkeypatch):
+    """The name was freed by a callback on the operation's future, which runs
+    after the future has woken its waiter: with the controller's thread
+    held up in between (here 0.2 s; preempted, on a loaded host), the same
+    name submitted right after synchronize() was refused as in use. The late
+    callback must not free the name submitted again meanwhile either."""
+    from hpcjobs.horovod import _handles
+
+    if hvd.world().controller._thread is None:
+        pytest.skip("no controller thread (MPI_THREAD_MULTIPLE): the caller runs the callbacks itself")
+    real = _handles._release
+    monkeypatch.setattr(_handles, "_release", lambda request: (time.sleep(0.2), real(request)))
+    t = torch.ones(4)
+    for _ in range(2):
+        h = hvd.allreduce_async(t, name="again", op=hvd.Sum)
+        assert hvd.synchronize(h).tolist() == [float(hvd.size())] * 4
+    if hvd.rank() == 0:  # submitted again, not yet complete (the others have not): in use
+        h = hvd.allreduce_async(t, name="again", op=hvd.Sum)
+        time.sleep(0.3)  # the late callback of the one before has run meanwhile
+        with pytest.raises(ValueError, match="same name"):
+            hvd.allreduce_async(t, name="again")
+    WORLD.Barrier()
+    if hvd.rank() != 0:
+        h = hvd.allreduce_async(t, name="again", op=hvd.Sum)
+    assert hvd.synchronize(h).tolist() == [float(hvd.size())] * 4
+
+
 # -- Horovod's exception types --------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
@@ -356,8 +384,15 @@ def test_an_operation_pending_at_shutdown_fails_instead_of_hanging():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_controller_counts_what_it_ran():
-    stats = hvd.world().controller.stats
+def test_controller_counts_what_it_ran(monkeypatch):
+    """Counted before a response runs: running it wakes the caller, who read
+    the counts short where the controller's thread was held up before it
+    counted (here 0.2 s after each response; preempted, on a loaded host)."""
+    controller = hvd.world().controller
+    if controller._thread is not None:
+        real = controller._run
+        monkeypatch.setattr(controller, "_run", lambda response: (real(response), time.sleep(0.2)))
+    stats = controller.stats
     before = dict(stats)
     hs = [hvd.allreduce_async(torch.ones(3), name=f"c{i}", op=hvd.Sum) for i in range(4)]
     for h in hs:
