@@ -120,7 +120,9 @@ def jobs(cluster, tmp_path_factory):
 
     def wait(submitted):
         results = {}
-        deadline = time.monotonic() + 600
+        # 13 jobs sharing 2 cores took 180-301 s from submit to the last end (CI, this machine); 20 minutes is
+        # four times that, the bar only for a job stuck where Slurm's own --time 10 would not end it soon
+        deadline = time.monotonic() + 1200
         while len(results) < len(submitted) and time.monotonic() < deadline:
             for label, job_id in submitted.items():
                 if label not in results:
