@@ -141,7 +141,9 @@ def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_on
         kill_session(job.pid)  # mpirun and both ranks (killpg would leave the ranks running)
         job.wait(timeout=30)
         epoch, step = where()
-        assert epoch == 2 and step > 0, (epoch, step)  # killed mid-epoch, after a mid-epoch checkpoint
+        # killed mid-epoch, after a mid-epoch checkpoint: of epoch 3 as a rule, of epoch 4 where this process was
+        # held up for the 281 steps to epoch 3's end (the flake review: tiny steps, 2 ranks busy on 2 cores)
+        assert epoch in (2, 3) and step > 0, (epoch, step)
         resumed = run([*prefix, *common, "--checkpoint", str(ckpt), "--metrics", str(metrics), "--resume"],
                       300, env)
         assert resumed.returncode == 0, resumed.stderr
