@@ -312,7 +312,8 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
                 iters: int, progress: Callable[[int], None] | None = None) -> dict[str, Result]:
     """Measure ``names`` (module docstring); collective. ``progress(round)``
     is called after each timed round. Returns the results by name, each
-    with ``wrong`` set where the ranks' parameters came out different.
+    with ``wrong`` counting the ranks' parameters come out different and a
+    first step off the average (module docstring, 6.), and ``update_error``.
 
     Raises:
         MemoryError: a CUDA out-of-memory error, naming the model, the batch,
@@ -332,9 +333,10 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     # millisecond on rank 0) must not run beside it, as Horovod's does not run beside them (docstring, 5.)
     names = list(dict.fromkeys(names))  # a name given twice is one runner, measured once a round
     first, rest = [n for n in names if n == "horovod"], [n for n in names if n != "horovod"]
-    with _oom_ends_the_job(w, comm, "the reference step, MPI_Allreduce's average"):
-        reference = reference_update(w, _make_model(w, seed_state), x, y, comm) if comm.Get_size() > 1 else None
-    errors = {}
+    reference, errors = None, {}
+    if comm.Get_size() > 1 and any(n != "single" for n in names):
+        with _oom_ends_the_job(w, comm, "the reference step, MPI_Allreduce's average"):
+            reference = reference_update(w, _make_model(w, seed_state), x, y, comm)
     for group, told in ((first, None), (rest, progress)):  # (progress: the rounds of the shuffled ones)
         for n in group:
             with _oom_ends_the_job(w, comm, n):
@@ -355,7 +357,8 @@ def bench_train(comm: MPI.Intracomm, names: list[str], w: Workload, warmup_batch
     shutdown()
     for name, res in results.items():
         res.update_error = errors.get(name)
-        res.wrong = wrong.get(name, 0) + int(_held(name) and (res.update_error or 0.0) > AVERAGED_WITHIN)
+        off = res.update_error is not None and not res.update_error <= AVERAGED_WITHIN  # (inf: not finite)
+        res.wrong = wrong.get(name, 0) + int(_held(name) and off)
     return results
 
 
@@ -381,7 +384,7 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
 
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
                          efficiency=num(eff), vs_ddp=num(vs_ddp), vs_horovod=num(vs_hvd), wrong=res.wrong,
-                         update_error=res.update_error,
+                         update_error=None if res.update_error is None else num(res.update_error),
                          rounds=res.per_rank_sps, comm_share=share))
     lines.append("# samples/s/rank: median over rounds; +-95%: 1.96 x the rounds' standard deviation (one round's "
                  "spread, as Horovod's synthetic benchmark prints it, not the median's interval); "

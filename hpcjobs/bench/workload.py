@@ -4,6 +4,7 @@ GradScaler recipe), the same for every implementation measured."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -137,34 +138,33 @@ def flat_parameters(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double() for p in net.parameters()]).cpu()
 
 
-def reference_update(w: Workload, net, x, y, comm) -> tuple[torch.Tensor, torch.Tensor] | None:
+def reference_update(w: Workload, net, x, y, comm) -> tuple[torch.Tensor, float] | None:
     """The first step every implementation measured ought to take from ``net``'s
     weights: the ranks' gradients averaged with ``MPI_Allreduce`` (in float64),
     then SGD, whose momentum buffer starts as the gradient. Returns ``net``'s
-    parameters before and after it (:func:`flat_parameters`; collective); None
-    under fp16, whose GradScaler may skip a step."""
+    parameters after it (flat, float32, on the CPU) and the step's length
+    (collective); None under fp16, whose GradScaler may skip a step."""
     if w.amp == "fp16":
         return None
+    import types
+
     import numpy as np
     from mpi4py import MPI
 
     sgd = torch.optim.SGD(net.parameters(), lr=w.lr, momentum=0.9)
 
-    class Averaged:  # the optimizer stepper() drives: average, then SGD's step
-        zero_grad = sgd.zero_grad
-
-        @staticmethod
-        def step():
-            for p in net.parameters():
-                g = np.zeros(p.numel()) if p.grad is None else p.grad.detach().reshape(-1).double().cpu().numpy()
-                comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-                if p.grad is not None:
-                    p.grad.copy_(torch.from_numpy(g / comm.Get_size()).reshape(p.shape))
-            sgd.step()
+    def step():  # what stepper() drives as the optimizer: average, then SGD's step
+        for p in net.parameters():
+            g = np.zeros(p.numel()) if p.grad is None else p.grad.detach().reshape(-1).double().cpu().numpy()
+            comm.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
+            if p.grad is not None:
+                p.grad.copy_(torch.from_numpy(g / comm.Get_size()).reshape(p.shape))
+        sgd.step()
 
     before = flat_parameters(net)
-    stepper(w, net, x, y)(Averaged())()
-    return before, flat_parameters(net)
+    stepper(w, net, x, y)(types.SimpleNamespace(zero_grad=sgd.zero_grad, step=step))()  # (no cycle: freed now)
+    after = flat_parameters(net)
+    return after.float(), float(torch.linalg.vector_norm(after - before))
 
 
 AVERAGED_WITHIN = 0.05  # an update_error above this is wrong (bf16's rounding gives about 0.003; a sum, P - 1)
@@ -172,12 +172,11 @@ AVERAGED_WITHIN = 0.05  # an update_error above this is wrong (bf16's rounding g
 
 def update_error(net, reference, comm) -> float:
     """How far ``net``'s weights, one step in, land from the reference's
-    (:func:`reference_update`), over the size of the reference's update: the
-    max over ranks (collective). About 0 where the step averaged the ranks'
-    gradients; P - 1 where it summed them."""
+    (:func:`reference_update`), over the length of the reference's step: the
+    max over ranks (collective; inf where not finite on some rank). About 0
+    where the step averaged the ranks' gradients; P - 1 where it summed them."""
     from mpi4py import MPI
 
-    before, after = reference
-    error = float(torch.linalg.vector_norm(flat_parameters(net) - after)
-                  / max(float(torch.linalg.vector_norm(after - before)), 1e-300))
-    return comm.allreduce(error, op=MPI.MAX)
+    after, length = reference
+    error = float(torch.linalg.vector_norm(flat_parameters(net) - after.double())) / max(length, 1e-300)
+    return comm.allreduce(error if math.isfinite(error) else math.inf, op=MPI.MAX)

@@ -128,10 +128,11 @@ _GREEDY = """
 import torch
 from mpi4py import MPI
 import hpcjobs.bench.train as bench
-real = bench.model
+real, built = bench.model, []
 def greedy(w):  # the model of the ranks in GREEDY runs out of GPU memory in its forward pass
     net = real(w)
-    if MPI.COMM_WORLD.Get_rank() in GREEDY:
+    built.append(net)  # (with 2 ranks the first is the reference step's: it goes through)
+    if MPI.COMM_WORLD.Get_rank() in GREEDY and len(built) > (MPI.COMM_WORLD.Get_size() > 1):
         def forward(*args):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         net.forward = forward
@@ -151,14 +152,17 @@ def test_a_cuda_out_of_memory_names_the_run_and_ends_the_job_on_every_rank():
     """One rank out of GPU memory while the other waits in the step's
     allreduce: the job ends (no hang) with the model, batch, device and
     implementation on stderr; alone, the rank raises that MemoryError."""
-    words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank ({}): lower "
+    words = ("out of GPU memory on rank {} (cpu) training mlp with 4 samples per rank (ours:auto): lower "
              "--batch-size or use --amp bf16 (CUDA out of memory. Tried to allocate 2.00 GiB)")
-    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)"))  # first in the reference step (none alone)
-    assert out.returncode != 0 and "hpcjobs: " + words.format(1, "the reference step, MPI_Allreduce's average") + \
-        "; ending the job" in out.stderr, out.stderr
+    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)"))
+    assert out.returncode != 0 and "hpcjobs: " + words.format(1) + "; ending the job" in out.stderr, out.stderr
     assert "raised:" not in out.stdout
     alone = mpirun_script(1, _GREEDY.replace("GREEDY", "(0,)"))
-    assert alone.returncode == 0 and "raised: " + words.format(0, "ours:auto") in alone.stdout, alone.stderr
+    assert alone.returncode == 0 and "raised: " + words.format(0) in alone.stdout, alone.stderr
+    # the reference step's own: named as such
+    out = mpirun_script(2, _GREEDY.replace("GREEDY", "(1,)").replace("len(built) > (", "len(built) >= ("))
+    assert out.returncode != 0 and "training mlp with 4 samples per rank (the reference step, MPI_Allreduce's " \
+        "average): lower" in out.stderr, out.stderr
 
 
 def test_an_implementation_that_sums_the_gradients_is_wrong():
