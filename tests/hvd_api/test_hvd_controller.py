@@ -60,8 +60,16 @@ def test_a_name_is_free_once_synchronize_returns(monkeypatch):
 
     if hvd.world().controller._thread is None:
         pytest.skip("no controller thread (MPI_THREAD_MULTIPLE): the caller runs the callbacks itself")
-    real = _handles._release
-    monkeypatch.setattr(_handles, "_release", lambda request: (time.sleep(0.2), real(request)))
+    import threading
+
+    real = _handles._release  # held up on the controller's thread only (the callback), not in synchronize()
+
+    def late(request):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.2)
+        real(request)
+
+    monkeypatch.setattr(_handles, "_release", late)
     t = torch.ones(4)
     for _ in range(2):
         h = hvd.allreduce_async(t, name="again", op=hvd.Sum)

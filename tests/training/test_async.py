@@ -302,15 +302,14 @@ def test_async_easgd_workers_step_at_the_runs_rate_not_at_their_own_count(monkey
     assert len(rates) == workers and all(r is not None for r in rates)
     if comm.rank != servers:  # worker 0's rank knows its pulls
         return
-    # its last steps: the 2 after its last answered pull, the run's clock then counting from the moves applied
-    # and its own; on its own count (the code before) the last would be step 2 x pushes + 1. At 3 ranks the run's
-    # clock had reached the schedule's end (rate 0) where its own count gave step 43 of 75 (pushes [21, 54]).
-    # Which one is further is the scheduler's (5 ranks on 2 cores once starved a worker of normal speed:
+    # its last steps: the H after its last answered pull, the run's clock then counting from the moves applied
+    # and its own; on its own count (the code before) the last would be step (pushes + 1) x H - 1. At 3 ranks
+    # the run's clock had reached the schedule's end (rate 0) where its own count gave step 43 of 75 (pushes
+    # [21, 54]). Which is further is the scheduler's (5 ranks on 2 cores once starved a worker of normal speed:
     # pushes [21, 50, 2]), so the rate is held to the clock of its own last pull, not to "below its own".
-    clock = (moves[-1] + 1) * cfg.local_steps // workers
-    assert len(moves) == pushes[0] and rates[0] == pytest.approx(sched.lr_at(clock + 1, spe, cfg.schedule(workers)))
-    own = sched.lr_at(pushes[0] * cfg.local_steps + 1, spe, cfg.schedule(workers))
-    assert rates[0] < own or clock + 1 <= pushes[0] * cfg.local_steps + 1 or own == 0  # (cosine: decreasing to 0)
+    clock = (moves[-1] + 1) * cfg.local_steps // workers  # ps_common.elastic_step
+    last = sched.lr_at(clock + cfg.local_steps - 1, spe, cfg.schedule(workers))
+    assert len(moves) == pushes[0] and rates[0] == pytest.approx(last)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -100,7 +100,7 @@ def test_train_writes_metrics_and_a_checkpoint_then_resumes(tmp_path):
 
 
 def test_a_run_killed_mid_epoch_resumes_to_the_parameters_of_an_uninterrupted_one(tmp_path):
-    """SIGKILL the whole job in the middle of epoch 3, after a mid-epoch
+    """SIGKILL the whole job in the middle of epoch 3 (or 4), after a mid-epoch
     checkpoint (--checkpoint-every), resume: the final parameters, BatchNorm
     statistics and every epoch's metrics equal a run that was never stopped
     (error-feedback residuals restored too, with top-k compression)."""
