@@ -165,3 +165,32 @@ def test_parameter_groups_turn_off_decay_for_bn_and_bias():
     assert all(p.ndim == 2 for p in groups[0]["params"]) and all(p.ndim == 1 for p in groups[1]["params"])
     (one,) = parameter_groups(model, 1e-4)
     assert len(one["params"]) == 6
+
+
+def test_an_async_push_gets_syncs_rate_per_sample_once_warmed_up():
+    """With one --base-batch for both, the parameter server's rate for a
+    push of b samples (ps_common.Ctx.lr, at each version) is sync's rate for
+    its step of W x b samples over W, update for update, through the cosine
+    decay: the same rate per sample (the linear scaling rule;
+    docs/algorithms.md). Not in the warmup: the push is the base batch, so
+    it starts at the full rate where sync climbs to it
+    (docs/results/async.md): 1.6 times sync's rate per sample over 2 epochs."""
+    from hpcjobs.training.config import TrainConfig
+    from hpcjobs.training.ps_common import Ctx
+
+    W, b, spe, epochs = 4, 32, 50, 12
+    common = dict(model="cnn1d", dataset="mnist1d", batch_per_rank=b, lr=0.02, base_batch=b, warmup="gradual",
+                  warmup_epochs=2, decay="cosine", epochs=epochs)
+    sync, push = TrainConfig(**common), TrainConfig(**common, mode="async")
+    s = sync.schedule(sync.scheduled_ranks(W))
+    server = Ctx(push, None, 1, W, None, None, None, [], spe, push.schedule(push.scheduled_ranks(W + 1)))
+    warm = {"sync": 0.0, "async": 0.0}
+    for v in range(0, epochs * spe * W, W):  # v pushes = v / W synchronous steps
+        per_sample = {"sync": lr_at(v // W, spe, s) / (W * b), "async": server.lr(v) / b}
+        if v >= 2 * spe * W:
+            assert per_sample["async"] == pytest.approx(per_sample["sync"], rel=1e-12), v
+        else:
+            assert per_sample["async"] == pytest.approx(0.08 / (W * b)) and per_sample["sync"] <= 0.08 / (W * b)
+            for k in warm:
+                warm[k] += per_sample[k]
+    assert warm["async"] / warm["sync"] == pytest.approx(1.6, rel=0.01)
