@@ -3,7 +3,11 @@
 The corpus is the text of the files under ``data_dir`` (every regular file,
 in sorted path order), or, without ``data_dir``, hpcjobs' own Python source
 (about 1.2 MB, shipped with the package, so every rank of every machine
-reads the same bytes offline). Tokens are bytes: a vocabulary of 256.
+reads the same bytes offline). Tokens are bytes: a vocabulary of 256. A
+corpus of one file is mapped, not read: the ranks of a node share its pages
+in the page cache, and a batch reads only its windows. Several files are
+joined in each rank's memory (one copy per rank: join a large corpus into
+one file first).
 
 The corpus is cut in two without overlap: the first 90% for training, the
 last 10% for test. Each is cut into consecutive windows of ``seq_len + 1``
@@ -41,6 +45,8 @@ def corpus(data_dir: str | os.PathLike | None = None) -> np.ndarray:
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: no such directory (the text dataset reads every file in it)")
         files = sorted(p for p in root.rglob("*") if p.is_file())
+        if len(files) == 1 and files[0].stat().st_size:  # mapped (module docstring); read-only
+            return np.memmap(files[0], dtype=np.uint8, mode="r")
     data = _SEPARATOR.join(p.read_bytes() for p in files)
     if not data:
         raise FileNotFoundError(f"{root}: no text to read (the text dataset reads every file in it)")

@@ -308,6 +308,24 @@ def test_text_is_bytes_and_the_next_byte_at_every_position(tmp_path):
     assert bytes(xt[0].astype(np.uint8)) == corpus[cut:cut + 10]  # the test text follows the training text
 
 
+def test_a_text_corpus_of_one_file_is_mapped_not_read(tmp_path):
+    """One file is mapped (every rank of a node sharing its pages), with the
+    windows, split and batches of the bytes read: a copy per rank of a
+    large corpus was the memory of a node times its ranks."""
+    from hpcjobs.training import text
+
+    corpus = bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8))
+    (tmp_path / "one.txt").write_bytes(corpus)
+    data = text.corpus(tmp_path)
+    assert isinstance(data, np.memmap) and not data.flags.writeable and bytes(data) == corpus
+    ds = load_dataset("text", data_dir=tmp_path, seq_len=16)
+    x, y = ds.batch(ds.train, np.array([0, 7, len(ds.train) - 1]))
+    assert [bytes(r.astype(np.uint8)) for r in x] == [corpus[i * 16:i * 16 + 16] for i in (0, 7, len(ds.train) - 1)]
+    assert (x[:, 1:] == y[:, :-1]).all() and len(ds.train) == (int(0.9 * 5000) - 1) // 16
+    (tmp_path / "two.txt").write_bytes(b"more")  # several files: joined, as before
+    assert not isinstance(text.corpus(tmp_path), np.memmap) and len(text.corpus(tmp_path)) == 5000 + 2 + 4
+
+
 def test_text_defaults_to_the_projects_source_and_refuses_too_little(tmp_path):
     ds = load_dataset("text", seq_len=64, num_samples=100)
     x, _ = ds.batch(ds.train, np.arange(1))
