@@ -384,7 +384,7 @@ def table(results: dict[str, Result], size: int, order: list[str]) -> tuple[list
 
         rows.append(dict(impl=name, samples_per_s_per_rank=res.median, ci95=res.ci95, total_samples_per_s=total,
                          efficiency=num(eff), vs_ddp=num(vs_ddp), vs_horovod=num(vs_hvd), wrong=res.wrong,
-                         update_error=None if res.update_error is None else num(res.update_error),
+                         update_error=None if res.update_error in (None, math.inf) else res.update_error,
                          rounds=res.per_rank_sps, comm_share=share))
     lines.append("# samples/s/rank: median over rounds; +-95%: 1.96 x the rounds' standard deviation (one round's "
                  "spread, as Horovod's synthetic benchmark prints it, not the median's interval); "

@@ -236,12 +236,16 @@ def test_the_json_rows_hold_null_where_a_ratio_has_no_row_to_be_against():
 
     from hpcjobs.bench.train import Result, table
 
-    results = {"single": Result("single", [100.0, 110.0]), "ours": Result("ours", [90.0, 92.0])}
-    _, rows = table(results, 2, ["single", "ours"])
+    results = {"single": Result("single", [100.0, 110.0]), "ours": Result("ours", [90.0, 92.0]),
+               "ours:ring": Result("ours:ring", [90.0], update_error=float("inf")),  # not finite on some rank
+               "ddp": Result("ddp", [80.0], update_error=0.0)}
+    lines, rows = table(results, 2, list(results))
     text = json.dumps(rows, allow_nan=False)  # raised ValueError on the NaN
-    single, ours = json.loads(text)
-    assert single["efficiency"] is None and ours["vs_ddp"] is None and ours["vs_horovod"] is None
+    single, ours, ring, ddp = json.loads(text)
+    assert single["efficiency"] is None and ours["vs_ddp"] == pytest.approx(91.0 / 80.0) and ours["vs_horovod"] is None
     assert ours["efficiency"] == pytest.approx(91.0 / 105.0)
+    assert single["update_error"] is None and ring["update_error"] is None and ddp["update_error"] == 0.0
+    assert "the largest held here: inf)" in lines[-1]
 
 
 def test_horovods_block_runs_without_the_others_threads():
