@@ -4,7 +4,8 @@ offline, ~9 s per 40,000 samples), and memory-mapped by every rank.
 
 The cache is a folder per (sample count, seed) of ``.npy`` files, written in
 a folder of its own and renamed into place, its files flushed to the disk
-first; a damaged one is named, with the way out.
+first; a damaged one is named, with the way out. A write killed mid-way
+leaves its folder, which the next write removes an hour on.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def generate(target: Path, num_samples: int, seed: int) -> None:
         random.setstate(saved[0])
         np.random.set_state(saved[1])
     target.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(target)
     # a folder of its own (a pid alone was another job's, or a killed one's, on a shared file system), its
     # files on the disk before the rename (a crash left empty ones that every later job trusted), and gone
     # again where the write failed (a full disk left a partial copy per attempt)
@@ -71,6 +73,24 @@ def generate(target: Path, num_samples: int, seed: int) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # (renamed: nothing there; another job's made first: ours)
     fsync_dir(target.parent)
+
+
+STALE_S = 3600.0  # a temporary folder untouched this long is a killed write's, not one under way (seconds)
+
+
+def _sweep(target: Path) -> None:
+    """Remove the temporary folders of writes of ``target`` that were killed
+    (a job killed mid-write left one, ~0.5 MB, each time): those untouched
+    for :data:`STALE_S`; a write under way, another job's on a shared file
+    system too, takes seconds. Never raises."""
+    import time
+
+    for old in target.parent.glob(f".{target.name}.*"):
+        try:
+            if old.is_dir() and time.time() - old.stat().st_mtime > STALE_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def make_where_missing(target: Path, num_samples: int, seed: int, comm=None) -> None:

@@ -151,6 +151,27 @@ def test_mnist1d_caches_of_their_own_are_each_made_and_must_agree(tmp_path_facto
         load_dataset("mnist1d", comm=comm, data_dir=mine, num_samples=100, seed=9)
 
 
+def test_a_killed_mnist1d_writes_folder_is_swept_by_the_next_write(tmp_path):
+    """A job killed while it wrote the cache left its temporary folder (one
+    per kill); the next write removes those untouched for an hour, and
+    leaves a younger one (another job's write under way) alone."""
+    import os
+    import time
+
+    from hpcjobs.training import mnist1d_cache
+
+    target = tmp_path / "mnist1d-n100-seed3"
+    killed, writing = tmp_path / ".mnist1d-n100-seed3.k1ll3d", tmp_path / ".mnist1d-n100-seed3.w0rk1n"
+    for d in (killed, writing):
+        d.mkdir()
+        (d / "x.npy").write_bytes(b"partial")
+    hour_ago = time.time() - mnist1d_cache.STALE_S - 60
+    os.utime(killed, (hour_ago, hour_ago))
+    mnist1d_cache.generate(target, 100, 3)
+    assert target.is_dir() and not killed.exists() and writing.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [writing.name, target.name]
+
+
 def test_labels_past_the_classes_are_refused_naming_the_file(tmp_path):
     """EMNIST's letters under MNIST's names loaded, trained an epoch and
     failed in the test with torch's "Target 26 is out of bounds"."""
