@@ -258,6 +258,31 @@ def test_plan_predicts_time_to_target_from_a_metrics_file(tmp_path):
             target["metrics"]) == (0.2, 64, 640, 128.0, "optimus", str(metrics))
 
 
+def test_plan_json_is_strict_json_with_every_rows_keys_in_every_plan(tmp_path):
+    """A curve whose interval has no upper end (a left-out fit that never reaches the target) wrote
+    "high": Infinity, which jq and strict parsers refuse; and the rows' device_hours, time_to_target_s and
+    fit_iteration_s were there only in plans with a target or runs: a tool reading them got a KeyError."""
+    metrics = tmp_path / "run.jsonl"  # (found by the planner's interface review: a noisy Optimus curve)
+    losses = [0.76795, 0.609556, 0.500812, 0.432755, 0.390645, 0.350795, 0.325858, 0.298538]
+    metrics.write_text("".join(json.dumps({"epoch": k, "step": 100 * k, "global_batch": 128, "loss": loss}) + "\n"
+                               for k, loss in enumerate(losses, 1)))
+    out, plain = tmp_path / "plan.json", tmp_path / "plain.json"
+    r = hpcjobs("plan", "--params", "10M", "--throughput", "200", "--devices-per-node", "4", "--intra-bw", "10",
+                "--devices", "1,2,4", "--metrics", str(metrics), "--target-loss", "0.11", "--json", str(out))
+    assert r.returncode == 0 and ", inf]" in r.stdout, r.stdout + r.stderr  # the interval printed
+    def strict(c):
+        raise ValueError(f"not JSON: {c}")
+    data = json.loads(out.read_text(), parse_constant=strict)
+    assert data["target"]["high"] is None and data["target"]["epochs"] > 1
+    r = hpcjobs("plan", "--params", "10M", "--throughput", "200", "--devices-per-node", "4", "--intra-bw", "10",
+                "--devices", "1,2,4", "--json", str(plain))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(plain.read_text(), parse_constant=strict)["rows"]
+    keys = ("fit_iteration_s", "epochs", "epochs_low", "epochs_high", "time_to_target_s", "device_hours")
+    assert all(row[k] is None for row in rows for k in keys) and rows[0]["efficiency"] == 1.0
+    assert all(set(row) == set(rows_t) for row, rows_t in zip(rows, data["rows"]))
+
+
 def test_plan_fits_the_power_law_when_asked(tmp_path):
     metrics = tmp_path / "run.jsonl"
     a, alpha, b = 2.0, 1.5, 1.0  # loss 0.05 at (2/0.05)^(1/1.5) - 1 = 10.696 epochs; epoch 1 is left out

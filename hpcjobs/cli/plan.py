@@ -299,19 +299,35 @@ def run(args) -> int:
         print(plan_runs.table(checks))
     if args.json:
         with atomic_write(args.json) as f:
-            json.dump({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
+            json.dump(_finite({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
                                   and isinstance(v, (int, float, str, bool, list, type(None)))},
                        "one_device": {"batch": workload.batch, "forward_s": workload.forward_s,
                                       "backward_s": workload.backward_s, "update_s": workload.update_s,
                                       "grad_bytes": workload.grad_bytes},
-                       "rows": [{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()}
-                                for r in rows],  # never reached: null
+                       "rows": [{**r, **{k: r.get(k) for k in OPTIONAL_KEYS}} for r in rows],  # every plan's keys
                        "recommendation": best, "runs": points, "against": checks,
                        "target": None if not target else {**dataclasses.asdict(target), "fit": args.loss_model,
-                                                          "metrics": args.metrics}}, f, indent=1)
+                                                          "metrics": args.metrics}}), f, indent=1, allow_nan=False)
     if args.plot:
         _plot(rows, args.plot, what)
     return 0
+
+
+# a row's keys that only some plans fill (a target, measured runs): null in the JSON where not, so that a tool
+# reading row["device_hours"] finds the key in every plan
+OPTIONAL_KEYS = ("fit_iteration_s", "epochs", "epochs_low", "epochs_high", "time_to_target_s", "device_hours")
+
+
+def _finite(v):
+    """``v`` with every NaN and infinity (never reached, an interval without an end) as None: JSON has neither,
+    and json.dump wrote bare Infinity, which jq and strict parsers refuse."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def _devices(n: int) -> str:
@@ -363,13 +379,13 @@ def _plot(rows: list[dict], path: str, what: str) -> None:
     ax.plot(P, [r["samples_per_s"] / r["efficiency"] for r in rows], "--", label="linear (efficiency 1)")
     ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples/s", title=what)
     ax.legend()
-    for a in axes[0]:
-        a.set_xticks(P, [str(p) for p in P], minor=False)
-        a.minorticks_off()
     if "time_to_target_s" in rows[0]:
         ax = axes[0][1]
         ax.plot(P, [r["time_to_target_s"] / 3600 for r in rows], "o-")
         ax.set(xscale="log", yscale="log", xlabel="devices", ylabel="hours to target loss")
+    for a in axes[0]:  # after every set(xscale=...), which puts back the log scale's own ticks
+        a.set_xticks(P, [str(p) for p in P], minor=False)
+        a.minorticks_off()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
