@@ -355,6 +355,27 @@ def _run(path, ranks, epochs):
     return str(path)
 
 
+def test_runs_at_another_batch_per_device_are_refused(tmp_path):
+    """A run's step at 256 samples a device was fitted and held against a plan at --batch-per-device 64 without
+    a word (the planner interface review): the steps are another batch's. Refused, for --runs and --against
+    alike; a run that does not write global_batch is taken as the plan's."""
+    runs = []
+    for ranks in (1, 2):
+        path = tmp_path / f"r{ranks}.jsonl"
+        path.write_text("".join(json.dumps({"epoch": k, "step": 10 * k, "ranks": ranks, "epoch_s": 1.0,
+                                            "global_batch": 256 * ranks}) + "\n" for k in (1, 2, 3)))
+        runs.append(str(path))
+    for flag, value in (("--runs", ",".join(runs)), ("--against", runs[1])):
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "100", "--batch-per-device", "64", "--devices", "1,2",
+                    "--inter-bw", "10", flag, value)
+        assert r.returncode == 2 and f"{runs[1] if flag == '--against' else runs[0]}: a run of 256 samples per " \
+            f"device a step (global_batch {256 * (2 if flag == '--against' else 1)} on" in r.stderr, r.stderr
+        assert "this plan's --batch-per-device is 64" in r.stderr and "Traceback" not in r.stderr
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "100", "--batch-per-device", "256", "--devices", "1,2",
+                    "--inter-bw", "10", flag, value)
+        assert r.returncode == 0, r.stderr
+
+
 def test_plan_holds_its_rows_against_measured_runs(tmp_path):
     """--against: each run's median step from epoch 2 on, beside the planned row of its device count, split into
     the time waited for reductions and the rest."""

@@ -258,10 +258,10 @@ def predict(args) -> tuple:
         if _reduced(args.compression):  # a gathered payload never runs the algorithm: no layout of its to check
             for P in devices:  # every layout costed before anything is measured
                 allreduce_s(1, P, net, args.algorithm)
-        runs = plan_runs.read_against(args.against, devices)
+        runs = plan_runs.read_against(args.against, devices, args.batch_per_device)
         target = args.metrics and plan_runs.target(args.metrics, args.target_loss, args.loss_model, args.noise_scale)
         workload, what = _workload(args)
-        fitted, points = plan_runs.fit(args.runs)
+        fitted, points = plan_runs.fit(args.runs, args.batch_per_device)
         rows = plan(workload, devices, net, args.algorithm, not args.no_overlap, args.fusion_bytes,
                     _payload(args.compression, args.measure, args.model), target or None, fitted)
         checks = plan_runs.against(runs, rows)

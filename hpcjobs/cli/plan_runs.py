@@ -30,12 +30,13 @@ def lines(path: str) -> list:
     return [record for _, record in json_lines(path)]
 
 
-def measured(path: str) -> dict:
+def measured(path: str, batch: int | None = None) -> dict:
     """One run, the file's last (:func:`~hpcjobs.convergence.last_run`: ``train``
     appends): its device count, its step and the part of it spent waiting
     for reductions (None where the file does not say), in seconds.
     ValueError naming the file and the epoch where a line is not a train
-    ``--metrics`` line or the run's device count changes."""
+    ``--metrics`` line, the run's device count changes, or its samples per
+    device a step (global_batch / ranks, where written) are not ``batch``."""
     recs = last_run(lines(path))
     if not recs or any(not isinstance(r, dict) or any(k not in r for k in NEEDED) for r in recs):
         raise ValueError(f"{path}: not a train --metrics file (each line needs {', '.join(NEEDED)})")
@@ -54,6 +55,10 @@ def measured(path: str) -> dict:
         raise ValueError(f"{path}: its last run's ranks change ({', '.join(str(r['ranks']) for r in recs)}): "
                          "one run on one device count per file")
     devices = int(recs[0]["ranks"])
+    per_device = recs[-1].get("global_batch", batch * devices if batch else None)
+    if batch and per_device != batch * devices:  # its step is another batch's: neither a point to fit nor a check
+        raise ValueError(f"{path}: a run of {per_device / devices:g} samples per device a step (global_batch "
+                         f"{per_device} on {devices}); this plan's --batch-per-device is {batch}")
     recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
     steps = [r["step"] / r["epoch"] for r in recs]  # steps per epoch
     waited = None
@@ -67,14 +72,15 @@ def _paths(spec: str | None) -> list[str]:
     return [s for s in (spec or "").split(",") if s]
 
 
-def fit(spec: str | None):
+def fit(spec: str | None, batch: int | None = None):
     """``--runs``: ``(predict, points)``, the black-box fit through the runs'
-    (devices, s/step), or ``(None, [])`` without runs."""
+    (devices, s/step), each at ``batch`` per device, or ``(None, [])``
+    without runs."""
     from ..planner import fit_runs
 
     if not spec:
         return None, []
-    points = [(m["devices"], m["step_s"]) for m in map(measured, _paths(spec))]
+    points = [(m["devices"], m["step_s"]) for m in (measured(path, batch) for path in _paths(spec))]
     if len({p for p, _ in points}) < 2:  # one count fits the compute term alone: perfect scaling, printed as a fit
         raise ValueError(f"--runs: the black-box fit needs runs on two device counts at least, got "
                          f"{sorted({p for p, _ in points})}")
@@ -82,10 +88,11 @@ def fit(spec: str | None):
     return predict, points
 
 
-def read_against(spec: str | None, devices: list[int]) -> list[dict]:
-    """``--against``: each run :func:`measured`, its device count checked to
-    be a planned row (before anything is measured)."""
-    runs = [measured(path) for path in _paths(spec)]
+def read_against(spec: str | None, devices: list[int], batch: int | None = None) -> list[dict]:
+    """``--against``: each run :func:`measured` (at ``batch`` per device),
+    its device count checked to be a planned row (before anything is
+    measured)."""
+    runs = [measured(path, batch) for path in _paths(spec)]
     for m in runs:
         if m["devices"] not in devices:
             raise ValueError(f"--against {m['run']}: a run on {m['devices']} devices, which --devices does not "
