@@ -374,6 +374,17 @@ def test_runs_at_another_batch_per_device_are_refused(tmp_path):
         r = hpcjobs("plan", "--params", "1M", "--throughput", "100", "--batch-per-device", "256", "--devices", "1,2",
                     "--inter-bw", "10", flag, value)
         assert r.returncode == 0, r.stderr
+    for gb in ("256", None, True):  # not a number: said, not a TypeError's traceback
+        (tmp_path / "bad.jsonl").write_text(json.dumps({"epoch": 1, "step": 10, "ranks": 1, "epoch_s": 1.0,
+                                                        "global_batch": gb}) + "\n")
+        r = hpcjobs("plan", "--params", "1M", "--throughput", "100", "--devices", "1", "--against",
+                    str(tmp_path / "bad.jsonl"))
+        assert r.returncode == 2 and f"the line of epoch 1: global_batch must be a positive number, not {gb!r}" \
+            in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "none.jsonl").write_text(json.dumps({"epoch": 1, "step": 10, "ranks": 1, "epoch_s": 1.0}) + "\n")
+    r = hpcjobs("plan", "--params", "1M", "--throughput", "100", "--devices", "1", "--against",
+                str(tmp_path / "none.jsonl"))
+    assert r.returncode == 0, r.stderr  # no global_batch written: taken as the plan's
 
 
 def test_plan_holds_its_rows_against_measured_runs(tmp_path):
@@ -414,6 +425,7 @@ def test_a_metrics_file_appended_to_is_held_against_its_last_run(tmp_path):
     assert r.returncode == 0, r.stderr
     (c,) = json.loads(out.read_text())["against"]
     assert c["devices"] == 2 and c["measured_s"] == pytest.approx(0.24) and c["waited_s"] == pytest.approx(0.16)
+    assert c["fit_s"] is None and c["fit_error"] is None  # no --runs: null, the keys there in every plan
     (tmp_path / "one.jsonl").write_text(p2.read_text().replace('"epoch": 1,', '"epoch": 0.5,'))  # one run of 8 lines
     r = hpcjobs("plan", "--params", "25M", "--throughput", "100", "--devices", "1,2,4", "--inter-bw", "10",
                 "--against", str(tmp_path / "one.jsonl"))

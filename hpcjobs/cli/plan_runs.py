@@ -55,10 +55,14 @@ def measured(path: str, batch: int | None = None) -> dict:
         raise ValueError(f"{path}: its last run's ranks change ({', '.join(str(r['ranks']) for r in recs)}): "
                          "one run on one device count per file")
     devices = int(recs[0]["ranks"])
-    per_device = recs[-1].get("global_batch", batch * devices if batch else None)
-    if batch and per_device != batch * devices:  # its step is another batch's: neither a point to fit nor a check
-        raise ValueError(f"{path}: a run of {per_device / devices:g} samples per device a step (global_batch "
-                         f"{per_device} on {devices}); this plan's --batch-per-device is {batch}")
+    for r in recs:
+        if "global_batch" in r and (not is_number(r["global_batch"]) or r["global_batch"] <= 0):
+            raise ValueError(f"{path}: the line of epoch {r['epoch']!r}: global_batch must be a positive number, "
+                             f"not {r['global_batch']!r}")
+    gb = recs[-1].get("global_batch")  # (passes per step included)
+    if batch and gb is not None and gb != batch * devices:  # another batch's step: neither a point nor a check
+        raise ValueError(f"{path}: a run of {gb / devices:g} samples per device a step (global_batch {gb} on "
+                         f"{devices}); this plan's --batch-per-device is {batch}")
     recs = recs[1:] if len(recs) > 1 else recs  # the first epoch pays for warm-up
     steps = [r["step"] / r["epoch"] for r in recs]  # steps per epoch
     waited = None
@@ -112,9 +116,8 @@ def against(runs: list[dict], rows: list[dict]) -> list[dict]:
              "predicted_s": row["iteration_s"], "error": row["iteration_s"] / m["step_s"] - 1,
              "waited_s": m["waited_s"], "exposed_s": row["exposed_s"],
              "rest_s": None if m["waited_s"] is None else m["step_s"] - m["waited_s"], "compute_s": row["compute_s"]}
-        if "fit_iteration_s" in row:
-            c["fit_s"] = row["fit_iteration_s"]
-            c["fit_error"] = row["fit_iteration_s"] / m["step_s"] - 1
+        fit = row.get("fit_iteration_s")  # (null without --runs: the same keys in every plan)
+        c["fit_s"], c["fit_error"] = fit, None if fit is None else fit / m["step_s"] - 1
         out.append(c)
     return out
 
