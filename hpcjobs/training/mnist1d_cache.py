@@ -5,7 +5,7 @@ offline, ~9 s per 40,000 samples), and memory-mapped by every rank.
 The cache is a folder per (sample count, seed) of ``.npy`` files, written in
 a folder of its own and renamed into place, its files flushed to the disk
 first; a damaged one is named, with the way out. A write killed mid-way
-leaves its folder, which the next write removes an hour on.
+leaves its folder, which the next load (rank 0's) removes an hour on.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def make_where_missing(target: Path, num_samples: int, seed: int, comm=None) -> 
     Raises:
         RuntimeError: the generation failed (on the ranks that waited for it alike).
     """
+    if comm is None or comm.Get_rank() == 0:  # (where the cache is there too: a killed write's folder stays else)
+        _sweep(target)
     if comm is None:
         error = _make_unless_there(target, num_samples, seed)
     else:

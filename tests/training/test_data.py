@@ -153,8 +153,8 @@ def test_mnist1d_caches_of_their_own_are_each_made_and_must_agree(tmp_path_facto
 
 def test_a_killed_mnist1d_writes_folder_is_swept_by_the_next_write(tmp_path):
     """A job killed while it wrote the cache left its temporary folder (one
-    per kill); the next write removes those untouched for an hour, and
-    leaves a younger one (another job's write under way) alone."""
+    per kill); the next write or load removes those untouched for an hour,
+    and leaves a younger one (another job's write under way) alone."""
     import os
     import time
 
@@ -170,6 +170,11 @@ def test_a_killed_mnist1d_writes_folder_is_swept_by_the_next_write(tmp_path):
     mnist1d_cache.generate(target, 100, 3)
     assert target.is_dir() and not killed.exists() and writing.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == [writing.name, target.name]
+    # a job killed mid-write, resubmitted within the hour: its folder is left then, and swept by a later load
+    # where the cache is there (no write comes again)
+    os.utime(writing, (hour_ago, hour_ago))
+    load_dataset("mnist1d", data_dir=tmp_path, num_samples=100, seed=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
 
 
 def test_labels_past_the_classes_are_refused_naming_the_file(tmp_path):
