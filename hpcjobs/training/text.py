@@ -7,7 +7,9 @@ reads the same bytes offline). Tokens are bytes: a vocabulary of 256. A
 corpus of one file is mapped, not read: the ranks of a node share its pages
 in the page cache, and a batch reads only its windows. Several files are
 joined in each rank's memory (one copy per rank: join a large corpus into
-one file first).
+one file first). A mapped file must not be rewritten in place while a run
+reads it (a rank reading a page cut off dies of SIGBUS): replace it by a
+rename.
 
 The corpus is cut in two without overlap: the first 90% for training, the
 last 10% for test. Each is cut into consecutive windows of ``seq_len + 1``
@@ -46,7 +48,10 @@ def corpus(data_dir: str | os.PathLike | None = None) -> np.ndarray:
             raise FileNotFoundError(f"{root}: no such directory (the text dataset reads every file in it)")
         files = sorted(p for p in root.rglob("*") if p.is_file())
         if len(files) == 1 and files[0].stat().st_size:  # mapped (module docstring); read-only
-            return np.memmap(files[0], dtype=np.uint8, mode="r")
+            try:
+                return np.memmap(files[0], dtype=np.uint8, mode="r")
+            except (OSError, ValueError):  # a file system that maps no files: read, as several files are
+                pass
     data = _SEPARATOR.join(p.read_bytes() for p in files)
     if not data:
         raise FileNotFoundError(f"{root}: no text to read (the text dataset reads every file in it)")
