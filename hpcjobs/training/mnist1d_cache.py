@@ -85,12 +85,12 @@ def _sweep(target: Path) -> None:
     system too, takes seconds. Never raises."""
     import time
 
-    for old in target.parent.glob(f".{target.name}.*"):
-        try:
+    try:
+        for old in target.parent.glob(f".{target.name}.*"):
             if old.is_dir() and time.time() - old.stat().st_mtime > STALE_S:
                 shutil.rmtree(old, ignore_errors=True)
-        except OSError:
-            pass
+    except OSError:  # (a folder that cannot be listed, one gone meanwhile: the load goes on)
+        pass
 
 
 def make_where_missing(target: Path, num_samples: int, seed: int, comm=None) -> None:
