@@ -49,10 +49,9 @@ BatchNorm statistics are not reduced: each rank normalises over its own b sample
 Parameters on a GPU are bucketed and reduced on it (:mod:`~hpcjobs.training.buckets` orders the streams).
 Optimizers alive at once, and a communication thread, reduce on communicators of their own
 (:mod:`~hpcjobs.training.communicators`; ``close()`` frees them). The thread needs ``MPI_THREAD_SERIALIZED``
-or better (mpi4py asks for ``MULTIPLE``, which the main thread's calls beside it need). With a lower thread
-level, or a rank with less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one machine
-share its cores, emulated hosts and containers included), ``overlap="auto"`` chooses ``"none"``.
-"""
+or better (mpi4py asks for ``MULTIPLE``, which the main thread's calls beside it need). Where some rank has a
+lower thread level or less than two cores to itself (:func:`~hpcjobs.runtime.cores_per_rank`: ranks on one
+machine share its cores, emulated hosts and containers included), ``overlap="auto"`` is ``"none"`` everywhere."""
 
 from __future__ import annotations
 
@@ -150,9 +149,10 @@ class DistributedOptimizer(OptimizerState):
             raise ValueError("error_feedback needs a compression")
         self._optimizer = optimizer
         self._closed = False  # (close() ran: another optimizer may take the shared communicator)
-        if overlap == "auto":
-            overlap = ("thread" if MPI.Query_thread() >= MPI.THREAD_SERIALIZED
-                       and cores_per_rank(private(comm if comm is not None else MPI.COMM_WORLD)) >= 2 else "none")
+        if overlap == "auto":  # a thread on every rank or on none (agreed: the two kinds' communicators differ)
+            shared = private(comm if comm is not None else MPI.COMM_WORLD)
+            ok = cores_per_rank(shared) >= 2 and MPI.Query_thread() >= MPI.THREAD_SERIALIZED  # (collective first)
+            overlap = "thread" if shared.allreduce(ok, op=MPI.LAND) else "none"
         elif overlap == "thread" and MPI.Query_thread() < MPI.THREAD_SERIALIZED:
             raise ValueError("overlap='thread' needs MPI_THREAD_SERIALIZED or better; this MPI gives "
                              f"level {MPI.Query_thread()}; use overlap='none'")

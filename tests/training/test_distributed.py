@@ -580,7 +580,7 @@ def test_a_metric_averaged_between_backward_and_step_does_not_meet_the_threads_b
     "count differs" mismatch, or a hang; 7 of 7 runs of 30 steps). Against the exact average and sum."""
     from hpcjobs.collectives import allreduce
 
-    comm, rank, size = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
     ref = copy.deepcopy(model)
@@ -600,3 +600,36 @@ def test_a_metric_averaged_between_backward_and_step_does_not_meet_the_threads_b
         for p, r in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.grad, r.grad / size, rtol=1e-5, atol=1e-6)
     opt.close()
+
+
+_OVERLAP_SPLIT = """
+import torch
+from mpi4py import MPI
+import hpcjobs.training.distributed as distributed
+from hpcjobs.training import DistributedOptimizer
+real = distributed.cores_per_rank
+def split(comm):  # rank 1 has one core to itself, the others four (two hosts of different sizes, a socket each)
+    real(comm)  # (collective)
+    return 1 if MPI.COMM_WORLD.rank == 1 else 4
+distributed.cores_per_rank = split
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 2)
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), overlap="auto")
+model(torch.ones(4, 8)).sum().backward()
+opt.step()
+print("overlap", MPI.COMM_WORLD.rank, opt.overlap, flush=True)
+opt.close()
+"""
+
+
+def test_overlap_auto_is_agreed_where_the_ranks_cores_differ():
+    """overlap="auto" was each rank's own choice, from its own cores: with a rank short of cores (hosts of
+    different sizes, a socket each under Open MPI's binding) the ranks with a thread duplicated a communicator
+    the others never did, and every rank waited for ever (no watchdog there). Now "none" on every rank where
+    some rank has too few cores."""
+    from launch import mpirun_script
+
+    out = mpirun_script(2, _OVERLAP_SPLIT, timeout=90)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("overlap")) == \
+        ["overlap 0 none", "overlap 1 none"], out.stdout
