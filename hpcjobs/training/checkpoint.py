@@ -263,6 +263,17 @@ def metrics_size(cfg: TrainConfig) -> int | None:
     return os.path.getsize(cfg.metrics) if os.path.isfile(cfg.metrics) else None
 
 
+def refuse_unseen(path: str, comm) -> None:
+    """Where rank 0 found no checkpoint to resume, CheckpointError on every rank if another rank sees one:
+    a checkpoint on a node's own disk, the job requeued with rank 0 elsewhere, started over without a word
+    (collective)."""
+    seen = [r for r, there in enumerate(comm.allgather(os.path.exists(path))) if there]
+    if seen:
+        raise CheckpointError(f"{path}: rank 0 does not see it, which rank{'s' * (len(seen) > 1)} "
+                              f"{', '.join(map(str, seen[:8]))}{', ...' * (len(seen) > 8)} see: put the "
+                              "checkpoint on a file system every rank shares (resuming needs rank 0 to read it)")
+
+
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:
     """Rank 0 reads the checkpoint and the broadcasts that follow give it to
     everyone; an error is told to every rank first. ``scaler`` (fp16's
@@ -289,6 +300,7 @@ def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, l
         (state["epoch"], state["step"], state["history"], state.get("scaler"), True) if state
         else (0, 0, [], None, False), root=0)
     if not found:
+        refuse_unseen(cfg.checkpoint, comm)
         return 0, 0, [], None
     if scaler is not None and scaled:
         scaler.load_state_dict(scaled)

@@ -206,6 +206,7 @@ def read(ctx) -> dict | None:
     if error:
         raise checkpoint.CheckpointError(error)
     if not comm.bcast(states is not None, root=0):
+        checkpoint.refuse_unseen(cfg.checkpoint, comm)
         return None
     return comm.scatter(states, root=0)
 

@@ -427,6 +427,25 @@ def test_resume_without_a_checkpoint_file_starts_fresh(tmp_path_factory):
     assert [h["epoch"] for h in history] == [1]
 
 
+@pytest.mark.mpi(min_size=2)
+def test_resume_where_rank_0_does_not_see_the_checkpoint_is_refused_on_every_rank(tmp_path_factory, monkeypatch):
+    """A checkpoint on a node's own disk, the job requeued with rank 0 on another node: rank 0 found nothing,
+    and the run started over without a word (the rank-divergence review). Each rank here works in a folder of
+    its own, the last rank's holding c.pt: refused on every rank, naming it; with it nowhere, a fresh start."""
+    comm = MPI.COMM_WORLD
+    mine = tmp_path_factory.mktemp("own")
+    monkeypatch.chdir(mine)
+    if comm.rank == comm.size - 1:
+        (mine / "c.pt").write_bytes(b"a checkpoint rank 0 never sees")
+    with pytest.raises(CheckpointError, match=re.escape(f"c.pt: rank 0 does not see it, which rank {comm.size - 1} "
+                                                        "see: put the checkpoint on a file system every rank shares")):
+        train(cfg(checkpoint="c.pt", resume=True, epochs=1), comm)
+    comm.Barrier()
+    if comm.rank == comm.size - 1:
+        (mine / "c.pt").unlink()
+    assert [h["epoch"] for h in train(cfg(checkpoint="c.pt", resume=True, epochs=1), comm)] == [1]
+
+
 def test_checkpoint_writes_are_atomic_and_loads_are_checked(tmp_path):
     path = tmp_path / "x.pt"
     save_checkpoint(path, {"version": CHECKPOINT_VERSION, "model": {"w": torch.ones(2)}})
