@@ -112,7 +112,8 @@ SAME_EVERYWHERE = {"HPCJOBS_AGREE_VIA": "oneshot", "HPCJOBS_CUDA_IPC_ONE_SHOT": 
                    "HPCJOBS_CUDA_IPC_SYNC": "events", "HPCJOBS_TORCH_ALGORITHM": "auto"}
 # The names :func:`refusals` compares, in its order: the CLI adds the ranks
 # per simulated node after --ranks-per-node (``detect`` compares the rest).
-SETTINGS = ("hpcjobs", "HPCJOBS_CHECKS", "HPCJOBS_RANKS_PER_NODE", *SAME_EVERYWHERE)
+SETTINGS = ("hpcjobs", *(LIBRARIES := ("numpy", "torch", "mpi4py", "python")), "HPCJOBS_CHECKS",
+            "HPCJOBS_RANKS_PER_NODE", *SAME_EVERYWHERE)
 
 
 @functools.cache
@@ -147,16 +148,34 @@ def setting(name: str) -> str:
     return os.environ.get(name, "").strip() or SAME_EVERYWHERE[name]
 
 
+@functools.cache
+def libraries() -> dict:
+    """The versions of the libraries whose results the ranks must share (numpy draws random-k's positions and
+    each epoch's order on every rank alone), from their metadata: torch is not imported for it."""
+    import importlib.metadata
+    import platform
+
+    import mpi4py
+
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "none"
+    return {"numpy": np.__version__, "torch": torch, "mpi4py": mpi4py.__version__,
+            "python": platform.python_version()}
+
+
 def shared_settings() -> dict:
     """This process's settings that every rank must share: its hpcjobs
-    (:func:`install`), the agreement checks on or off (``HPCJOBS_CHECKS``,
-    ``set_checks``) and :data:`SAME_EVERYWHERE` as in effect; and, said
-    rather than compared, where its hpcjobs is (``"hpcjobs at"``)."""
+    (:func:`install`), its libraries (:func:`libraries`), the agreement
+    checks on or off (``HPCJOBS_CHECKS``, ``set_checks``) and
+    :data:`SAME_EVERYWHERE` as in effect; and, said rather than compared,
+    where its hpcjobs is (``"hpcjobs at"``)."""
     from .collectives.agreement import checks_enabled
 
     version, root = install()
-    return {"hpcjobs": version, "hpcjobs at": root, "HPCJOBS_CHECKS": "on" if checks_enabled() else "off",
-            **{name: setting(name) for name in SAME_EVERYWHERE}}
+    return {"hpcjobs": version, "hpcjobs at": root, **libraries(),
+            "HPCJOBS_CHECKS": "on" if checks_enabled() else "off", **{name: setting(name) for name in SAME_EVERYWHERE}}
 
 
 def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[str]:
@@ -183,7 +202,7 @@ def refusals(problem: str | None, settings: dict, comm: MPI.Intracomm) -> list[s
     for name in SETTINGS:
         values = [s.get(name) for _, s in everyone]
         if len(set(values)) > 1:
-            fix = "set it the same on every host"
+            fix = "install the same on every host" if name in LIBRARIES else "set it the same on every host"
             if name == "hpcjobs":
                 fix = f"install the same on every host ({by_value([s.get('hpcjobs at') for _, s in everyone])})"
             out.append(f"{name} differs across ranks ({by_value(values)}): {fix}")

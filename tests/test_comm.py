@@ -277,3 +277,21 @@ def test_a_refusal_meets_every_rank_but_does_not_wait_for_ranks_that_never_come(
     else:
         pending.Wait()  # completed before the communicator is freed: a pending one crashed a later test's progress
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_with_another_numpy_or_torch_stops_every_rank_naming_it():
+    """Only hpcjobs' own install was compared across ranks: a host with another numpy (whose generators draw
+    random-k's positions and each epoch's order on every rank alone; NEP 19 keeps them equal across versions
+    of no promise) reduced values from other positions without a word (the rank-divergence review)."""
+    from hpcjobs.comm import libraries, refusals, shared_settings
+
+    comm = MPI.COMM_WORLD
+    mine = libraries()
+    assert mine["numpy"] == np.__version__ and set(mine) == {"numpy", "torch", "mpi4py", "python"}
+    assert refusals(None, shared_settings(), private(comm)) == []
+    for name in ("numpy", "torch"):
+        settings = shared_settings() | ({name: "0.0.1"} if comm.rank == 1 else {})
+        (found,) = refusals(None, settings, private(comm))
+        assert found.startswith(f"{name} differs across ranks (") and "rank 1: 0.0.1" in found, found
+        assert found.endswith("): install the same on every host"), found
