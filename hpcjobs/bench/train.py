@@ -289,15 +289,15 @@ def _measure(runners, comm, w: Workload, warmup_batches: int, batches_per_iter: 
 def unavailable(names: list[str], comm, device: str = "cpu") -> dict[str, str]:
     """The baselines among ``names`` that cannot run here, with the reason
     (collective). On a GPU, DDP runs on NCCL (one GPU per rank)."""
-    skipped = {}
-    cuda = device.startswith("cuda")
+    skipped, cuda = {}, device.startswith("cuda")
     for n, base in (("ddp", "nccl" if cuda else "gloo"), ("horovod", "horovod")):
         if n in names:
             reason = available(base, comm)
-            if not reason and n == "horovod" and cuda:
+            if not reason and n == "horovod" and cuda:  # (each rank's Horovod; agreed: a split would hang)
                 import horovod.torch as hvd
 
-                reason = None if hvd.cuda_built() else "this Horovod was built without CUDA"
+                built = comm.allgather(hvd.cuda_built())
+                reason = None if all(built) else f"the Horovod of rank {built.index(False)} was built without CUDA"
             if reason:
                 skipped[n] = reason
     return skipped
