@@ -30,8 +30,8 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["world", "private", "is_root", "print0", "expect_world_size", "signature", "extremes", "agree", "exchange",
-           "ranks_in", "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "install", "setting", "shared_settings",
-           "refusals", "environment_problem", "closed_at_exit"]
+           "ranks_in", "ranks_text", "by_value", "SAME_EVERYWHERE", "SETTINGS", "LIBRARIES", "install", "libraries",
+           "setting", "shared_settings", "refusals", "environment_problem", "closed_at_exit"]
 
 
 def _free_private(comm, keyval, attr):
@@ -157,12 +157,12 @@ def libraries() -> dict:
 
     import mpi4py
 
-    try:
-        torch = importlib.metadata.version("torch")
+    try:  # (a local suffix, +cpu or +cu130, is the build's, not the code's)
+        torch = importlib.metadata.version("torch").partition("+")[0]
     except importlib.metadata.PackageNotFoundError:
         torch = "none"
     return {"numpy": np.__version__, "torch": torch, "mpi4py": mpi4py.__version__,
-            "python": platform.python_version()}
+            "python": ".".join(platform.python_version_tuple()[:2])}  # (a patch release: the same language)
 
 
 def shared_settings() -> dict:

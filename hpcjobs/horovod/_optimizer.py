@@ -64,6 +64,7 @@ import weakref
 import torch
 from mpi4py import MPI
 
+from ..comm import private
 from ..training.config import DEFAULT_FUSION_BYTES
 from ..training.distributed import DistributedOptimizer as _Engine
 from ._allreduce import allreduce_, grouped_allreduce_
@@ -148,7 +149,9 @@ class _EngineReducer(_Engine):
         self.process_set, self._members, self._by_controller = process_set, len(resolve(process_set)[2]), False
         self.held: dict = {}  # parameter -> its sparse gradient, since the last synchronize
         self.sparse: dict = {}  # parameter -> a sparse gradient the door reduces (module docstring)
-        overlap = "auto" if MPI.Query_thread() == MPI.THREAD_MULTIPLE else "none"
+        multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE  # (agreed: "auto" and "none" meet other collectives)
+        overlap = "auto" if private(comm if comm is not None else MPI.COMM_WORLD).allreduce(multiple, op=MPI.LAND) \
+            else "none"
         super().__init__(optimizer, named, comm=comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step, overlap=overlap,
                          fusion_bytes=fusion_threshold())

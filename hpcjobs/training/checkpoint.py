@@ -267,11 +267,12 @@ def refuse_unseen(path: str, comm) -> None:
     """Where rank 0 found no checkpoint to resume, CheckpointError on every rank if another rank sees one:
     a checkpoint on a node's own disk, the job requeued with rank 0 elsewhere, started over without a word
     (collective)."""
-    seen = [r for r, there in enumerate(comm.allgather(os.path.exists(path))) if there]
+    seen = [r for r, there in enumerate(comm.allgather(os.path.exists(path))) if there and r]
     if seen:
-        raise CheckpointError(f"{path}: rank 0 does not see it, which rank{'s' * (len(seen) > 1)} "
-                              f"{', '.join(map(str, seen[:8]))}{', ...' * (len(seen) > 8)} see: put the "
-                              "checkpoint on a file system every rank shares (resuming needs rank 0 to read it)")
+        who = ("rank " if len(seen) == 1 else "ranks ") + ",".join(map(str, seen[:8])) + ",..." * (len(seen) > 8)
+        raise CheckpointError(f"{path}: rank 0 does not see it, which {who} of {comm.Get_size()} "
+                              f"see{'s' * (len(seen) == 1)} (a relative path is read from each rank's own "
+                              "directory): put the checkpoint on a file system every rank shares, at one path")
 
 
 def read(cfg: TrainConfig, model, inner, comm, scaler=None) -> tuple[int, int, list[dict], list | None]:

@@ -109,7 +109,7 @@ class DistributedOptimizer(OptimizerState):
             :class:`NonFiniteGradientError` naming them). The averages are
             bitwise the same on every rank, so every rank decides alike.
         overlap: "thread" (reduce buckets during backward on a thread), "none" (reduce in ``step()``), or
-            "auto": the thread where the MPI thread level allows it and this rank may use two or more cores
+            "auto": the thread where the MPI thread level allows it and every rank may use two or more cores
             (with one, the thread competes with backward for it: "none" was 1.18x faster in ``bench train``).
         noise_scale: sum squared norms of this rank's gradient and of the average in ``stats`` (for the
             gradient noise scale, ``train --noise-scale``); uncompressed, 2+ ranks (``reset_stats``).

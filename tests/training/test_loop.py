@@ -438,7 +438,9 @@ def test_resume_where_rank_0_does_not_see_the_checkpoint_is_refused_on_every_ran
     if comm.rank == comm.size - 1:
         (mine / "c.pt").write_bytes(b"a checkpoint rank 0 never sees")
     with pytest.raises(CheckpointError, match=re.escape(f"c.pt: rank 0 does not see it, which rank {comm.size - 1} "
-                                                        "see: put the checkpoint on a file system every rank shares")):
+                                                        f"of {comm.size} sees (a relative path is read from each "
+                                                        "rank's own directory): put the checkpoint on a file system "
+                                                        "every rank shares, at one path")):
         train(cfg(checkpoint="c.pt", resume=True, epochs=1), comm)
     comm.Barrier()
     if comm.rank == comm.size - 1:
