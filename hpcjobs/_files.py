@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import math
 import os
 import re
 import secrets
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import IO, Iterator
 
-__all__ = ["atomic_write", "is_stream", "is_stdout", "write_text", "remove_leftovers", "fsync_dir"]
+__all__ = ["atomic_write", "is_stream", "is_stdout", "write_text", "remove_leftovers", "fsync_dir", "finite"]
 
 
 @contextlib.contextmanager
@@ -147,3 +148,17 @@ def _where(path: str | os.PathLike) -> int | str:
     if not stat.S_ISREG(st.st_mode) or os.path.abspath(path).startswith(("/dev/fd/", "/dev/std", "/proc/")):
         return "in place"
     return "renamed over"
+
+
+def finite(v, number=None):
+    """``v`` (numbers in dicts, lists and tuples) as JSON holds it: every NaN
+    and infinity as None (JSON has neither, and json.dump wrote bare NaN and
+    Infinity, which jq and strict parsers refuse), every other float through
+    ``number`` where given (a rounding)."""
+    if isinstance(v, float):
+        return (number(v) if number else v) if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: finite(x, number) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite(x, number) for x in v]
+    return v

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from .._files import atomic_write
+from .._files import atomic_write, finite
 from .._plots import MISSING, pyplot
 from ..convergence import LOSS_MODELS
 from ..training.config import AMP
@@ -299,7 +299,7 @@ def run(args) -> int:
         print(plan_runs.table(checks))
     if args.json:
         with atomic_write(args.json) as f:
-            json.dump(_finite({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
+            json.dump(finite({"inputs": {k: v for k, v in vars(args).items() if not k.startswith("_")
                                   and isinstance(v, (int, float, str, bool, list, type(None)))},
                        "one_device": {"batch": workload.batch, "forward_s": workload.forward_s,
                                       "backward_s": workload.backward_s, "update_s": workload.update_s,
@@ -316,18 +316,6 @@ def run(args) -> int:
 # a row's keys that only some plans fill (a target, measured runs): null in the JSON where not, so that a tool
 # reading row["device_hours"] finds the key in every plan
 OPTIONAL_KEYS = ("fit_iteration_s", "epochs", "epochs_low", "epochs_high", "time_to_target_s", "device_hours")
-
-
-def _finite(v):
-    """``v`` with every NaN and infinity (never reached, an interval without an end) as None: JSON has neither,
-    and json.dump wrote bare Infinity, which jq and strict parsers refuse."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _finite(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_finite(x) for x in v]
-    return v
 
 
 def _devices(n: int) -> str:

@@ -12,7 +12,6 @@ writing the vector writes the model and the optimizers update it in place.
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._files import is_stdout, is_stream, write_text
+from .._files import finite, is_stdout, is_stream, write_text
 from ..collectives.watchdog import guard
 from ..runtime import autocast
 from .config import TrainConfig, parse_straggler
@@ -192,13 +191,7 @@ def json_line(record: dict) -> str:
 
 
 def _plain(v):
-    if isinstance(v, float):
-        return _rounded(v) if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
-    return v
+    return finite(v, _rounded)
 
 
 def _rounded(v: float) -> float:  # 6 decimals; 6 significant digits below 0.001 (squared gradient norms)
