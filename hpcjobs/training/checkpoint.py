@@ -269,8 +269,10 @@ def refuse_unseen(path: str, comm) -> None:
     (collective)."""
     seen = [r for r, there in enumerate(comm.allgather(os.path.exists(path))) if there and r]
     if seen:
-        who = ("rank " if len(seen) == 1 else "ranks ") + ",".join(map(str, seen[:8])) + ",..." * (len(seen) > 8)
-        raise CheckpointError(f"{path}: rank 0 does not see it, which {who} of {comm.Get_size()} "
+        from ..comm import ranks_text
+
+        raise CheckpointError(f"{path}: rank 0 does not see it, which {ranks_text(seen[:8])}{',...' * (len(seen) > 8)} "
+                              f"of {comm.Get_size()} "
                               f"see{'s' * (len(seen) == 1)} (a relative path is read from each rank's own "
                               "directory): put the checkpoint on a file system every rank shares, at one path")
 
