@@ -26,7 +26,8 @@
 The rate: local and easgd steps follow the synchronous schedule for the
 global batch W x b (so H = 1 reproduces it); Hogwild! applies W updates of
 b samples where synchronous SGD applies one of W x b, so its rate is the
-schedule's for b samples (as for the parameter server).
+schedule's for b samples, its warmup starting at sync's first rate per
+sample (as for the parameter server).
 
 Checkpoints (``checkpoint``, ``checkpoint_every``, ``resume``): written as
 sync's are (:mod:`hpcjobs.training.checkpoint`, the same format), after
@@ -162,7 +163,7 @@ class _Averaging:
         self.cfg, self.comm, self.ds, self.model, self.flat, self.spe = cfg, comm, ds, model, flat, spe
         self.straggler, self.W = straggler, comm.Get_size()
         self.hogwild, self.win = cfg.mode == "hogwild", win
-        self.schedule = cfg.schedule(1 if self.hogwild else self.W)
+        self.schedule = cfg.mode_schedule(self.W)
         self.opt = _NoOptimizer() if self.hogwild else make_optimizer(cfg, model)
         self.alpha = cfg.moving_rate(self.W)
         self.center = flat.clone() if cfg.mode == "easgd" else None

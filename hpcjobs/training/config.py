@@ -155,15 +155,37 @@ class TrainConfig:
             return 1
         return size - self.servers if self.mode == "easgd" and self.easgd_form == "async" else size
 
+    def mode_schedule(self, size: int) -> schedule.ScheduleConfig:
+        """The schedule this mode's updates follow in a run of ``size`` ranks:
+        for ``scheduled_ranks(size)``'s batch, async and Hogwild! warming up
+        as the synchronous step of their W workers does (:meth:`schedule`)."""
+        sync = {"async": size - self.servers, "hogwild": size}.get(self.mode)
+        return self.schedule(self.scheduled_ranks(size), sync)
+
     def global_batch(self, size: int) -> int:
         return self.batch_per_rank * self.backward_passes_per_step * size
 
-    def schedule(self, size: int) -> schedule.ScheduleConfig:
+    def schedule(self, size: int, sync_size: int | None = None) -> schedule.ScheduleConfig:
+        """The rate's schedule for updates of ``size`` ranks' batches.
+
+        ``sync_size``: the ranks of the synchronous step whose samples
+        ``sync_size / size`` of these updates carry (async and Hogwild!: one
+        worker's update, W workers). The warmup then starts where that step's
+        does, scaled by the ratio of the two peaks, so that with a shared
+        ``base_batch`` the rate per sample is sync's through the warmup as
+        after it (without one, each is its own per-update rate and neither
+        warms up)."""
         gb = self.global_batch(size)
-        return schedule.ScheduleConfig(base_lr=self.lr, base_batch=self.base_batch or gb, global_batch=gb,
-                                    warmup=self.warmup, warmup_epochs=self.warmup_epochs, decay=self.decay,
-                                    epochs=self.epochs, milestones=self.milestones or (), gamma=self.gamma,
-                                    final_lr=self.final_lr)
+        own = schedule.ScheduleConfig(base_lr=self.lr, base_batch=self.base_batch or gb, global_batch=gb,
+                                      warmup=self.warmup, warmup_epochs=self.warmup_epochs, decay=self.decay,
+                                      epochs=self.epochs, milestones=self.milestones or (), gamma=self.gamma,
+                                      final_lr=self.final_lr)
+        if sync_size is None or sync_size == size:
+            return own
+        sync = self.schedule(sync_size)
+        peak = schedule.scaled_lr(own.base_lr, own.base_batch, own.global_batch)
+        sync_peak = schedule.scaled_lr(sync.base_lr, sync.base_batch, sync.global_batch)
+        return dataclasses.replace(own, warmup_from=min(sync.base_lr, sync_peak) * peak / sync_peak)
 
     def __post_init__(self) -> None:
         # numpy scalars (a rate from np.linspace) as Python numbers: the history, the optimizer's groups and the

@@ -33,7 +33,9 @@ knobs:
 - ``staleness_lr``: each gradient is applied with lr / max(1, staleness)
   (with momentum, it enters the buffer weighed so: ``ShardUpdate.apply``),
   lr being the schedule's rate for b samples (with the synchronous rate
-  for W x b samples in its place, the fresh gradients' steps diverged);
+  for W x b samples in its place, the fresh gradients' steps diverged),
+  whose warmup starts at sync's first rate per sample
+  (:meth:`~hpcjobs.training.config.TrainConfig.schedule`);
 - ``fixed_delay`` k: gradient i (worker w's t-th, i = t * W + w) is
   computed on version max(0, i - k) and applied as update i, in order,
   whatever the timing: :func:`reference_fixed_delay` reproduces it in one
@@ -109,7 +111,7 @@ def _setup(cfg: TrainConfig, comm: MPI.Intracomm) -> Ctx:
     if problem:
         raise ValueError(f"mode {_name(cfg)}: {problem[0]}; {problem[1]}")
     return Ctx(cfg, comm, servers, workers, ds, model, flat, shard_bounds(flat.numel(), servers), spe,
-                cfg.schedule(workers if elastic else 1))
+                cfg.mode_schedule(size))
 
 
 def elastic_problem(cfg: TrainConfig, workers: int, spe: int) -> tuple[str, str] | None:
@@ -195,7 +197,7 @@ def reference_fixed_delay(cfg: TrainConfig, workers: int) -> np.ndarray:
     params = flat.copy()  # the server's vector; ``flat`` is what the gradient is computed on
     update, kept = ShardUpdate(cfg, params), {0: params.copy()}
     spe = steps_per_epoch(len(ds.train), cfg.batch_per_rank * workers)
-    schedule, grad, version = cfg.schedule(1), np.empty_like(flat), 0
+    schedule, grad, version = cfg.schedule(1, workers), np.empty_like(flat), 0
     for epoch in range(cfg.epochs):
         batches = [rank_batches(len(ds.train), cfg.batch_per_rank, w, workers, epoch, cfg.seed)
                    for w in range(workers)]

@@ -21,7 +21,10 @@ ImageNet in 1 Hour" (arXiv:1706.02677)::
    shows this fails for large k); ``"none"`` starts at the peak. Where the
    global batch is at most ``base_batch`` (k <= 1) the peak is not above
    ``base_lr`` and there is nothing to warm up to: warmup holds the peak
-   rather than starting higher and falling to it.
+   rather than starting higher and falling to it. ``warmup_from`` starts it
+   elsewhere: an asynchronous run whose W updates carry what one synchronous
+   step does starts at the rate per sample that step starts at
+   (:meth:`hpcjobs.training.config.TrainConfig.schedule`).
 3. **Decay** after warmup: ``"step"`` multiplies by ``gamma`` at every epoch
    in ``milestones`` (Goyal: /10 at 30, 60, 80), ``"cosine"`` anneals from the
    peak to ``final_lr`` over the remaining iterations, ``"none"`` holds it.
@@ -71,6 +74,8 @@ class ScheduleConfig:
             (one inside the warmup cuts the climbing rate).
         gamma: the step-decay factor.
         final_lr: where "cosine" ends.
+        warmup_from: the rate a warmup starts at (None: ``base_lr``); where it
+            is at or above the peak, warmup holds the peak.
     """
 
     base_lr: float = 0.1
@@ -83,6 +88,7 @@ class ScheduleConfig:
     milestones: tuple[float, ...] = field(default=(30, 60, 80))
     gamma: float = 0.1
     final_lr: float = 0.0
+    warmup_from: float | None = None
 
     def __post_init__(self):
         if self.warmup not in WARMUPS:
@@ -98,6 +104,8 @@ class ScheduleConfig:
             raise ValueError(f"warmup_epochs must be a number >= 0, got {self.warmup_epochs}")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.warmup_from is not None and not (self.warmup_from > 0 and math.isfinite(self.warmup_from)):
+            raise ValueError(f"warmup_from must be a positive number, got {self.warmup_from}")
         if self.final_lr < 0:
             raise ValueError(f"final_lr must be >= 0, got {self.final_lr}")
         object.__setattr__(self, "milestones", tuple(sorted(float(m) for m in self.milestones)))
@@ -142,7 +150,8 @@ def lr_at(step: int, steps_per_epoch: int, cfg: ScheduleConfig) -> float:
     # 2) warmup, per iteration
     n_warm = warmup_steps(steps_per_epoch, cfg)
     if step < n_warm:
-        start = min(cfg.base_lr, peak)  # k < 1: the peak is below base_lr, and warmup never climbs down
+        # k < 1: the peak is below base_lr, and warmup never climbs down
+        start = min(cfg.base_lr if cfg.warmup_from is None else cfg.warmup_from, peak)
         if cfg.warmup == "constant":
             return start * cut
         return (start + (peak - start) * step / n_warm) * cut

@@ -167,30 +167,57 @@ def test_parameter_groups_turn_off_decay_for_bn_and_bias():
     assert len(one["params"]) == 6
 
 
-def test_an_async_push_gets_syncs_rate_per_sample_once_warmed_up():
+def test_an_async_push_and_a_hogwild_update_get_syncs_rate_per_sample():
     """With one --base-batch for both, the parameter server's rate for a
-    push of b samples (ps_common.Ctx.lr, at each version) is sync's rate for
-    its step of W x b samples over W, update for update, through the cosine
+    push of b samples (ps_common.Ctx.lr on the schedule paramserver._setup
+    takes) and a Hogwild! update's are sync's rate for its step of W x b
+    samples over W, update for update, through the warmup and the cosine
     decay: the same rate per sample (the linear scaling rule;
-    docs/algorithms.md). Not in the warmup: the push is the base batch, so
-    it starts at the full rate where sync climbs to it
-    (docs/results/async.md): 1.6 times sync's rate per sample over 2 epochs."""
+    docs/algorithms.md). Until 2026-12-01 a push was the base batch, k = 1,
+    and started at the full rate: 1.6 times sync's per sample over a 2-epoch
+    warmup."""
     from hpcjobs.training.config import TrainConfig
     from hpcjobs.training.ps_common import Ctx
 
     W, b, spe, epochs = 4, 32, 50, 12
     common = dict(model="cnn1d", dataset="mnist1d", batch_per_rank=b, lr=0.02, base_batch=b, warmup="gradual",
                   warmup_epochs=2, decay="cosine", epochs=epochs)
-    sync, push = TrainConfig(**common), TrainConfig(**common, mode="async")
-    s = sync.schedule(sync.scheduled_ranks(W))
-    server = Ctx(push, None, 1, W, None, None, None, [], spe, push.schedule(push.scheduled_ranks(W + 1)))
-    warm = {"sync": 0.0, "async": 0.0}
+    sync, push, hog = TrainConfig(**common), TrainConfig(**common, mode="async"), TrainConfig(**common, mode="hogwild")
+    s = sync.mode_schedule(W)
+    server = Ctx(push, None, 1, W, None, None, None, [], spe, push.mode_schedule(W + 1))
+    h = hog.mode_schedule(W)
+    climbed = 0
     for v in range(0, epochs * spe * W, W):  # v pushes = v / W synchronous steps
-        per_sample = {"sync": lr_at(v // W, spe, s) / (W * b), "async": server.lr(v) / b}
-        if v >= 2 * spe * W:
-            assert per_sample["async"] == pytest.approx(per_sample["sync"], rel=1e-12), v
-        else:
-            assert per_sample["async"] == pytest.approx(0.08 / (W * b)) and per_sample["sync"] <= 0.08 / (W * b)
-            for k in warm:
-                warm[k] += per_sample[k]
-    assert warm["async"] / warm["sync"] == pytest.approx(1.6, rel=0.01)
+        per_sample = lr_at(v // W, spe, s) / (W * b)
+        assert server.lr(v) / b == pytest.approx(per_sample, rel=1e-12), v
+        assert lr_at(v, spe * W, h) / b == pytest.approx(per_sample, rel=1e-12), v
+        climbed += v < 2 * spe * W and per_sample < 0.08 / (W * b)
+    assert climbed == 2 * spe and server.lr(0) == pytest.approx(0.02 / W)
+
+
+def test_warmup_from_sets_where_the_warmup_starts():
+    """``warmup_from`` is the first rate of a gradual or constant warmup;
+    at or above the peak the warmup holds the peak, as k <= 1 does."""
+    cfg = ScheduleConfig(base_lr=0.1, base_batch=32, global_batch=32, warmup="gradual", warmup_epochs=1,
+                         decay="none", warmup_from=0.025)
+    assert [lr_at(t, 4, cfg) for t in range(6)] == pytest.approx([0.025, 0.04375, 0.0625, 0.08125, 0.1, 0.1])
+    const = ScheduleConfig(**{**cfg.__dict__, "warmup": "constant"})
+    assert [lr_at(t, 4, const) for t in range(6)] == pytest.approx([0.025] * 4 + [0.1] * 2)
+    above = ScheduleConfig(**{**cfg.__dict__, "warmup_from": 0.5})
+    assert [lr_at(t, 4, above) for t in range(6)] == pytest.approx([0.1] * 6)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="warmup_from"):
+            ScheduleConfig(warmup_from=bad)
+
+
+@pytest.mark.parametrize("mode", ["async", "hogwild"])
+def test_without_a_base_batch_an_update_neither_warms_up_nor_changes_rate(mode):
+    """Without --base-batch each mode's --lr is its own rate per update and
+    sync's k is 1: async and Hogwild! hold --lr from the first update, as
+    sync holds it from the first step."""
+    from hpcjobs.training.config import TrainConfig
+
+    cfg = TrainConfig(model="cnn1d", dataset="mnist1d", batch_per_rank=32, lr=0.02, warmup="gradual",
+                      warmup_epochs=2, decay="none", epochs=4, mode=mode)
+    s = cfg.mode_schedule(5)
+    assert [lr_at(t, 40, s) for t in (0, 1, 79, 80, 159)] == pytest.approx([0.02] * 5)
