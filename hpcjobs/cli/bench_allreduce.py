@@ -35,9 +35,10 @@ def configure(p) -> None:
                         "instead of staging; every row runs on that same buffer")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where every row's buffer lives: cpu (default), or this rank's GPU (local rank modulo "
-                        "the GPUs it sees), where ours run through cuda_ipc / staged / auto and the baselines "
-                        "are nccl, gloo on CUDA tensors and mpi (device memory if CUDA-aware, else a host copy "
-                        "in the timed call); each timed call waits for the device")
+                        "the GPUs it sees), where ours run through cuda_ipc / staged / auto (give them in --impl) and "
+                        "the baselines that can run are nccl, gloo on CUDA tensors and mpi (device memory if "
+                        "CUDA-aware, else a host copy in the timed call; give them in --baselines); each timed "
+                        "call waits for the device")
     p.add_argument("--warmup", "-w", type=nonnegative_int, default=3, help="untimed iterations first (default 3)")
     p.add_argument("--passes", type=positive_int, default=1,
                    help="run the whole sweep this many times, auto measuring afresh in each, then print each "

@@ -39,7 +39,7 @@ def configure(p) -> None:
     m = g.add_mutually_exclusive_group(required=True)
     m.add_argument("--model", choices=MODEL_NAMES, help="one of ours: its real tensors (and --measure)")
     m.add_argument("--params", type=params_count, metavar="N", help="parameters (25.6M, 138e6, ...)")
-    g.add_argument("--width", type=positive_int, help="mlp/cnn1d width (default 1024)")
+    g.add_argument("--width", type=positive_int, help="mlp/cnn1d width (default train's: 256 and 32)")
     g.add_argument("--image-size", type=positive_int, help="ResNet input side --measure times (default 224)")
     g.add_argument("--bytes-per-param", type=positive_int, help="gradient bytes per parameter (4; 2: fp16)")
     g = p.add_argument_group("one device")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from . import plan_runs
+from ..training.config import DEFAULT_WIDTH
 from .args import UsageError
 
 
@@ -142,7 +143,8 @@ def _shaping_flags(args) -> None:
     if timing and not args.measure:
         raise UsageError(f"{', '.join(timing)} say{'s' if len(timing) == 1 else ''} how --measure times the step: "
                          f"give --model and --measure, or leave {_them(timing)} out")
-    args.width, args.image_size = args.width or 1024, args.image_size or 224
+    # the width `hpcjobs train --model` trains, so that a plan of its run plans its model
+    args.width, args.image_size = args.width or DEFAULT_WIDTH.get(args.model), args.image_size or 224
     args.measure_steps = args.measure_steps or 10
 
 

@@ -6,8 +6,9 @@ from .args import positive_int
 
 
 def configure(p) -> None:
-    p.add_argument("--ranks-per-node", type=positive_int, default=None,
-                   help="simulate nodes of N consecutive ranks (default: Slurm, then shared memory)")
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="N",
+                   help="simulate nodes of N consecutive ranks (default: $HPCJOBS_RANKS_PER_NODE, then Slurm, "
+                        "then shared memory)")
 
 
 def run(args) -> int:

@@ -70,7 +70,8 @@ def add_model_data_arguments(p: argparse.ArgumentParser, num_samples: int | None
     g.add_argument("--batch-norm", action="store_true", help="BatchNorm after hidden layers (per-worker statistics)")
     g.add_argument("--dataset", choices=DATASETS, default=DEFAULTS.dataset, help="default: %(default)s")
     g.add_argument("--data-dir", metavar="DIR",
-                   help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR or ~/.cache/hpcjobs); text: "
+                   help="mnist/cifar10 files; mnist1d cache (default $HPCJOBS_DATA_DIR, else "
+                        "$XDG_CACHE_HOME/hpcjobs, else ~/.cache/hpcjobs); text: "
                         "the files to read (default: hpcjobs' own source); not for digits, synthetic")
     g.add_argument("--num-samples", type=positive_int,
                    help=(f"mnist1d samples to generate (tens) and synthetic size (default {num_samples} for both)"
@@ -169,8 +170,8 @@ def add_mode_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--average-momentum", action="store_true",
                    help="local: average the momentum buffers with the parameters (twice the bytes)")
     g.add_argument("--elastic-alpha", type=positive_float, metavar="A",
-                   help="easgd: moving rate, in (0, 1) (default 0.9 / workers: the ranks, less the servers with "
-                        "--easgd-form async)")
+                   help="easgd: moving rate, in (0, 1), and with --easgd-form sync below 2 / (workers + 1) "
+                        "(default 0.9 / workers: the ranks, less the servers with --easgd-form async)")
     g.add_argument("--easgd-form", choices=EASGD_FORMS,
                    help="easgd: sync (every rank holds the center; default) or async (the first --servers ranks "
                         "hold it, each worker meets it every H steps without waiting for the others)")

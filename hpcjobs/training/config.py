@@ -20,7 +20,7 @@ from ..runtime import DEVICES
 from . import schedule
 
 __all__ = ["TrainConfig", "MODES", "EASGD_FORMS", "MODELS", "IMAGE_MODELS", "GPT_MODELS", "AMP", "OPTIMIZERS",
-           "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES"]
+           "OVERLAPS", "NONFINITE", "DEFAULT_FUSION_BYTES", "DEFAULT_WIDTH"]
 
 # sync: allreduce every step (the loop); the others are hpcjobs.training.paramserver (async) and
 # hpcjobs.training.averaging (local, easgd, hogwild): docs/algorithms.md, "Asynchronous and local SGD"
@@ -56,6 +56,7 @@ def async_row_names() -> list[str]:
 
 
 MODELS = ("mlp", "cnn1d")  # hpcjobs.training.models builds them
+DEFAULT_WIDTH = {"mlp": 256, "cnn1d": 32}  # hidden units, channels: --width left out (train, plan)
 # torchvision's ResNets (hpcjobs.training.resnet), on 3-channel square images;
 # bench train measures them on random images, as Horovod's synthetic benchmark does
 IMAGE_MODELS = ("resnet18", "resnet50")

@@ -15,11 +15,9 @@ import math
 
 from torch import nn
 
-from .config import GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
+from .config import DEFAULT_WIDTH, GPT_MODELS, IMAGE_MODELS, MIN_IMAGE_SIZE, MODELS
 
 __all__ = ["MODELS", "MLP", "CNN1D", "build_model", "DEFAULT_WIDTH"]
-
-DEFAULT_WIDTH = {"mlp": 256, "cnn1d": 32}  # hidden units, channels: width left out
 
 
 class MLP(nn.Module):
