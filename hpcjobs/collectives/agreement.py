@@ -4,7 +4,9 @@ checks that they do, before any data moves.
 MPI programs that skip this hang, or worse: a rank with a shorter buffer
 receives a short message without complaint and the job returns wrong
 numbers. Horovod checks every tensor's dtype, shape and op across ranks and
-names the mismatch; so do we.
+names the mismatch; so do we, with the count in the shape's place (a buffer
+is reduced element by element in memory order, as ``MPI_Allreduce`` does:
+a (2, 3) on one rank and a (3, 2) on another agree).
 
 How: each rank packs its call's signature -- collective, count, dtype, op,
 the algorithm's options -- into a few int64s ``v`` and a flag ``bad`` for a

@@ -252,9 +252,14 @@ def ring_allgatherv(parts, comm: MPI.Comm | None = None) -> list[list[np.ndarray
     if comm.Get_size() == 1:
         return [[np.array(p, copy=True).reshape(-1) for p in parts]]
     with guard("ring_allgatherv", comm):
-        # lengths may differ; the number of arrays and their dtypes may not
-        agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts),
-                                                 "dtypes": ",".join(str(np.asarray(p).dtype) for p in parts)})
+        # lengths may differ; the number of arrays and their dtypes may not. A part that is no array (a bfloat16
+        # or grad-requiring tensor, a ragged list) is an error on every rank, not this rank's alone
+        error, dtypes = None, None
+        try:
+            dtypes = ",".join(str(np.asarray(p).dtype) for p in parts)
+        except (TypeError, ValueError, RuntimeError) as e:
+            error = TypeError(f"ring_allgatherv takes parts numpy can read as arrays: {e}")
+        agree_or_raise(comm, "ring_allgatherv", {"arrays": len(parts), "dtypes": dtypes}, error)
         return allgatherv(parts, comm)
 
 

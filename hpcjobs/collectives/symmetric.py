@@ -45,6 +45,7 @@ from mpi4py import MPI
 from ..comm import extremes, private, ranks_in, signature
 from ._buffers import DTYPES, as_flat, numpy_dtype
 from ._shared import free_window, is_single_node, shared_window
+from .watchdog import guard
 
 __all__ = ["symmetric_empty", "symmetric_free", "is_symmetric", "spans", "locate", "peer_segments"]
 
@@ -244,4 +245,5 @@ def symmetric_free(buf) -> None:
     on_comm = alloc.comm.Get_attr(_KEYVAL)
     if on_comm is not None and alloc in on_comm:
         on_comm.remove(alloc)
-    alloc.free()
+    with guard("symmetric_free", alloc.comm):  # a rank that never frees it (its buffer refused above): a timeout
+        alloc.free()

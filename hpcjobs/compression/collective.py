@@ -27,6 +27,8 @@ ones are refused.
 
 from __future__ import annotations
 
+import math
+import numbers
 import sys
 
 import numpy as np
@@ -88,6 +90,12 @@ def compressed_allreduce(tensor: torch.Tensor, compressor: Compressor, memory: E
         return _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step)
 
 
+def _step_ok(step) -> bool:
+    """Whether ``step`` is a whole number >= 0 (infinity, whose int() raises, is not)."""
+    return (isinstance(step, numbers.Real) and not isinstance(step, bool) and math.isfinite(step)
+            and int(step) == step and step >= 0)
+
+
 def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, step):
     comm = private(comm)
     size = comm.Get_size()
@@ -104,9 +112,14 @@ def _compressed_allreduce(tensor, compressor, memory, name, comm, algorithm, ste
                              "with error feedback")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"compressed_allreduce takes a torch.Tensor, got {type(tensor).__name__}")
+        if memory is not None and not isinstance(memory, ErrorFeedback):
+            raise TypeError(f"memory must be an hpcjobs.compression.ErrorFeedback or None, got "
+                            f"{type(memory).__name__}")
+        if memory is not None:  # a residual of another tensor (a stale checkpoint on one rank): refused everywhere
+            memory.check(name, tensor)
         message_algorithm(algorithm, 0, size)  # refuses shm/hierarchical before anything moves
-        if isinstance(step, bool) or int(step) != step or step < 0:  # (random-k's and PowerSGD's seeds: numpy's
-            raise ValueError(f"step must be an integer >= 0, got {step!r}")  # bare words, at the first draw)
+        if not _step_ok(step):  # (random-k's and PowerSGD's seeds: numpy's bare words, at the first draw)
+            raise ValueError(f"step must be an integer >= 0, got {step!r}")
     except (TypeError, ValueError) as e:
         error = e
     is_tensor = isinstance(tensor, torch.Tensor)

@@ -52,14 +52,21 @@ class ErrorFeedback:
         self.per_step = per_step  # hold updates back until commit() (module docstring)
         self.pending: dict[str, tuple[torch.Tensor, bool]] = {}
 
+    def check(self, name: str, tensor: torch.Tensor) -> None:
+        """ValueError where the residual kept for ``name`` is not of
+        ``tensor``'s shape and dtype (compressed_allreduce asks every rank
+        before any of them compensates)."""
+        e = self.residuals.get(name)
+        if e is not None and (e.shape != tensor.shape or e.dtype != tensor.dtype):
+            raise ValueError(f"error feedback for {name!r}: residual is {e.dtype}{tuple(e.shape)}, "
+                             f"the tensor {tensor.dtype}{tuple(tensor.shape)}; one name, one tensor")
+
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` plus the residual stored for ``name`` (a new tensor)."""
+        self.check(name, tensor)
         e = self.residuals.get(name)
         if e is None:
             return tensor.clone()
-        if e.shape != tensor.shape or e.dtype != tensor.dtype:
-            raise ValueError(f"error feedback for {name!r}: residual is {e.dtype}{tuple(e.shape)}, "
-                             f"the tensor {tensor.dtype}{tuple(tensor.shape)}; one name, one tensor")
         if e.device != tensor.device:  # loaded on another device (a state saved on a GPU read with map_location)
             e = self.residuals[name] = e.to(tensor.device)
         return tensor + e

@@ -211,3 +211,40 @@ def test_checks_can_be_turned_off_and_back():
 def test_with_checks_off_a_bad_buffer_is_this_ranks_own_error():
     with checking(False), pytest.raises(TypeError, match="unsupported dtype"):
         ring_allreduce(np.ones(3, dtype=np.complex64), comm=MPI.COMM_SELF)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_part_numpy_cannot_read_on_one_rank_raises_on_every_rank():
+    """ring_allgatherv read its parts' dtypes before its check: a part numpy
+    cannot read (a bfloat16 tensor, a ragged list) raised on that rank alone
+    while the others waited in the ring until the watchdog (a review,
+    2026-12-01)."""
+    comm = MPI.COMM_WORLD
+    mine = comm.Get_rank() == comm.Get_size() - 1
+    for bad in (torch.ones(3, dtype=torch.bfloat16), [[1.0], [1.0, 2.0]]):
+        parts = [bad if mine else np.ones(3, np.float32)]
+        _raises_everywhere(lambda: ring_allgatherv(parts, comm), comm, "parts numpy can read")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compressed_allreduce_refuses_one_ranks_step_or_residuals_on_every_rank():
+    """A step of infinity (int() raises OverflowError, which the check did
+    not catch), a residual kept for another tensor (a stale rank's state),
+    or a memory that is no ErrorFeedback, on one rank: each raised there
+    alone, after the check, while the others waited (a review, 2026-12-01)."""
+    from hpcjobs.compression import ErrorFeedback
+
+    comm = MPI.COMM_WORLD
+    mine = comm.Get_rank() == comm.Get_size() - 1
+    c = TopKCompressor(0.5)
+    step = float("inf") if mine else 0
+    _raises_everywhere(lambda: compressed_allreduce(torch.ones(8), c, comm=comm, step=step), comm,
+                       "step must be an integer")
+    stale = ErrorFeedback()
+    if mine:
+        stale.residuals["w"] = torch.zeros(3)
+    _raises_everywhere(lambda: compressed_allreduce(torch.ones(8), c, stale, name="w", comm=comm), comm,
+                       "residual is torch.float32(3,)")
+    memory = {} if mine else ErrorFeedback()
+    _raises_everywhere(lambda: compressed_allreduce(torch.ones(8), c, memory, name="w", comm=comm), comm,
+                       "memory must be an hpcjobs.compression.ErrorFeedback")

@@ -278,3 +278,23 @@ def test_the_warning_comes_before_the_abort(env, args, want):
     out = subprocess.run([sys.executable, "-c", script], env=base | env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert tuple(map(float, out.stdout.split())) == want
+
+
+def test_a_rank_that_never_frees_a_symmetric_buffer_is_a_timeout():
+    """symmetric_free is collective: a rank whose buffer it refuses frees
+    nothing, and the others waited in MPI_Win_free with no watchdog (a
+    review, 2026-12-01); now they time out naming it."""
+    out, elapsed = _run("""
+        import time
+        from mpi4py import MPI
+        from hpcjobs.collectives import symmetric_empty, symmetric_free
+        buf = symmetric_empty(1000)
+        ready()
+        try:
+            symmetric_free(buf.copy() if MPI.COMM_WORLD.rank == 1 else buf)
+        except ValueError:
+            time.sleep(600)
+    """)
+    assert out.returncode != 0
+    assert elapsed < TIMEOUT + SLACK, elapsed
+    assert "did not complete within 3 s" in out.stderr and "ranks not in symmetric_free: 1;" in out.stderr
